@@ -1,0 +1,156 @@
+"""Timing and reporting helpers shared by every benchmark (see DESIGN.md).
+
+torch: ``triton.testing.do_bench`` (median) and CUDA-graph replay.
+JAX: wall clock of N back-to-back jitted calls after ``block_until_ready``
+(median of repeats, includes host overhead), and device time from one jitted
+``lax.fori_loop`` of N calls (compare with a CUDA graph of N torch calls).
+Bandwidth is reported against the H200's measured ~4300 GB/s copy rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+PEAK_GBPS = 4300.0
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def parser(description: str, default_json: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", default_json),
+                   help="where to write the results")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny shapes, few repeats: checks the script runs (CPU interpreter too)")
+    return p
+
+
+def torch_median_us(fn, smoke: bool = False) -> float:
+    """Median µs of ``fn`` by triton.testing.do_bench (events, L2 flushed)."""
+    import triton.testing
+    import torch
+
+    if not torch.cuda.is_available():
+        return _wall_median_us(fn, 3 if smoke else 20)
+    return 1000.0 * triton.testing.do_bench(fn, warmup=5 if smoke else 25, rep=20 if smoke else 100,
+                                            return_mode="median")
+
+
+def torch_graph_us(fn, calls: int = 20, smoke: bool = False) -> float | None:
+    """Median µs per call from replaying a CUDA graph of ``calls`` calls of ``fn``."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3 if smoke else 15):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / calls)
+    del graph
+    return statistics.median(times)
+
+
+def _wall_median_us(fn, repeats: int, calls: int = 1, sync=None) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out = fn()
+        if sync is not None:
+            sync(out)
+        times.append((time.perf_counter() - t0) * 1e6 / calls)
+    return statistics.median(times)
+
+
+def jax_wall_us(fn, args, calls: int = 20, smoke: bool = False) -> float:
+    """Median µs per call of N back-to-back calls of a jitted ``fn(*args)`` (host overhead included)."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    return _wall_median_us(lambda: fn(*args), 3 if smoke else 15, calls=calls,
+                           sync=jax.block_until_ready)
+
+
+def jax_loop_us(step, carry, calls: int = 20, smoke: bool = False) -> float:
+    """Device-time estimate: one jitted ``fori_loop`` of ``calls`` steps, µs per step.
+
+    ``step(carry) -> carry``; the carry is threaded so XLA cannot hoist or
+    drop the calls.
+    """
+    import jax
+
+    looped = jax.jit(lambda c: jax.lax.fori_loop(0, calls, lambda i, c: step(c), c))
+    jax.block_until_ready(looped(carry))
+    return _wall_median_us(lambda: looped(carry), 3 if smoke else 10, sync=jax.block_until_ready) / calls
+
+
+def gbps(nbytes: int, microseconds: float | None) -> float | None:
+    if not microseconds:
+        return None
+    return nbytes / (microseconds * 1e-6) / 1e9
+
+
+def pct_peak(nbytes: int, microseconds: float | None) -> float | None:
+    rate = gbps(nbytes, microseconds)
+    return None if rate is None else 100.0 * rate / PEAK_GBPS
+
+
+def environment() -> dict:
+    info = {"python": platform.python_version(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name()
+    except Exception:
+        pass
+    for name in ("triton", "jax"):
+        try:
+            info[name] = __import__(name).__version__
+        except Exception:
+            pass
+    return info
+
+
+def write_json(path: str, benchmark: str, rows: list[dict], notes: list[str] | None = None) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"benchmark": benchmark, "environment": environment(), "peak_gbps": PEAK_GBPS,
+                   "notes": notes or [], "rows": rows}, f, indent=1)
+    print(f"wrote {path}")
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.1f}" if abs(v) >= 10 else f"{v:.2f}"
+        return "-" if v is None else str(v)
+
+    widths = [max(len(c), *(len(fmt(r.get(c))) for r in rows)) for c in columns] if rows else [len(c) for c in columns]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for r in rows:
+        print("  ".join(fmt(r.get(c)).rjust(w) for c, w in zip(columns, widths)))

@@ -1,0 +1,20 @@
+"""qsa_kernels: the Triton kernels of QSA and their framework-free launch plans.
+
+Installed from the directory ``kernels/`` under the import name
+``qsa_kernels`` (PyPI's unrelated ``kernels`` distribution owns that name).
+Importing this package needs neither torch nor jax.  It decides once per
+process whether kernels run compiled (a CUDA device is visible) or through
+Triton's interpreter (no CUDA device): see :mod:`qsa_kernels.runtime`.
+"""
+
+from . import runtime  # noqa: F401  (must run before triton is imported below)
+from .launch import ArrayInfo, Buffer, Launch, Program
+from .rope_cache import plan_rope_reshape_and_cache
+
+__all__ = [
+    "ArrayInfo",
+    "Buffer",
+    "Launch",
+    "Program",
+    "plan_rope_reshape_and_cache",
+]

@@ -1,0 +1,353 @@
+"""Stage 1: RoPE on q and k, and k/v written into a paged KV cache.
+
+One program handles one token row and either a block of query heads or all
+KV heads of that row, so every byte of q, k and v is read once and the row's
+cos/sin once per program.  The cache address of element ``d`` of a KV head
+at (page, offset) is, for every layout,
+
+    page * SB + head * SH + (d // DX) * SD1 + (d % DX) * SD2
+                          + (offset // PX) * SP1 + (offset % PX) * SP2
+
+with (DX, PX) constexpr powers of two; the plan derives the six strides and
+two splits from the cache shapes, so one code path serves the flash, paged
+and shuffled-value layouts.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .launch import ArrayInfo, Buffer, Launch, Program
+from .validate import FLOAT_DTYPES, FP8_DTYPE, INDEX_DTYPES, Checker
+
+FUNCTION = "rope_reshape_and_cache"
+DOC = """\
+Apply RoPE to q and k and write k and v into a paged KV cache.
+
+Args:
+    q: ``[T, QH, D]`` bf16, fp16 or fp32; D a power of two.
+    k, v: ``[T_kv, KH, D]`` of q's dtype, ``T_kv >= T`` and ``QH % KH == 0``.
+        Rows ``t >= T`` are KV-only: written to the cache without RoPE.
+    key_cache, value_cache: flash ``[num_blocks, P, KH, D]`` (both), or paged
+        ``[num_blocks, KH, D//X, P, X]`` keys with ``[num_blocks, KH, D, P]``
+        or shuffled ``[num_blocks, KH, P//X, D, X]`` values; of k's dtype or
+        ``float8_e4m3fn``.[torch:  Updated in place.][jax:  Returned as new
+        arrays aliasing the inputs: donate them (``donate_argnums``) under
+        ``jax.jit`` for an in-place update with no copy.]
+    slot_mapping: ``[T_kv]`` int32/int64 cache slots (page ``s // P``, offset
+        ``s % P``); ``-1`` and out-of-range slots are skipped.
+    positions: ``[T]`` int32/int64 rotary positions.
+    cos_sin: ``[max_position, 2*F]``, cos then sin, ``F`` = D/2 or D; q's
+        dtype or fp32.  A position outside its rows gives NaN ``q_out`` and
+        ``k_out`` rows and no cache write.
+    is_neox: NeoX (split halves) if true, GPT-J (interleaved pairs) if false.
+    k_scale, v_scale: optional 0-d / 1-element scales; values are divided by
+        them before the cast to the cache dtype (fp8 saturates at +-448).
+    offsets: optional ``[T]`` added to ``positions``.
+    swa_slot_mapping: optional table: the final slot is
+        ``swa_slot_mapping[slot_mapping[t]]``.
+    return_zeros: also return a zero array shaped like q.
+
+Returns:
+    ``(q_out [T, QH, D], k_out [T_kv, KH, D], key_cache, value_cache)`` and,
+    with ``return_zeros``, ``zeros`` last.  ``k_out`` holds rotated k for
+    rows ``t < T`` (whatever their slot) and k unchanged for KV-only rows.
+"""
+
+FP8_MAX = 448.0
+
+
+@triton.jit
+def _rotate(x_ptrs, partner_ptrs, cos, sin, d, IS_NEOX: tl.constexpr, HALF: tl.constexpr):
+    """x * cos + rotate(x) * sin, rotate() reading each element's partner."""
+    x = tl.load(x_ptrs).to(tl.float32)
+    partner = tl.load(partner_ptrs).to(tl.float32)
+    if IS_NEOX:
+        negate = d < HALF
+    else:
+        negate = (d % 2) == 0
+    rotated = tl.where(negate, -partner, partner)
+    return x, x * cos + rotated * sin
+
+
+@triton.jit
+def _cache_offsets(page, offset, heads, d, SB, SH, SD1, SD2, SP1, SP2,
+                   DX: tl.constexpr, PX: tl.constexpr):
+    row = page * SB + (offset // PX) * SP1 + (offset % PX) * SP2
+    return row + heads[:, None] * SH + (d[None, :] // DX) * SD1 + (d[None, :] % DX) * SD2
+
+
+@triton.jit
+def _to_cache(x, scale, HAS_SCALE: tl.constexpr, SATURATE: tl.constexpr):
+    if HAS_SCALE:
+        x = x / scale
+    if SATURATE:
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    return x
+
+
+@triton.jit
+def rope_cache_kernel(
+    # inputs
+    q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
+    positions_ptr, offsets_ptr, cos_sin_ptr, k_scale_ptr, v_scale_ptr, swa_ptr,
+    # outputs (the caches are the inputs' aliases)
+    q_out_ptr, k_out_ptr, key_cache_out_ptr, value_cache_out_ptr, zeros_ptr,
+    # sizes and strides
+    T, max_position, num_slots, swa_len,
+    q_st, q_sh, k_st, k_sh, v_st, v_sh, cs_st, qo_st, qo_sh, ko_st, ko_sh,
+    kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2,
+    vc_sb, vc_sh, vc_sd1, vc_sd2, vc_sp1, vc_sp2,
+    # constexprs
+    D: tl.constexpr, F: tl.constexpr, QH: tl.constexpr, KH: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, NUM_Q_BLOCKS: tl.constexpr,
+    PAGE: tl.constexpr, IS_NEOX: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+    HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr, HAS_SWA: tl.constexpr,
+    WRITE_ZEROS: tl.constexpr, SATURATE: tl.constexpr,
+    K_DX: tl.constexpr, K_PX: tl.constexpr, V_DX: tl.constexpr, V_PX: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    head_block = tl.program_id(1)
+    is_query_block = head_block < NUM_Q_BLOCKS
+    # Query blocks of KV-only rows (t >= T) have nothing to do.
+    if (t < T) | (head_block == NUM_Q_BLOCKS):
+        HALF: tl.constexpr = D // 2
+        d = tl.arange(0, D)
+        if IS_NEOX:
+            partner = (d + HALF) % D
+        else:
+            partner = d ^ 1
+        if F == D:
+            freq = d
+        elif IS_NEOX:
+            freq = d % HALF
+        else:
+            freq = d // 2
+
+        rope_row = t < T
+        position = tl.load(positions_ptr + t, mask=rope_row, other=0).to(tl.int64)
+        if HAS_OFFSETS:
+            position += tl.load(offsets_ptr + t, mask=rope_row, other=0).to(tl.int64)
+        position_ok = (position >= 0) & (position < max_position)
+        # A position outside the table is never read: its rows come out NaN.
+        cs_mask = rope_row & position_ok
+        safe_position = tl.where(position_ok, position, 0)
+        cos = tl.load(cos_sin_ptr + safe_position * cs_st + freq,
+                      mask=(d < D) & cs_mask, other=float("nan")).to(tl.float32)
+        sin = tl.load(cos_sin_ptr + safe_position * cs_st + F + freq,
+                      mask=(d < D) & cs_mask, other=float("nan")).to(tl.float32)
+
+        if is_query_block:
+            heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+            hmask = (heads < QH)[:, None]
+            safe_heads = tl.minimum(heads, QH - 1)
+            q_row = q_ptr + t * q_st + safe_heads[:, None] * q_sh
+            _, q_rot = _rotate(q_row + d[None, :], q_row + partner[None, :],
+                               cos[None, :], sin[None, :], d[None, :], IS_NEOX, HALF)
+            out_offsets = t * qo_st + heads[:, None] * qo_sh + d[None, :]
+            tl.store(q_out_ptr + out_offsets, q_rot.to(q_out_ptr.dtype.element_ty), mask=hmask)
+            if WRITE_ZEROS:
+                tl.store(zeros_ptr + out_offsets,
+                         tl.zeros((BLOCK_H, D), dtype=zeros_ptr.dtype.element_ty), mask=hmask)
+        else:
+            heads = tl.arange(0, BLOCK_KH)
+            hmask = (heads < KH)[:, None]
+            safe_heads = tl.minimum(heads, KH - 1)
+            k_row = k_ptr + t * k_st + safe_heads[:, None] * k_sh
+            k_in, k_rot = _rotate(k_row + d[None, :], k_row + partner[None, :],
+                                  cos[None, :], sin[None, :], d[None, :], IS_NEOX, HALF)
+            k_new = tl.where(rope_row, k_rot, k_in)
+            tl.store(k_out_ptr + t * ko_st + heads[:, None] * ko_sh + d[None, :],
+                     k_new.to(k_out_ptr.dtype.element_ty), mask=hmask)
+
+            slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+            if HAS_SWA:
+                in_table = (slot >= 0) & (slot < swa_len)
+                slot = tl.load(swa_ptr + tl.where(in_table, slot, 0), mask=in_table, other=-1).to(tl.int64)
+            write = (slot >= 0) & (slot < num_slots) & (position_ok | (t >= T))
+            if write:
+                page = slot // PAGE
+                offset = slot % PAGE
+                if HAS_K_SCALE:
+                    k_scale = tl.load(k_scale_ptr).to(tl.float32)
+                else:
+                    k_scale = 1.0
+                if HAS_V_SCALE:
+                    v_scale = tl.load(v_scale_ptr).to(tl.float32)
+                else:
+                    v_scale = 1.0
+                k_cached = _to_cache(k_new, k_scale, HAS_K_SCALE, SATURATE)
+                tl.store(key_cache_out_ptr + _cache_offsets(
+                    page, offset, heads, d, kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2, K_DX, K_PX),
+                    k_cached.to(key_cache_out_ptr.dtype.element_ty), mask=hmask)
+                v = tl.load(v_ptr + t * v_st + safe_heads[:, None] * v_sh + d[None, :]).to(tl.float32)
+                v_cached = _to_cache(v, v_scale, HAS_V_SCALE, SATURATE)
+                tl.store(value_cache_out_ptr + _cache_offsets(
+                    page, offset, heads, d, vc_sb, vc_sh, vc_sd1, vc_sd2, vc_sp1, vc_sp2, V_DX, V_PX),
+                    v_cached.to(value_cache_out_ptr.dtype.element_ty), mask=hmask)
+
+
+def _cache_geometry(check: Checker, key: ArrayInfo, value: ArrayInfo, kh: int, d: int):
+    """Layout name, page size, number of pages and the address terms of both caches.
+
+    Returns ``(layout, page, pages, key_terms, value_terms)`` where each terms
+    tuple is ``(SB, SH, SD1, SD2, SP1, SP2, DX, PX)``.
+    """
+    check.ranks("key_cache", key, (4, 5), "[num_blocks, P, KH, D] (flash) or [num_blocks, KH, D//X, P, X] (paged)")
+    if key.ndim == 4:
+        check.rank("value_cache", value, 4, "[num_blocks, P, KH, D] like a flash key_cache")
+        pages, page, cache_kh, cache_d = key.shape
+        if value.shape != key.shape:
+            check.fail("value_cache", f"must have key_cache's shape {key.shape} (flash layout)", f"shape {value.shape}")
+        k_s, v_s = key.strides, value.strides
+        key_terms = (k_s[0], k_s[2], 0, k_s[3], 0, k_s[1], d, page)
+        value_terms = (v_s[0], v_s[2], 0, v_s[3], 0, v_s[1], d, page)
+        layout = "flash"
+    else:
+        pages, cache_kh, dx, page, x = key.shape
+        check.power_of_two("key_cache", x, "X (its last dimension)")
+        if dx * x != d:
+            check.fail("key_cache", f"must have D//X * X = D = {d} (dimensions 2 and 4)", f"shape {key.shape}")
+        cache_d = d
+        k_s, v_s = key.strides, value.strides
+        key_terms = (k_s[0], k_s[1], k_s[2], k_s[4], 0, k_s[3], x, page)
+        if value.ndim == 4:
+            expected = (pages, kh, d, page)
+            check.shape("value_cache", value, expected, "[num_blocks, KH, D, P] for a paged key_cache")
+            value_terms = (v_s[0], v_s[1], 0, v_s[2], 0, v_s[3], d, page)
+            layout = "paged"
+        elif value.ndim == 5:
+            if page % x:
+                check.fail("value_cache", f"needs P divisible by X = {x} for the shuffled layout", f"P = {page}")
+            expected = (pages, kh, page // x, d, x)
+            check.shape("value_cache", value, expected, "[num_blocks, KH, P//X, D, X] for a paged key_cache")
+            value_terms = (v_s[0], v_s[1], 0, v_s[3], v_s[2], v_s[4], d, x)
+            layout = "shuffled"
+        else:
+            check.fail("value_cache", "must be [num_blocks, KH, D, P] or [num_blocks, KH, P//X, D, X] for a paged key_cache", f"shape {value.shape}")
+    if cache_kh != kh:
+        check.fail("key_cache", f"must have KH = {kh} heads like k", f"shape {key.shape}")
+    if cache_d != d:
+        check.fail("key_cache", f"must have D = {d} like k", f"shape {key.shape}")
+    if page < 1:
+        check.fail("key_cache", "must have a page size P >= 1", f"shape {key.shape}")
+    return layout, page, pages, key_terms, value_terms
+
+
+def plan_rope_reshape_and_cache(
+    q: ArrayInfo, k: ArrayInfo, v: ArrayInfo,
+    key_cache: ArrayInfo, value_cache: ArrayInfo,
+    slot_mapping: ArrayInfo, positions: ArrayInfo, cos_sin: ArrayInfo,
+    *, is_neox: bool,
+    k_scale: ArrayInfo | None = None, v_scale: ArrayInfo | None = None,
+    offsets: ArrayInfo | None = None, swa_slot_mapping: ArrayInfo | None = None,
+    return_zeros: bool = False,
+) -> Program:
+    """Validate stage-1 arguments and describe the launch (see API.md)."""
+    check = Checker(FUNCTION)
+    check.rank("q", q, 3, "[T, QH, D]")
+    check.rank("k", k, 3, "[T_kv, KH, D]")
+    check.rank("v", v, 3, "[T_kv, KH, D]")
+    check.dtype("q", q, FLOAT_DTYPES)
+    if k.dtype != q.dtype:
+        check.fail("k", f"must have q's dtype {q.dtype}", k.dtype)
+    if v.dtype != q.dtype:
+        check.fail("v", f"must have q's dtype {q.dtype}", v.dtype)
+    t, qh, d = q.shape
+    t_kv, kh, _ = k.shape
+    if k.shape[2] != d:
+        check.fail("k", f"must have q's head dim D = {d}", f"shape {k.shape}")
+    if v.shape != k.shape:
+        check.fail("v", f"must have k's shape {k.shape}", f"shape {v.shape}")
+    if t_kv < t:
+        check.fail("k", f"must have at least T = {t} rows (T_kv >= T)", f"shape {k.shape}")
+    check.power_of_two("q", d, "head dim D")
+    if d < 2:
+        check.fail("q", "must have head dim D >= 2", d)
+    if kh < 1 or qh % kh:
+        check.fail("q", f"must have a number of heads QH divisible by k's KH = {kh}", f"QH = {qh}")
+    check.rank("slot_mapping", slot_mapping, 1, "[T_kv]")
+    check.dtype("slot_mapping", slot_mapping, INDEX_DTYPES)
+    if slot_mapping.shape[0] != t_kv:
+        check.fail("slot_mapping", f"must have T_kv = {t_kv} entries", f"shape {slot_mapping.shape}")
+    check.rank("positions", positions, 1, "[T]")
+    check.dtype("positions", positions, INDEX_DTYPES)
+    if positions.shape[0] != t:
+        check.fail("positions", f"must have T = {t} entries", f"shape {positions.shape}")
+    if offsets is not None:
+        check.rank("offsets", offsets, 1, "[T]")
+        check.dtype("offsets", offsets, INDEX_DTYPES)
+        if offsets.shape[0] != t:
+            check.fail("offsets", f"must have T = {t} entries", f"shape {offsets.shape}")
+    check.rank("cos_sin", cos_sin, 2, "[max_position, 2*F]")
+    check.dtype("cos_sin", cos_sin, tuple(dict.fromkeys((q.dtype, "float32"))))
+    width = cos_sin.shape[1]
+    if width not in (d, 2 * d):
+        check.fail("cos_sin", f"must have width 2*F with F = D/2 or D, i.e. {d} or {2 * d}", f"shape {cos_sin.shape}")
+    for name, info in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if info is not None:
+            check.scalar_array(name, info)
+    if swa_slot_mapping is not None:
+        check.rank("swa_slot_mapping", swa_slot_mapping, 1, "[num_swa_slots]")
+        check.dtype("swa_slot_mapping", swa_slot_mapping, INDEX_DTYPES)
+
+    layout, page, pages, key_terms, value_terms = _cache_geometry(check, key_cache, value_cache, kh, d)
+    cache_dtypes = (k.dtype, FP8_DTYPE)
+    check.dtype("key_cache", key_cache, cache_dtypes)
+    if value_cache.dtype != key_cache.dtype:
+        check.fail("value_cache", f"must have key_cache's dtype {key_cache.dtype}", value_cache.dtype)
+    arrays = dict(q=q, k=k, v=v, key_cache=key_cache, value_cache=value_cache,
+                  slot_mapping=slot_mapping, positions=positions, cos_sin=cos_sin,
+                  k_scale=k_scale, v_scale=v_scale, offsets=offsets,
+                  swa_slot_mapping=swa_slot_mapping)
+    for name, info in arrays.items():
+        if info is not None:
+            check.last_dim_contiguous(name, info)
+
+    q_out = Buffer("q_out", (t, qh, d), q.dtype)
+    k_out = Buffer("k_out", (t_kv, kh, d), k.dtype)
+    zeros = Buffer("zeros", (t, qh, d) if return_zeros else (1,), q.dtype)
+    block_h = min(triton.next_power_of_2(qh), max(1, 4096 // d))
+    num_q_blocks = triton.cdiv(qh, block_h)
+    qo_st, qo_sh, _ = q_out.info.strides
+    ko_st, ko_sh, _ = k_out.info.strides
+    inputs = (
+        "q", "k", "v", "key_cache", "value_cache", "slot_mapping", "positions",
+        # Absent optional inputs get a stand-in pointer their constexpr never reads.
+        "offsets" if offsets is not None else "positions",
+        "cos_sin",
+        "k_scale" if k_scale is not None else "cos_sin",
+        "v_scale" if v_scale is not None else "cos_sin",
+        "swa_slot_mapping" if swa_slot_mapping is not None else "slot_mapping",
+    )
+    launch = Launch(
+        kernel=rope_cache_kernel,
+        grid=(t_kv, num_q_blocks + 1),
+        inputs=inputs,
+        outputs=("q_out", "k_out", "key_cache", "value_cache", "zeros"),
+        scalars=dict(
+            T=t, max_position=cos_sin.shape[0], num_slots=pages * page,
+            swa_len=swa_slot_mapping.shape[0] if swa_slot_mapping is not None else 0,
+            q_st=q.strides[0], q_sh=q.strides[1], k_st=k.strides[0], k_sh=k.strides[1],
+            v_st=v.strides[0], v_sh=v.strides[1], cs_st=cos_sin.strides[0],
+            qo_st=qo_st, qo_sh=qo_sh, ko_st=ko_st, ko_sh=ko_sh,
+            kc_sb=key_terms[0], kc_sh=key_terms[1], kc_sd1=key_terms[2],
+            kc_sd2=key_terms[3], kc_sp1=key_terms[4], kc_sp2=key_terms[5],
+            vc_sb=value_terms[0], vc_sh=value_terms[1], vc_sd1=value_terms[2],
+            vc_sd2=value_terms[3], vc_sp1=value_terms[4], vc_sp2=value_terms[5],
+        ),
+        constexprs=dict(
+            D=d, F=width // 2, QH=qh, KH=kh, BLOCK_H=block_h,
+            BLOCK_KH=triton.next_power_of_2(kh), NUM_Q_BLOCKS=num_q_blocks,
+            PAGE=page, IS_NEOX=bool(is_neox), HAS_OFFSETS=offsets is not None,
+            HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None,
+            HAS_SWA=swa_slot_mapping is not None, WRITE_ZEROS=bool(return_zeros),
+            SATURATE=key_cache.dtype == FP8_DTYPE,
+            K_DX=key_terms[6], K_PX=key_terms[7], V_DX=value_terms[6], V_PX=value_terms[7],
+        ),
+        num_warps=4,
+        num_stages=1,
+    )
+    results = ("q_out", "k_out", "key_cache", "value_cache") + (("zeros",) if return_zeros else ())
+    return Program(FUNCTION, (q_out, k_out, zeros), (launch,), results)

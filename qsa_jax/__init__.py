@@ -1,0 +1,25 @@
+"""QSA kernels for JAX: the functional API of API.md over JAX arrays.
+
+Pure functions that work under ``jax.jit``; caches come back as arrays aliasing
+the inputs (donate them for an in-place update).  On a CUDA device kernels
+run through ``jax_triton.triton_call``; without one, through Triton's
+interpreter from a host callback.
+"""
+
+from qsa_kernels import runtime as _runtime  # noqa: F401  (chooses compiled/interpreted first)
+
+from ._attention import sparse_paged_attention
+from ._compress import compress_groups, store_cache_rows
+from ._rope_cache import rope_reshape_and_cache
+from ._select import expand_block_indices, mqa_paged_scores, select_paged_tokens, topk_blocks
+
+__all__ = [
+    "rope_reshape_and_cache",
+    "compress_groups",
+    "store_cache_rows",
+    "mqa_paged_scores",
+    "topk_blocks",
+    "expand_block_indices",
+    "select_paged_tokens",
+    "sparse_paged_attention",
+]

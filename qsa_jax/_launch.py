@@ -1,0 +1,151 @@
+"""Binds qsa_kernels programs to JAX arrays.
+
+Compiled process: each launch is a ``jax_triton.triton_call`` (see
+:mod:`qsa_jax._triton_call`, the only module that touches jax-triton).
+Interpreted process (no CUDA device; jax-triton cannot even be imported with a
+CPU-only jaxlib): the whole program runs from one host callback through the
+torch executor on zero-copy CPU tensors, so the same plans and kernels run
+under ``jax.jit`` in CI.
+
+Every call is wrapped so that ``jax.grad`` and ``jax.vmap`` fail with a message
+naming the public function, not an internal error.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from qsa_kernels import runtime
+from qsa_kernels.launch import ArrayInfo, Program
+from qsa_kernels.validate import device_error, type_error
+
+_BITS_VIEW = {  # dtypes torch.from_numpy cannot take: move them as raw bits
+    np.dtype(ml_dtypes.bfloat16): ("uint16", "bfloat16"),
+    np.dtype(ml_dtypes.float8_e4m3fn): ("uint8", "float8_e4m3fn"),
+}
+
+
+def _device_of(value):
+    if isinstance(value, jax.core.Tracer):
+        return None
+    try:
+        devices = value.devices()
+    except Exception:  # pragma: no cover - non-committed values
+        return None
+    return next(iter(devices)) if len(devices) == 1 else tuple(devices)
+
+
+def metadata(function: str, arrays: Mapping[str, object]):
+    """Check types and devices, convert NumPy inputs, read metadata.
+
+    Returns ``(arrays, infos)``: the JAX arrays (``None`` for absent optional
+    arguments) and their :class:`ArrayInfo` (row-major strides).
+    """
+    converted: dict[str, jax.Array | None] = {}
+    infos: dict[str, ArrayInfo | None] = {}
+    first = None
+    for name, value in arrays.items():
+        if value is None:
+            converted[name] = infos[name] = None
+            continue
+        if isinstance(value, np.ndarray):
+            value = jnp.asarray(value)
+        elif not isinstance(value, jax.Array):
+            raise type_error(function, name, "a JAX array", value)
+        device = _device_of(value)
+        if device is not None:
+            if first is None:
+                first = (name, device)
+            elif device != first[1]:
+                raise device_error(function, name, device, *first)
+            platform = getattr(device, "platform", None)
+            if not runtime.INTERPRETED and platform not in ("gpu", "cuda", None):
+                raise ValueError(f"{function}: this process runs compiled Triton kernels, so arrays must be on a CUDA device, got {device}")
+        converted[name] = value
+        infos[name] = ArrayInfo.contiguous(value.shape, np.dtype(value.dtype).name)
+    return converted, infos
+
+
+def _to_torch(array: np.ndarray):
+    import torch
+
+    array = np.asarray(array)
+    raw = _BITS_VIEW.get(array.dtype)
+    if raw is not None:
+        return torch.from_numpy(array.view(raw[0])).view(getattr(torch, raw[1]))
+    return torch.from_numpy(array)
+
+
+def _to_numpy(tensor) -> np.ndarray:
+    import torch
+
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+    if tensor.dtype == torch.float8_e4m3fn:
+        return tensor.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
+    return tensor.numpy()
+
+
+def _run_on_host(program: Program, names, arrays):
+    from qsa_torch import _launch as torch_launch  # the interpreter executor
+
+    updated = set(program.updated_arguments)
+    result_types = []
+    for name in program.results:
+        buffer = program.buffer(name)
+        if buffer is not None:
+            result_types.append(jax.ShapeDtypeStruct(buffer.shape, jnp.dtype(buffer.dtype)))
+        else:
+            source = arrays[names.index(name)]
+            result_types.append(jax.ShapeDtypeStruct(source.shape, source.dtype))
+
+    def host(*host_arrays):
+        import torch
+
+        tensors = {}
+        for name, array in zip(names, host_arrays):
+            array = np.array(array, copy=True) if name in updated else np.asarray(array)
+            if not array.flags.writeable:
+                array = array.copy()
+            tensors[name] = _to_torch(array)
+        outputs = torch_launch.run(program, tensors, torch.device("cpu"))
+        return tuple(_to_numpy(out) for out in outputs)
+
+    return jax.pure_callback(host, tuple(result_types), *arrays)
+
+
+def _run_compiled(program: Program, names, arrays):
+    from . import _triton_call
+
+    return _triton_call.run(program, dict(zip(names, arrays)))
+
+
+def run(program: Program, arrays: Mapping[str, jax.Array | None]) -> tuple[jax.Array, ...]:
+    """Run a program over JAX arrays; results in ``program.results`` order."""
+    names = [name for name, value in arrays.items() if value is not None]
+    values = [arrays[name] for name in names]
+    function = program.function
+    runner = _run_on_host if runtime.INTERPRETED else _run_compiled
+
+    @jax.custom_batching.custom_vmap
+    def call(*values):
+        return tuple(runner(program, names, list(values)))
+
+    @call.def_vmap
+    def _no_vmap(axis_size, in_batched, *values):
+        raise NotImplementedError(f"{function} does not support jax.vmap: call it on the whole batch (its arrays already carry a row dimension)")
+
+    @jax.custom_jvp
+    def guarded(*values):
+        return call(*values)
+
+    @guarded.defjvp
+    def _no_jvp(primals, tangents):
+        raise NotImplementedError(f"{function} is not differentiable (jax.grad / jax.jvp): it is an inference kernel")
+
+    return guarded(*values)

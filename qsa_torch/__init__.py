@@ -1,0 +1,23 @@
+"""QSA kernels for PyTorch: the functional API of API.md over torch tensors.
+
+Caches are updated in place and returned; every call launches on its
+tensors' device and current stream, with no host synchronisation.
+"""
+
+from qsa_kernels import runtime as _runtime  # noqa: F401  (chooses compiled/interpreted first)
+
+from ._attention import sparse_paged_attention
+from ._compress import compress_groups, store_cache_rows
+from ._rope_cache import rope_reshape_and_cache
+from ._select import expand_block_indices, mqa_paged_scores, select_paged_tokens, topk_blocks
+
+__all__ = [
+    "rope_reshape_and_cache",
+    "compress_groups",
+    "store_cache_rows",
+    "mqa_paged_scores",
+    "topk_blocks",
+    "expand_block_indices",
+    "select_paged_tokens",
+    "sparse_paged_attention",
+]

@@ -1,0 +1,81 @@
+"""Binds qsa_kernels programs to torch tensors and launches them."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Mapping
+
+import torch
+
+from qsa_kernels import runtime
+from qsa_kernels.launch import ArrayInfo, Program
+from qsa_kernels.validate import device_error, type_error
+
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint8": torch.uint8,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def info(tensor: torch.Tensor) -> ArrayInfo:
+    """Shape, dtype and strides of a tensor, as plans see them."""
+    return ArrayInfo(tuple(tensor.shape), DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype)), tuple(tensor.stride()))
+
+
+def metadata(function: str, arrays: Mapping[str, object]) -> dict[str, ArrayInfo | None]:
+    """Check types and devices, and read every array's metadata.
+
+    ``None`` entries are absent optional arguments.  All tensors must share
+    one device; in a compiled process that device must be a CUDA device.
+    """
+    infos: dict[str, ArrayInfo | None] = {}
+    first: tuple[str, torch.device] | None = None
+    for name, value in arrays.items():
+        if value is None:
+            infos[name] = None
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise type_error(function, name, "a torch.Tensor", value)
+        if first is None:
+            first = (name, value.device)
+        elif value.device != first[1]:
+            raise device_error(function, name, value.device, *first)
+        infos[name] = info(value)
+    if first is not None:
+        device = first[1]
+        if runtime.INTERPRETED and device.type != "cpu":
+            raise ValueError(f"{function}: this process runs Triton's interpreter (no CUDA device was visible at import), so tensors must be on the CPU, got {device}")
+        if not runtime.INTERPRETED and device.type != "cuda":
+            raise ValueError(f"{function}: this process runs compiled Triton kernels, so tensors must be on a CUDA device, got {device}")
+    return infos
+
+
+def run(program: Program, arrays: Mapping[str, torch.Tensor | None], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Allocate the program's buffers and launch its kernels on ``device``'s current stream."""
+    env = {name: value for name, value in arrays.items() if value is not None}
+    for buffer in program.buffers:
+        env[buffer.name] = torch.empty(buffer.shape, dtype=DTYPES[buffer.dtype], device=device)
+    launches = program.runnable_launches
+    if launches:
+        if runtime.INTERPRETED:
+            guard = runtime.interpreter_lock
+        else:
+            guard = torch.cuda.device(device)
+        with guard:
+            for launch in launches:
+                launch.kernel[launch.grid](
+                    *(env[name] for name in launch.inputs),
+                    *(env[name] for name in launch.outputs),
+                    **launch.scalars,
+                    **launch.constexprs,
+                    num_warps=launch.num_warps,
+                    num_stages=launch.num_stages,
+                )
+    return tuple(env[name] for name in program.results)
