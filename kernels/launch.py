@@ -20,11 +20,12 @@ Conventions every kernel follows, so one signature serves both adapters:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
-__all__ = ["ArrayInfo", "Buffer", "Launch", "Program", "contiguous_strides"]
+__all__ = ["ArrayInfo", "Buffer", "Launch", "Program", "cached_plan", "contiguous_strides"]
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -37,12 +38,12 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-@dataclass(frozen=True)
-class ArrayInfo:
+class ArrayInfo(NamedTuple):
     """What a plan may know of an array: shape, dtype name and strides.
 
     ``dtype`` is a NumPy-style name (``"bfloat16"``, ``"float8_e4m3fn"``,
-    ``"int32"``...); ``strides`` are in elements.
+    ``"int32"``...); ``strides`` are in elements.  A NamedTuple: cheap to
+    build on every call and hashable, so plans can be memoised on it.
     """
 
     shape: tuple[int, ...]
@@ -135,3 +136,13 @@ class Program:
     @property
     def runnable_launches(self) -> tuple[Launch, ...]:
         return tuple(launch for launch in self.launches if not launch.empty)
+
+
+def cached_plan(plan):
+    """Memoise a plan function: its arguments are hashable metadata and options.
+
+    Plans are pure, so a decode loop with steady shapes pays for validation
+    and planning once (this is most of the torch adapter's host overhead).
+    Invalid arguments raise every time: exceptions are not cached.
+    """
+    return functools.lru_cache(maxsize=4096)(plan)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .launch import ArrayInfo, Buffer, Launch, Program
+from .launch import ArrayInfo, Buffer, Launch, Program, cached_plan
 from .validate import FLOAT_DTYPES, FP8_DTYPE, INDEX_DTYPES, Checker
 
 FUNCTION = "rope_reshape_and_cache"
@@ -59,16 +59,16 @@ FP8_MAX = 448.0
 
 
 @triton.jit
-def _rotate(x_ptrs, partner_ptrs, cos, sin, d, IS_NEOX: tl.constexpr, HALF: tl.constexpr):
-    """x * cos + rotate(x) * sin, rotate() reading each element's partner."""
-    x = tl.load(x_ptrs).to(tl.float32)
-    partner = tl.load(partner_ptrs).to(tl.float32)
-    if IS_NEOX:
-        negate = d < HALF
-    else:
-        negate = (d % 2) == 0
-    rotated = tl.where(negate, -partner, partner)
-    return x, x * cos + rotated * sin
+def _rotate_pair(x_row, d_a, d_b, cos_a, sin_a, cos_b, sin_b):
+    """Load the rotation pairs (a, b) of rows ``x_row`` and rotate them.
+
+    NeoX pairs element i with i + D/2, GPT-J pairs 2i with 2i + 1; either way
+    (a, b) -> (a cos_a - b sin_a, b cos_b + a sin_b).  Returns the loaded pair
+    and the rotated pair, all [rows, D/2] float32.
+    """
+    a = tl.load(x_row + d_a[None, :]).to(tl.float32)
+    b = tl.load(x_row + d_b[None, :]).to(tl.float32)
+    return a, b, a * cos_a - b * sin_a, b * cos_b + a * sin_b
 
 
 @triton.jit
@@ -113,17 +113,20 @@ def rope_cache_kernel(
     # Query blocks of KV-only rows (t >= T) have nothing to do.
     if (t < T) | (head_block == NUM_Q_BLOCKS):
         HALF: tl.constexpr = D // 2
-        d = tl.arange(0, D)
+        i = tl.arange(0, HALF)
+        # Element d_a[i] rotates with d_b[i]; contiguous halves for NeoX.
         if IS_NEOX:
-            partner = (d + HALF) % D
+            d_a = i
+            d_b = i + HALF
         else:
-            partner = d ^ 1
-        if F == D:
-            freq = d
-        elif IS_NEOX:
-            freq = d % HALF
-        else:
-            freq = d // 2
+            d_a = 2 * i
+            d_b = 2 * i + 1
+        if F == D:  # one frequency per element
+            freq_a = d_a
+            freq_b = d_b
+        else:  # one frequency per pair
+            freq_a = i
+            freq_b = i
 
         rope_row = t < T
         position = tl.load(positions_ptr + t, mask=rope_row, other=0).to(tl.int64)
@@ -131,61 +134,99 @@ def rope_cache_kernel(
             position += tl.load(offsets_ptr + t, mask=rope_row, other=0).to(tl.int64)
         position_ok = (position >= 0) & (position < max_position)
         # A position outside the table is never read: its rows come out NaN.
-        cs_mask = rope_row & position_ok
-        safe_position = tl.where(position_ok, position, 0)
-        cos = tl.load(cos_sin_ptr + safe_position * cs_st + freq,
-                      mask=(d < D) & cs_mask, other=float("nan")).to(tl.float32)
-        sin = tl.load(cos_sin_ptr + safe_position * cs_st + F + freq,
-                      mask=(d < D) & cs_mask, other=float("nan")).to(tl.float32)
+        table_row = cos_sin_ptr + tl.where(position_ok, position, 0) * cs_st
+        read = (i < HALF) & rope_row & position_ok
+        nan = float("nan")
+        cos_a = tl.load(table_row + freq_a, mask=read, other=nan).to(tl.float32)[None, :]
+        sin_a = tl.load(table_row + F + freq_a, mask=read, other=nan).to(tl.float32)[None, :]
+        cos_b = tl.load(table_row + freq_b, mask=read, other=nan).to(tl.float32)[None, :]
+        sin_b = tl.load(table_row + F + freq_b, mask=read, other=nan).to(tl.float32)[None, :]
 
         if is_query_block:
-            heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
-            hmask = (heads < QH)[:, None]
-            safe_heads = tl.minimum(heads, QH - 1)
-            q_row = q_ptr + t * q_st + safe_heads[:, None] * q_sh
-            _, q_rot = _rotate(q_row + d[None, :], q_row + partner[None, :],
-                               cos[None, :], sin[None, :], d[None, :], IS_NEOX, HALF)
-            out_offsets = t * qo_st + heads[:, None] * qo_sh + d[None, :]
-            tl.store(q_out_ptr + out_offsets, q_rot.to(q_out_ptr.dtype.element_ty), mask=hmask)
-            if WRITE_ZEROS:
-                tl.store(zeros_ptr + out_offsets,
-                         tl.zeros((BLOCK_H, D), dtype=zeros_ptr.dtype.element_ty), mask=hmask)
+            _rope_query_heads(q_ptr, q_out_ptr, zeros_ptr, t, head_block, d_a, d_b,
+                              cos_a, sin_a, cos_b, sin_b, q_st, q_sh, qo_st, qo_sh,
+                              QH, BLOCK_H, WRITE_ZEROS)
         else:
-            heads = tl.arange(0, BLOCK_KH)
-            hmask = (heads < KH)[:, None]
-            safe_heads = tl.minimum(heads, KH - 1)
-            k_row = k_ptr + t * k_st + safe_heads[:, None] * k_sh
-            k_in, k_rot = _rotate(k_row + d[None, :], k_row + partner[None, :],
-                                  cos[None, :], sin[None, :], d[None, :], IS_NEOX, HALF)
-            k_new = tl.where(rope_row, k_rot, k_in)
-            tl.store(k_out_ptr + t * ko_st + heads[:, None] * ko_sh + d[None, :],
-                     k_new.to(k_out_ptr.dtype.element_ty), mask=hmask)
+            _rope_and_cache_kv_heads(
+                k_ptr, v_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr, swa_ptr,
+                k_out_ptr, key_cache_out_ptr, value_cache_out_ptr,
+                t, T, rope_row, position_ok, d_a, d_b, cos_a, sin_a, cos_b, sin_b,
+                num_slots, swa_len, k_st, k_sh, v_st, v_sh, ko_st, ko_sh,
+                kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2,
+                vc_sb, vc_sh, vc_sd1, vc_sd2, vc_sp1, vc_sp2,
+                D, KH, BLOCK_KH, PAGE, HAS_K_SCALE, HAS_V_SCALE, HAS_SWA, SATURATE,
+                K_DX, K_PX, V_DX, V_PX)
 
-            slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
-            if HAS_SWA:
-                in_table = (slot >= 0) & (slot < swa_len)
-                slot = tl.load(swa_ptr + tl.where(in_table, slot, 0), mask=in_table, other=-1).to(tl.int64)
-            write = (slot >= 0) & (slot < num_slots) & (position_ok | (t >= T))
-            if write:
-                page = slot // PAGE
-                offset = slot % PAGE
-                if HAS_K_SCALE:
-                    k_scale = tl.load(k_scale_ptr).to(tl.float32)
-                else:
-                    k_scale = 1.0
-                if HAS_V_SCALE:
-                    v_scale = tl.load(v_scale_ptr).to(tl.float32)
-                else:
-                    v_scale = 1.0
-                k_cached = _to_cache(k_new, k_scale, HAS_K_SCALE, SATURATE)
-                tl.store(key_cache_out_ptr + _cache_offsets(
-                    page, offset, heads, d, kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2, K_DX, K_PX),
-                    k_cached.to(key_cache_out_ptr.dtype.element_ty), mask=hmask)
-                v = tl.load(v_ptr + t * v_st + safe_heads[:, None] * v_sh + d[None, :]).to(tl.float32)
-                v_cached = _to_cache(v, v_scale, HAS_V_SCALE, SATURATE)
-                tl.store(value_cache_out_ptr + _cache_offsets(
-                    page, offset, heads, d, vc_sb, vc_sh, vc_sd1, vc_sd2, vc_sp1, vc_sp2, V_DX, V_PX),
-                    v_cached.to(value_cache_out_ptr.dtype.element_ty), mask=hmask)
+
+@triton.jit
+def _rope_query_heads(q_ptr, q_out_ptr, zeros_ptr, t, head_block, d_a, d_b,
+                      cos_a, sin_a, cos_b, sin_b, q_st, q_sh, qo_st, qo_sh,
+                      QH: tl.constexpr, BLOCK_H: tl.constexpr, WRITE_ZEROS: tl.constexpr):
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_mask = (heads < QH)[:, None]
+    q_row = q_ptr + t * q_st + tl.minimum(heads, QH - 1)[:, None] * q_sh
+    _, _, out_a, out_b = _rotate_pair(q_row, d_a, d_b, cos_a, sin_a, cos_b, sin_b)
+    out_row = q_out_ptr + t * qo_st + heads[:, None] * qo_sh
+    tl.store(out_row + d_a[None, :], out_a.to(q_out_ptr.dtype.element_ty), mask=head_mask)
+    tl.store(out_row + d_b[None, :], out_b.to(q_out_ptr.dtype.element_ty), mask=head_mask)
+    if WRITE_ZEROS:
+        zeros_row = zeros_ptr + t * qo_st + heads[:, None] * qo_sh
+        zero = tl.zeros(out_a.shape, dtype=zeros_ptr.dtype.element_ty)
+        tl.store(zeros_row + d_a[None, :], zero, mask=head_mask)
+        tl.store(zeros_row + d_b[None, :], zero, mask=head_mask)
+
+
+@triton.jit
+def _rope_and_cache_kv_heads(
+    k_ptr, v_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr, swa_ptr,
+    k_out_ptr, key_cache_out_ptr, value_cache_out_ptr,
+    t, T, rope_row, position_ok, d_a, d_b, cos_a, sin_a, cos_b, sin_b,
+    num_slots, swa_len, k_st, k_sh, v_st, v_sh, ko_st, ko_sh,
+    kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2,
+    vc_sb, vc_sh, vc_sd1, vc_sd2, vc_sp1, vc_sp2,
+    D: tl.constexpr, KH: tl.constexpr, BLOCK_KH: tl.constexpr, PAGE: tl.constexpr,
+    HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr,
+    HAS_SWA: tl.constexpr, SATURATE: tl.constexpr,
+    K_DX: tl.constexpr, K_PX: tl.constexpr, V_DX: tl.constexpr, V_PX: tl.constexpr,
+):
+    heads = tl.arange(0, BLOCK_KH)
+    head_mask = (heads < KH)[:, None]
+    safe_heads = tl.minimum(heads, KH - 1)
+    k_in_a, k_in_b, k_rot_a, k_rot_b = _rotate_pair(
+        k_ptr + t * k_st + safe_heads[:, None] * k_sh, d_a, d_b, cos_a, sin_a, cos_b, sin_b)
+    # KV-only rows (t >= T) keep k as it is.
+    k_a = tl.where(rope_row, k_rot_a, k_in_a)
+    k_b = tl.where(rope_row, k_rot_b, k_in_b)
+    k_out_row = k_out_ptr + t * ko_st + heads[:, None] * ko_sh
+    tl.store(k_out_row + d_a[None, :], k_a.to(k_out_ptr.dtype.element_ty), mask=head_mask)
+    tl.store(k_out_row + d_b[None, :], k_b.to(k_out_ptr.dtype.element_ty), mask=head_mask)
+
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    if HAS_SWA:
+        # -1 is skipped before the lookup; values past the table are skipped too.
+        in_table = (slot >= 0) & (slot < swa_len)
+        slot = tl.load(swa_ptr + tl.where(in_table, slot, 0), mask=in_table, other=-1).to(tl.int64)
+    if (slot >= 0) & (slot < num_slots) & (position_ok | (t >= T)):
+        page = slot // PAGE
+        offset = slot % PAGE
+        k_scale = 1.0
+        v_scale = 1.0
+        if HAS_K_SCALE:
+            k_scale = tl.load(k_scale_ptr).to(tl.float32)
+        if HAS_V_SCALE:
+            v_scale = tl.load(v_scale_ptr).to(tl.float32)
+        cache_dtype = key_cache_out_ptr.dtype.element_ty
+        tl.store(key_cache_out_ptr + _cache_offsets(
+            page, offset, heads, d_a, kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2, K_DX, K_PX),
+            _to_cache(k_a, k_scale, HAS_K_SCALE, SATURATE).to(cache_dtype), mask=head_mask)
+        tl.store(key_cache_out_ptr + _cache_offsets(
+            page, offset, heads, d_b, kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2, K_DX, K_PX),
+            _to_cache(k_b, k_scale, HAS_K_SCALE, SATURATE).to(cache_dtype), mask=head_mask)
+        d = tl.arange(0, D)
+        v = tl.load(v_ptr + t * v_st + safe_heads[:, None] * v_sh + d[None, :]).to(tl.float32)
+        tl.store(value_cache_out_ptr + _cache_offsets(
+            page, offset, heads, d, vc_sb, vc_sh, vc_sd1, vc_sd2, vc_sp1, vc_sp2, V_DX, V_PX),
+            _to_cache(v, v_scale, HAS_V_SCALE, SATURATE).to(cache_dtype), mask=head_mask)
 
 
 def _cache_geometry(check: Checker, key: ArrayInfo, value: ArrayInfo, kh: int, d: int):
@@ -235,6 +276,7 @@ def _cache_geometry(check: Checker, key: ArrayInfo, value: ArrayInfo, kh: int, d
     return layout, page, pages, key_terms, value_terms
 
 
+@cached_plan
 def plan_rope_reshape_and_cache(
     q: ArrayInfo, k: ArrayInfo, v: ArrayInfo,
     key_cache: ArrayInfo, value_cache: ArrayInfo,

@@ -26,7 +26,7 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 def info(tensor: torch.Tensor) -> ArrayInfo:
     """Shape, dtype and strides of a tensor, as plans see them."""
-    return ArrayInfo(tuple(tensor.shape), DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype)), tuple(tensor.stride()))
+    return ArrayInfo(tuple(tensor.shape), DTYPE_NAMES.get(tensor.dtype) or str(tensor.dtype), tensor.stride())
 
 
 def metadata(function: str, arrays: Mapping[str, object]) -> dict[str, ArrayInfo | None]:
@@ -36,7 +36,7 @@ def metadata(function: str, arrays: Mapping[str, object]) -> dict[str, ArrayInfo
     one device; in a compiled process that device must be a CUDA device.
     """
     infos: dict[str, ArrayInfo | None] = {}
-    first: tuple[str, torch.device] | None = None
+    first_name = first = None
     for name, value in arrays.items():
         if value is None:
             infos[name] = None
@@ -44,16 +44,16 @@ def metadata(function: str, arrays: Mapping[str, object]) -> dict[str, ArrayInfo
         if not isinstance(value, torch.Tensor):
             raise type_error(function, name, "a torch.Tensor", value)
         if first is None:
-            first = (name, value.device)
-        elif value.device != first[1]:
-            raise device_error(function, name, value.device, *first)
+            first_name, first = name, value
+        elif value.get_device() != first.get_device() or value.is_meta != first.is_meta:
+            raise device_error(function, name, value.device, first_name, first.device)
         infos[name] = info(value)
     if first is not None:
-        device = first[1]
-        if runtime.INTERPRETED and device.type != "cpu":
-            raise ValueError(f"{function}: this process runs Triton's interpreter (no CUDA device was visible at import), so tensors must be on the CPU, got {device}")
-        if not runtime.INTERPRETED and device.type != "cuda":
-            raise ValueError(f"{function}: this process runs compiled Triton kernels, so tensors must be on a CUDA device, got {device}")
+        on_cuda = first.is_cuda
+        if runtime.INTERPRETED and not (first.get_device() < 0 and not first.is_meta):
+            raise ValueError(f"{function}: this process runs Triton's interpreter (no CUDA device was visible at import), so tensors must be on the CPU, got {first.device}")
+        if not runtime.INTERPRETED and not on_cuda:
+            raise ValueError(f"{function}: this process runs compiled Triton kernels, so tensors must be on a CUDA device, got {first.device}")
     return infos
 
 

@@ -1,0 +1,366 @@
+"""Stage 1 (rope_reshape_and_cache): both adapters against the float64 reference,
+torch-vs-JAX bitwise parity under jax.jit, untouched cache cells, validation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import qsa_jax
+import qsa_torch
+from qsa_kernels import runtime
+
+from . import reference as R
+from .util import DEVICE, assert_bitwise_equal, assert_close, f64, host, to_jax, tolerance
+
+
+@dataclasses.dataclass
+class Case:
+    """One stage-1 configuration; options are spread pairwise over the cases."""
+
+    T: int = 5
+    T_kv: int | None = None
+    QH: int = 4
+    KH: int = 2
+    D: int = 32
+    P: int = 8
+    blocks: int = 6
+    layout: str = "flash"  # flash | paged | shuffled
+    X: int = 8
+    dtype: torch.dtype = torch.bfloat16
+    cache_fp8: bool = False
+    cos_sin_fp32: bool = False
+    full_freqs: bool = False  # F == D instead of D/2
+    is_neox: bool = True
+    offsets: bool = False
+    scales: bool = False
+    swa: bool = False
+    zeros: bool = False
+    index_dtype: torch.dtype = torch.int64
+    bad_positions: bool = False
+    packed_qkv: bool = False  # q, k, v strided views of one packed tensor
+    cache_view: bool = False  # caches are non-contiguous views of larger tensors
+    seed: int = 0
+
+
+def make_inputs(c: Case):
+    g = torch.Generator().manual_seed(c.seed)
+    t_kv = c.T_kv if c.T_kv is not None else c.T
+    rnd = lambda *shape, dtype=c.dtype: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
+    if c.packed_qkv:
+        assert t_kv == c.T
+        qkv = rnd(c.T, (c.QH + 2 * c.KH) * c.D).view(c.T, c.QH + 2 * c.KH, c.D)
+        q, k, v = qkv[:, : c.QH], qkv[:, c.QH: c.QH + c.KH], qkv[:, c.QH + c.KH:]
+    else:
+        q, k, v = rnd(c.T, c.QH, c.D), rnd(t_kv, c.KH, c.D), rnd(t_kv, c.KH, c.D)
+    cache_dtype = torch.float8_e4m3fn if c.cache_fp8 else c.dtype
+    if c.layout == "flash":
+        k_shape = v_shape = (c.blocks, c.P, c.KH, c.D)
+    else:
+        k_shape = (c.blocks, c.KH, c.D // c.X, c.P, c.X)
+        v_shape = (c.blocks, c.KH, c.D, c.P) if c.layout == "paged" else (c.blocks, c.KH, c.P // c.X, c.D, c.X)
+    if c.cache_view:
+        # Every other page of a larger pool: strided, never to be copied.
+        key_pool = rnd(2 * c.blocks, *k_shape[1:], dtype=torch.float32).to(cache_dtype)
+        value_pool = rnd(2 * c.blocks, *v_shape[1:], dtype=torch.float32).to(cache_dtype)
+        key_cache, value_cache = key_pool[::2], value_pool[::2]
+    else:
+        key_cache = rnd(*k_shape, dtype=torch.float32).to(cache_dtype)
+        value_cache = rnd(*v_shape, dtype=torch.float32).to(cache_dtype)
+    num_slots = c.blocks * c.P
+    # Distinct shuffled slots, with -1 and out-of-range ones mixed in.
+    slots = torch.randperm(num_slots, generator=g)[:t_kv].clone()
+    if t_kv >= 3:
+        slots[1] = -1
+        slots[-1] = num_slots + 3
+    max_position = 64
+    freqs = c.D if c.full_freqs else c.D // 2
+    angles = torch.rand(max_position, freqs, generator=g, dtype=torch.float64) * 6.3
+    cs_dtype = torch.float32 if c.cos_sin_fp32 else c.dtype
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1).to(cs_dtype)
+    positions = torch.randint(0, max_position - 8, (c.T,), generator=g)
+    offsets = torch.randint(0, 8, (c.T,), generator=g) if c.offsets else None
+    if c.bad_positions and c.T >= 3:
+        positions[0] = max_position + 5
+        positions[2] = -3
+    swa = None
+    if c.swa:
+        # The final slot is swa[slot]; slot values past the table are skipped.
+        table = num_slots + 4
+        swa = torch.randperm(table, generator=g)[:table]
+        swa[swa >= num_slots] = -1
+        swa_len = num_slots - 2
+        swa = swa[:swa_len].clone()
+        slots = torch.randperm(swa_len, generator=g)[:t_kv].clone()
+        if t_kv >= 3:
+            slots[1] = -1
+            slots[-1] = swa_len + 1
+        # Keep final slots distinct: two rows writing one slot is unspecified.
+        seen = set()
+        for i, s in enumerate(slots.tolist()):
+            final = int(swa[s]) if 0 <= s < swa_len else -1
+            if final >= 0 and final in seen:
+                slots[i] = -1
+            seen.add(final)
+        swa = swa.to(c.index_dtype)
+    scale = lambda value: torch.tensor(value, dtype=torch.float32)  # noqa: E731
+    args = dict(
+        q=q, k=k, v=v, key_cache=key_cache, value_cache=value_cache,
+        slot_mapping=slots.to(c.index_dtype), positions=positions.to(c.index_dtype), cos_sin=cos_sin,
+    )
+    options = dict(
+        is_neox=c.is_neox,
+        k_scale=scale(0.5) if c.scales else None,
+        v_scale=scale([2.0]) if c.scales else None,
+        offsets=offsets.to(c.index_dtype) if offsets is not None else None,
+        swa_slot_mapping=swa,
+        return_zeros=c.zeros,
+    )
+    move = lambda x: x.to(DEVICE) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    if c.cache_view:
+        args["key_cache"], args["value_cache"] = key_pool.to(DEVICE)[::2], value_pool.to(DEVICE)[::2]
+        args = {n: (a if n in ("key_cache", "value_cache") else move(a)) for n, a in args.items()}
+    else:
+        args = {n: move(a) for n, a in args.items()}
+    if c.packed_qkv:
+        qkv = qkv.to(DEVICE)
+        args["q"], args["k"], args["v"] = qkv[:, : c.QH], qkv[:, c.QH: c.QH + c.KH], qkv[:, c.QH + c.KH:]
+    return args, {n: move(o) for n, o in options.items()}
+
+
+def reference_for(c: Case, args, options):
+    return R.rope_reshape_and_cache(
+        f64(args["q"]), f64(args["k"]), f64(args["v"]), f64(args["key_cache"]), f64(args["value_cache"]),
+        host(args["slot_mapping"]), host(args["positions"]), f64(args["cos_sin"]),
+        is_neox=c.is_neox, layout=c.layout, x=c.X,
+        k_scale=None if options["k_scale"] is None else float(options["k_scale"].cpu()),
+        v_scale=None if options["v_scale"] is None else float(options["v_scale"].cpu().reshape(())),
+        offsets=None if options["offsets"] is None else host(options["offsets"]),
+        swa_slot_mapping=None if options["swa_slot_mapping"] is None else host(options["swa_slot_mapping"]),
+        fp8=c.cache_fp8,
+    )
+
+
+def run_jax(args, options):
+    names = list(args)
+    array_options = {n: o for n, o in options.items() if isinstance(o, torch.Tensor)}
+    static = {n: o for n, o in options.items() if not isinstance(o, torch.Tensor)}
+
+    @jax.jit
+    def call(arrays, option_arrays):
+        return qsa_jax.rope_reshape_and_cache(**arrays, **option_arrays, **static)
+
+    return call({n: to_jax(args[n]) for n in names}, {n: to_jax(o) for n, o in array_options.items()})
+
+
+def check_case(c: Case):
+    args, options = make_inputs(c)
+    originals = {n: args[n].clone() for n in ("key_cache", "value_cache")}
+    jax_out = run_jax(args, options)  # before torch updates the caches in place
+    ref_q, ref_k, ref_kc, ref_vc, (wrote_k, wrote_v) = reference_for(c, args, options)
+    out = qsa_torch.rope_reshape_and_cache(**args, **options)
+
+    assert len(out) == (5 if c.zeros else 4)
+    assert out[2] is args["key_cache"] and out[3] is args["value_cache"], "caches must be returned in place"
+    tol = tolerance(c.dtype)
+    assert_close(out[0], ref_q, tol, "q_out")
+    assert_close(out[1], ref_k, tol, "k_out")
+    cache_tol = 0.07 if c.cache_fp8 else tol
+    for name, ref, wrote in (("key_cache", ref_kc, wrote_k), ("value_cache", ref_vc, wrote_v)):
+        got = out[2 if name == "key_cache" else 3]
+        assert_close(f64(got)[wrote], ref[wrote], cache_tol, f"{name} written cells")
+        # Cells no valid slot addresses are bit-identical after the call.
+        assert_bitwise_equal(host(got)[~wrote], host(originals[name])[~wrote], f"{name} untouched cells")
+        assert wrote.any(), "the case writes no cell: it tests nothing"
+    if c.zeros:
+        z = f64(out[4])
+        assert z.shape == tuple(args["q"].shape) and not np.any(z), "zeros must be all zeros"
+    for i, (a, b) in enumerate(zip(jax_out, out)):
+        assert_bitwise_equal(a, b, f"torch vs JAX output {i}")
+
+
+CASES = {
+    "neox_halffreq_flash_bf16_offsets": Case(offsets=True, P=16, blocks=3),
+    "gptj_fullfreq_paged_fp16_swa_zeros": Case(is_neox=False, full_freqs=True, layout="paged", dtype=torch.float16, swa=True, zeros=True, index_dtype=torch.int32),
+    "neox_fullfreq_shuffled_fp32_kvonly_scales": Case(full_freqs=True, layout="shuffled", dtype=torch.float32, T=4, T_kv=7, scales=True),
+    "gptj_halffreq_flash_bf16_fp32cos_badpos": Case(is_neox=False, cos_sin_fp32=True, bad_positions=True, QH=8, KH=1),
+    "packed_qkv_cache_view_paged": Case(packed_qkv=True, cache_view=True, layout="paged", QH=12, KH=1, X=4),
+    "gqa12_d256_shuffled_kvonly_gptj": Case(QH=24, KH=2, D=256, T=2, T_kv=4, layout="shuffled", X=16, P=16, is_neox=False, offsets=True),
+    "d64_gqa4_fp16_flash_int32_scales_swa": Case(D=64, QH=8, KH=2, dtype=torch.float16, index_dtype=torch.int32, scales=True, swa=True, cache_view=True),
+    "d128_mha_bf16_paged_zeros_badpos": Case(D=128, QH=2, KH=2, T=6, layout="paged", X=8, zeros=True, bad_positions=True, full_freqs=True),
+    "single_token": Case(T=1, QH=4, KH=4),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_against_reference_and_jax(name):
+    check_case(CASES[name])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["flash", "paged", "shuffled"])
+def test_fp8_caches_with_scales(layout):
+    check_case(Case(cache_fp8=True, scales=True, layout=layout, X=16, P=16, D=64, T=6, T_kv=9))
+
+
+@pytest.mark.gpu
+def test_fp8_saturates_instead_of_overflowing():
+    c = Case(cache_fp8=True, scales=False, T=4, D=64)
+    args, options = make_inputs(c)
+    args["k"].mul_(1000.0)
+    args["v"].mul_(1000.0)
+    qsa_torch.rope_reshape_and_cache(**args, **options)
+    for cache in (args["key_cache"], args["value_cache"]):
+        values = cache.float()
+        assert torch.isfinite(values).all(), "fp8 overflow must saturate, not give inf/NaN"
+        assert values.abs().max() == 448.0
+
+
+@pytest.mark.gpu
+def test_production_shape_against_reference():
+    check_case(Case(T=64, QH=24, KH=2, D=256, P=64, blocks=4, offsets=True))
+
+
+def test_empty_batch():
+    c = Case(T=0, T_kv=0)
+    args, options = make_inputs(c)
+    before = args["key_cache"].clone()
+    q_out, k_out, key_cache, _ = qsa_torch.rope_reshape_and_cache(**args, **options)
+    assert q_out.shape == (0, c.QH, c.D) and k_out.shape == (0, c.KH, c.D)
+    assert_bitwise_equal(key_cache, before, "cache after an empty call")
+    jax_out = run_jax(*make_inputs(c))
+    assert jax_out[0].shape == (0, c.QH, c.D)
+
+
+def test_only_the_owning_rows_write():
+    """Every KV row writes exactly its own slot: scrambling one row's k changes one cache cell row."""
+    c = Case(T=6, P=4, blocks=4, QH=4, KH=2, D=16)
+    args, options = make_inputs(c)
+    first = qsa_torch.rope_reshape_and_cache(**args, **options)[2].clone()
+    args2, _ = make_inputs(c)
+    args2["k"][3] += 1.0
+    second = qsa_torch.rope_reshape_and_cache(**args2, **options)[2]
+    slot = int(args["slot_mapping"][3])
+    page, offset = divmod(slot, c.P)
+    changed = (host(first).view(np.uint16) != host(second).view(np.uint16)).any(axis=-1)
+    expected = np.zeros_like(changed)
+    expected[page, offset, :] = True
+    assert np.array_equal(changed, expected)
+
+
+# --------------------------------------------------------------------------
+# Validation: both adapters raise ValueError with the same message.
+# --------------------------------------------------------------------------
+
+def _bad(mutate):
+    def build():
+        args, options = make_inputs(Case())
+        mutate(args, options)
+        return args, options
+    return build
+
+
+BAD_ARGUMENTS = {
+    "q_rank": (_bad(lambda a, o: a.update(q=a["q"][0])), "q must be [T, QH, D]"),
+    "k_rank": (_bad(lambda a, o: a.update(k=a["k"][:, 0])), "k must be [T_kv, KH, D]"),
+    "q_dtype": (_bad(lambda a, o: a.update(q=a["q"].to(torch.int32))), "q must have dtype"),
+    "k_dtype_mismatch": (_bad(lambda a, o: a.update(k=a["k"].to(torch.float16))), "k must have q's dtype"),
+    "d_not_power_of_two": (_bad(lambda a, o: a.update(q=a["q"][..., :24], k=a["k"][..., :24], v=a["v"][..., :24])), "head dim D a power of two"),
+    "qh_not_multiple": (_bad(lambda a, o: a.update(q=a["q"][:, :3])), "divisible by k's KH"),
+    "v_shape": (_bad(lambda a, o: a.update(v=a["v"][:4])), "v must have k's shape"),
+    "t_kv_too_small": (_bad(lambda a, o: a.update(k=a["k"][:3], v=a["v"][:3])), "k must have at least T"),
+    "slot_mapping_length": (_bad(lambda a, o: a.update(slot_mapping=a["slot_mapping"][:3])), "slot_mapping must have T_kv"),
+    "slot_mapping_dtype": (_bad(lambda a, o: a.update(slot_mapping=a["slot_mapping"].float())), "slot_mapping must have dtype"),
+    "positions_length": (_bad(lambda a, o: a.update(positions=a["positions"][:2])), "positions must have T"),
+    "cos_sin_width": (_bad(lambda a, o: a.update(cos_sin=a["cos_sin"][:, :10])), "cos_sin must have width 2*F"),
+    "cos_sin_dtype": (_bad(lambda a, o: a.update(cos_sin=a["cos_sin"].to(torch.float16))), "cos_sin must have dtype"),
+    "cache_layout_mismatch": (_bad(lambda a, o: a.update(value_cache=a["value_cache"][:, :, :, :16])), "value_cache must have key_cache's shape"),
+    "cache_heads": (_bad(lambda a, o: a.update(key_cache=a["key_cache"][:, :, :1], value_cache=a["value_cache"][:, :, :1])), "key_cache must have KH"),
+    "cache_rank": (_bad(lambda a, o: a.update(key_cache=a["key_cache"][0])), "key_cache must be"),
+    "cache_dtype": (_bad(lambda a, o: a.update(key_cache=a["key_cache"].half(), value_cache=a["value_cache"].half())), "key_cache must have dtype"),
+    "value_cache_dtype": (_bad(lambda a, o: a.update(value_cache=a["value_cache"].half())), "value_cache must have key_cache's dtype"),
+    "scale_shape": (_bad(lambda a, o: o.update(k_scale=torch.ones(2, device=DEVICE))), "k_scale must be a 0-d or 1-element"),
+    "offsets_length": (_bad(lambda a, o: o.update(offsets=a["positions"][:1])), "offsets must have T"),
+    "non_contiguous_last_dim": (_bad(lambda a, o: a.update(q=a["q"].transpose(1, 2).contiguous().transpose(1, 2))), "q must have a contiguous last dimension"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_ARGUMENTS))
+def test_invalid_arguments_same_error_in_both_adapters(name):
+    build, expected = BAD_ARGUMENTS[name]
+    args, options = build()
+    with pytest.raises(ValueError) as torch_error:
+        qsa_torch.rope_reshape_and_cache(**args, **options)
+    assert expected in str(torch_error.value)
+    assert str(torch_error.value).startswith("rope_reshape_and_cache: ")
+    if name == "non_contiguous_last_dim":
+        return  # JAX arrays are always row-major: the case cannot be built there
+    jax_args = {n: to_jax(a) for n, a in args.items()}
+    jax_options = {n: (to_jax(o) if isinstance(o, torch.Tensor) else o) for n, o in options.items()}
+    with pytest.raises(ValueError) as jax_error:
+        qsa_jax.rope_reshape_and_cache(**jax_args, **jax_options)
+    assert str(jax_error.value) == str(torch_error.value)
+
+
+def test_wrong_array_types():
+    args, options = make_inputs(Case())
+    with pytest.raises(TypeError, match="rope_reshape_and_cache: positions must be a torch.Tensor"):
+        qsa_torch.rope_reshape_and_cache(**{**args, "positions": host(args["positions"])}, **options)
+    jax_args = {n: to_jax(a) for n, a in args.items()}
+    with pytest.raises(TypeError, match="rope_reshape_and_cache: q must be a JAX array"):
+        qsa_jax.rope_reshape_and_cache(**{**jax_args, "q": args["q"]}, is_neox=True)
+
+
+@pytest.mark.skipif(not runtime.INTERPRETED, reason="needs two torch devices: CPU and meta work under the interpreter")
+def test_mixed_devices_rejected():
+    args, options = make_inputs(Case())
+    args["positions"] = args["positions"].to("meta")
+    with pytest.raises(ValueError, match="all arrays must be on one device: positions"):
+        qsa_torch.rope_reshape_and_cache(**args, **options)
+
+
+@pytest.mark.gpu
+def test_cpu_tensor_in_compiled_process_rejected():
+    args, options = make_inputs(Case())
+    args = {n: a.cpu() for n, a in args.items()}
+    options = {n: (o.cpu() if isinstance(o, torch.Tensor) else o) for n, o in options.items()}
+    with pytest.raises(ValueError, match="must be on a CUDA device"):
+        qsa_torch.rope_reshape_and_cache(**args, **options)
+
+
+@pytest.mark.gpu
+def test_jax_donation_updates_cache_in_place():
+    args, options = make_inputs(Case(T=8, P=16, blocks=4))
+    jax_args = {n: to_jax(a) for n, a in args.items()}
+    names = list(jax_args)
+    donated = (names.index("key_cache"), names.index("value_cache"))
+
+    def step(*arrays):
+        return qsa_jax.rope_reshape_and_cache(*arrays, is_neox=True)
+
+    call = jax.jit(step, donate_argnums=donated)
+    key_cache = jax_args["key_cache"]
+    pointer = key_cache.unsafe_buffer_pointer()
+    out = call(*jax_args.values())
+    assert out[2].unsafe_buffer_pointer() == pointer, "donated key_cache was copied"
+    assert key_cache.is_deleted(), "the donated input must be consumed"
+
+
+@pytest.mark.gpu
+def test_torch_uses_current_stream():
+    """The kernel must run on the caller's current stream, ordered after its prior work."""
+    args, options = make_inputs(Case(T=8))
+    new_q = torch.randn_like(args["q"])
+    expected = qsa_torch.rope_reshape_and_cache(**{**make_inputs(Case(T=8))[0], "q": new_q}, **options)[0]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)  # a launch on another stream would read q before the copy below
+        args["q"].copy_(new_q)
+        out = qsa_torch.rope_reshape_and_cache(**args, **options)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert_bitwise_equal(out[0], expected, "q_out computed on the side stream")
