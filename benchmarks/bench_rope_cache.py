@@ -83,6 +83,7 @@ def main():
                 row = dict(QH=qh, KH=kh, D=d, P=page, T=t, bytes=nbytes)
                 row["torch_us"] = common.torch_median_us(call_torch, args.smoke)
                 row["torch_graph_us"] = common.torch_graph_us(call_torch, smoke=args.smoke)
+                row["torch_host_us"] = common.torch_host_us(call_torch)
                 row["baseline_us"] = common.torch_median_us(call_base, args.smoke)
                 row["baseline_graph_us"] = common.torch_graph_us(call_base, smoke=args.smoke)
 
@@ -113,13 +114,14 @@ def main():
                     row["jax_vs_torch_device"] = row["jax_loop_us"] / row["torch_graph_us"]
                 rows.append(row)
                 common.print_table([row], list(row))
-    common.print_table(rows, ["QH", "KH", "D", "P", "T", "bytes", "torch_us", "torch_graph_us", "torch_graph_pct_peak",
+    common.print_table(rows, ["QH", "KH", "D", "P", "T", "bytes", "torch_us", "torch_host_us", "torch_graph_us", "torch_graph_pct_peak",
                               "jax_wall_us", "jax_loop_us", "jax_loop_pct_peak", "jax_vs_torch_device",
                               "baseline_graph_us", "baseline_graph_pct_peak"])
     common.write_json(args.json, "rope_reshape_and_cache", rows, [
         "torch_us: triton.testing.do_bench median (L2 flushed between calls); *_graph_us: CUDA graph of 20 calls, per call",
+        "torch_host_us: wall clock per call of 200 back-to-back eager calls without sync (host cost of the call path)",
         "jax_wall_us: 20 back-to-back donated jitted calls, wall clock per call (host overhead included)",
-        "jax_loop_us: one jitted lax.fori_loop of 20 calls, wall clock per call (device time estimate)",
+        "jax_loop_us: one jitted, unrolled lax.fori_loop of 20 calls, wall clock per call (device time estimate)",
         "pct_peak: bytes moved over time, against 4300 GB/s",
     ])
 

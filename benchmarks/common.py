@@ -98,11 +98,12 @@ def jax_loop_us(step, carry, calls: int = 20, smoke: bool = False) -> float:
     """Device-time estimate: one jitted ``fori_loop`` of ``calls`` steps, µs per step.
 
     ``step(carry) -> carry``; the carry is threaded so XLA cannot hoist or
-    drop the calls.
+    drop the calls.  Unrolled: a rolled XLA while loop on the GPU reads its
+    predicate back to the host every iteration, which would dominate.
     """
     import jax
 
-    looped = jax.jit(lambda c: jax.lax.fori_loop(0, calls, lambda i, c: step(c), c))
+    looped = jax.jit(lambda c: jax.lax.fori_loop(0, calls, lambda i, c: step(c), c, unroll=True))
     jax.block_until_ready(looped(carry))
     return _wall_median_us(lambda: looped(carry), 3 if smoke else 10, sync=jax.block_until_ready) / calls
 
@@ -154,3 +155,23 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
     for r in rows:
         print("  ".join(fmt(r.get(c)).rjust(w) for c, w in zip(columns, widths)))
+
+
+def torch_host_us(fn, calls: int = 200) -> float | None:
+    """Host cost per call: wall clock of back-to-back calls with no sync in between.
+
+    When the device work is shorter than the host work, this is the time the
+    Python call path (checks, plan, launch) takes per call.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return elapsed * 1e6 / calls

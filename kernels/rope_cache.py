@@ -22,6 +22,9 @@ from .launch import ArrayInfo, Buffer, Launch, Program, cached_plan
 from .validate import FLOAT_DTYPES, FP8_DTYPE, INDEX_DTYPES, Checker
 
 FUNCTION = "rope_reshape_and_cache"
+# Query heads per program: a [BLOCK_H, D] tile of about this many elements.
+TILE_ELEMENTS = 4096
+NUM_WARPS = 4
 DOC = """\
 Apply RoPE to q and k and write k and v into a paged KV cache.
 
@@ -350,7 +353,7 @@ def plan_rope_reshape_and_cache(
     q_out = Buffer("q_out", (t, qh, d), q.dtype)
     k_out = Buffer("k_out", (t_kv, kh, d), k.dtype)
     zeros = Buffer("zeros", (t, qh, d) if return_zeros else (1,), q.dtype)
-    block_h = min(triton.next_power_of_2(qh), max(1, 4096 // d))
+    block_h = min(triton.next_power_of_2(qh), max(1, TILE_ELEMENTS // d))
     num_q_blocks = triton.cdiv(qh, block_h)
     qo_st, qo_sh, _ = q_out.info.strides
     ko_st, ko_sh, _ = k_out.info.strides
@@ -388,7 +391,7 @@ def plan_rope_reshape_and_cache(
             SATURATE=key_cache.dtype == FP8_DTYPE,
             K_DX=key_terms[6], K_PX=key_terms[7], V_DX=value_terms[6], V_PX=value_terms[7],
         ),
-        num_warps=4,
+        num_warps=NUM_WARPS,
         num_stages=1,
     )
     results = ("q_out", "k_out", "key_cache", "value_cache") + (("zeros",) if return_zeros else ())
