@@ -53,7 +53,10 @@ def cache_index(layout: str, page: int, offset: int, head: int, x: int):
 def rope_reshape_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos_sin, *,
                            is_neox, layout, x=None, k_scale=None, v_scale=None, offsets=None,
                            swa_slot_mapping=None, fp8=False):
-    """Reference of stage 1.  Returns ``(q_out, k_out, key_cache, value_cache)``.
+    """Reference of stage 1.
+
+    Returns ``(q_out, k_out, key_cache, value_cache, written)``; ``written``
+    marks the key/value cache cells some valid slot addressed.
 
     Caches are float64 copies of the inputs, updated where a slot addresses
     them; values are divided by the scales and, for fp8 caches, clipped to
@@ -71,6 +74,7 @@ def rope_reshape_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positi
     num_slots = key_cache.shape[0] * page_size
     q_out = np.full_like(q, np.nan)
     k_out = k.copy()
+    written = np.zeros(key_cache.shape, bool), np.zeros(value_cache.shape, bool)
     for row in range(t_kv):
         position_ok = True
         if row < t:
@@ -101,4 +105,121 @@ def rope_reshape_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positi
             dims = np.arange(d)
             key_cache[key_at(dims)] = kv
             value_cache[value_at(dims)] = vv
-    return q_out, k_out, key_cache, value_cache
+            written[0][key_at(dims)] = True
+            written[1][value_at(dims)] = True
+    return q_out, k_out, key_cache, value_cache, written
+
+
+# --------------------------------------------------------------------------
+# Stage 2: key compression and row store
+# --------------------------------------------------------------------------
+
+def compress_groups(raw_keys, raw_positions, compressor_state_cache, compressor_state_block_table,
+                    token_to_req, query_start_loc, logical_positions, compressed_slots,
+                    compress_ratio, rope_cache=None):
+    """Reference of stage 2's pooling: ``(pooled [R, 1, D] float64, first_positions [R, 3] int64)``."""
+    raw_keys = np.asarray(raw_keys, np.float64)
+    ring = np.asarray(compressor_state_cache, np.float64)
+    rows, _, d = raw_keys.shape
+    blocks, ring_size = ring.shape[:2]
+    num_requests = len(query_start_loc) - 1
+    pooled = np.zeros((rows, 1, d))
+    first_positions = np.zeros((rows, 3), np.int64)
+    for row in range(rows):
+        request, end = int(token_to_req[row]), int(logical_positions[row])
+        if not 0 <= request < num_requests:
+            continue
+        start, stop = int(query_start_loc[request]), int(query_start_loc[request + 1])
+        if not start <= row < stop or int(compressed_slots[row]) < 0 or end < compress_ratio - 1:
+            continue
+        chunk_start = end - (row - start)  # a request's rows hold consecutive positions
+        block = int(compressor_state_block_table[request, 0])
+        block_ok = 0 <= block < blocks
+
+        def key_at(position):
+            if position >= chunk_start:
+                return raw_keys[start + position - chunk_start, 0]
+            return ring[block, position % ring_size, 0] if block_ok else np.zeros(d)
+
+        first = end - compress_ratio + 1
+        pooled[row, 0] = np.mean([key_at(p) for p in range(first, end + 1)], axis=0)
+        if rope_cache is None:
+            first_positions[row] = first
+        elif first >= chunk_start:
+            first_positions[row] = raw_positions[start + first - chunk_start, 0]
+        elif block_ok:
+            first_positions[row] = rope_cache[block, first % ring_size, 0]
+    return pooled, first_positions
+
+
+def store_cache_rows(cache, slot_mapping, rows):
+    """Reference of stage 2's row store: ``(cache with the rows written, written [pages, P])``.
+
+    Keeps the cache's dtype: a store is an exact copy.
+    """
+    cache = np.array(cache)
+    pages, page_size = cache.shape[:2]
+    rows = np.asarray(rows).reshape(len(slot_mapping), -1)
+    written = np.zeros((pages, page_size), bool)
+    for row, slot in enumerate(slot_mapping):
+        slot = int(slot)
+        if 0 <= slot < pages * page_size:
+            page, offset = divmod(slot, page_size)
+            cache[page, offset, 0] = rows[row]
+            written[page, offset] = True
+    return cache, written
+
+
+def mean_pool_groups(keys, compress_ratio):
+    """Mean of every complete group of ``compress_ratio`` consecutive keys: ``[N, D] -> [N // ratio, D]``."""
+    keys = np.asarray(keys, np.float64)
+    groups = len(keys) // compress_ratio
+    return keys[: groups * compress_ratio].reshape(groups, compress_ratio, -1).mean(axis=1)
+
+
+# --------------------------------------------------------------------------
+# Stage 4: sparse paged attention
+# --------------------------------------------------------------------------
+
+def sparse_paged_attention(q, k_cache, v_cache, token_indices, block_table, token_to_req,
+                           softmax_scale=None):
+    """Reference of stage 4: ``out [R, QH, D]`` float64.
+
+    Each row gathers the K/V rows of its valid selected tokens (duplicates
+    kept) and runs plain softmax attention per query head; a row with no
+    valid token is zeros.  ``k_cache``/``v_cache`` are ``[blocks, P, KH, D]``.
+    """
+    q = np.asarray(q, np.float64)
+    k_cache = np.asarray(k_cache, np.float64)
+    v_cache = np.asarray(v_cache, np.float64)
+    rows, qh, d = q.shape
+    num_blocks, page_size, kh, _ = k_cache.shape
+    num_requests, table_width = block_table.shape
+    group = qh // kh
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    out = np.zeros_like(q)
+    for row in range(rows):
+        request = int(token_to_req[row])
+        if not 0 <= request < num_requests:
+            continue
+        pages, offsets = [], []
+        for token in token_indices[row]:
+            token = int(token)
+            if token < 0:
+                continue
+            logical_page, offset = divmod(token, page_size)
+            if logical_page >= table_width:
+                continue
+            page = int(block_table[request, logical_page])
+            if 0 <= page < num_blocks:
+                pages.append(page)
+                offsets.append(offset)
+        if not pages:
+            continue
+        for head in range(qh):
+            keys = k_cache[pages, offsets, head // group]
+            values = v_cache[pages, offsets, head // group]
+            scores = keys @ q[row, head] * scale
+            weights = np.exp(scores - scores.max())
+            out[row, head] = weights @ values / weights.sum()
+    return out
