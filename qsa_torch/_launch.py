@@ -26,7 +26,7 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 def info(tensor: torch.Tensor) -> ArrayInfo:
     """Shape, dtype and strides of a tensor, as plans see them."""
-    return ArrayInfo(tuple(tensor.shape), DTYPE_NAMES.get(tensor.dtype) or str(tensor.dtype), tensor.stride())
+    return ArrayInfo(tuple(tensor.shape), DTYPE_NAMES.get(tensor.dtype) or str(tensor.dtype).removeprefix("torch."), tensor.stride())
 
 
 def metadata(function: str, arrays: Mapping[str, object]) -> dict[str, ArrayInfo | None]:
