@@ -1,6 +1,21 @@
-"""Stage 4: sparse paged attention (being written)."""
+"""Stage 4 for JAX: split-K sparse paged GQA attention."""
+
+from __future__ import annotations
+
+from qsa_kernels.attention import DOC, plan_sparse_paged_attention
+from qsa_kernels.docs import jax_doc
+
+from . import _launch
 
 
 def sparse_paged_attention(q, k_cache, v_cache, token_indices, block_table, token_to_req,
                            softmax_scale=None):
-    raise NotImplementedError("sparse_paged_attention")
+    arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, token_indices=token_indices,
+                  block_table=block_table, token_to_req=token_to_req)
+    arrays, infos = _launch.metadata("sparse_paged_attention", arrays)
+    program = plan_sparse_paged_attention(**infos, softmax_scale=softmax_scale)
+    (out,) = _launch.run(program, arrays)
+    return out
+
+
+sparse_paged_attention.__doc__ = jax_doc(DOC)

@@ -223,3 +223,157 @@ def sparse_paged_attention(q, k_cache, v_cache, token_indices, block_table, toke
             weights = np.exp(scores - scores.max())
             out[row, head] = weights @ values / weights.sum()
     return out
+
+
+# --------------------------------------------------------------------------
+# Stage 3: selection (scores, top-k, expansion)
+# --------------------------------------------------------------------------
+
+def _select_visible_blocks(position: int, length: int, compress_ratio: int) -> int:
+    return min(max(position + 1, 0) // compress_ratio, max(length, 0) // compress_ratio)
+
+
+def _select_request_length(request: int, sequence_lengths) -> int:
+    """A row's sequence length, 0 for a row without a valid request."""
+    return int(sequence_lengths[request]) if 0 <= request < len(sequence_lengths) else 0
+
+
+def mqa_paged_scores(q, k_cache, page_table, token_to_req, query_positions, sequence_lengths,
+                     compress_ratio, num_columns=None, score_divisor=None):
+    """Reference of ``mqa_paged_scores``: ``(logits [R, C], visible_blocks [R])``."""
+    q = np.asarray(q, np.float64)
+    k_cache = np.asarray(k_cache, np.float64)
+    pages, page_size = k_cache.shape[:2]
+    width = page_table.shape[1]
+    columns = width * page_size if num_columns is None else num_columns
+    divisor = np.sqrt(q.shape[2]) if score_divisor is None else score_divisor
+    logits = np.full((q.shape[0], columns), -np.inf)
+    visible = np.zeros(q.shape[0], np.int64)
+    for row in range(q.shape[0]):
+        request = int(token_to_req[row])
+        length = _select_request_length(request, sequence_lengths)
+        visible[row] = _select_visible_blocks(int(query_positions[row]), length, compress_ratio)
+        if length == 0:
+            continue
+        cols = np.arange(min(columns, visible[row]))
+        cols = cols[cols // page_size < width]  # past the page table: -inf
+        logical, offset = np.divmod(cols, page_size)
+        page = page_table[request, logical].astype(np.int64)
+        present = (page >= 0) & (page < pages)
+        keys = k_cache[page[present], offset[present], 0]  # [columns, D]
+        logits[row, cols[present]] = np.maximum(keys @ q[row].T, 0).sum(axis=1) / divisor
+    return logits, visible
+
+
+def _select_rank_key(value: float):
+    """Sort key, largest first: NaN lowest, -0.0 == +0.0 (so ties fall to column order)."""
+    if np.isnan(value):
+        return (1, 0.0)
+    return (0, -float(value) + 0.0)
+
+
+def topk_blocks(logits, visible_blocks, k):
+    """Reference of ``topk_blocks``: ``[R, k]`` columns in ascending order, -1 padded."""
+    logits = np.asarray(logits, np.float64)
+    rows, columns = logits.shape
+    out = np.full((rows, k), -1, np.int64)
+    for row in range(rows):
+        width = min(max(int(visible_blocks[row]), 0), columns)
+        order = sorted(range(width), key=lambda c: (_select_rank_key(logits[row, c]), c))
+        chosen = sorted(order[:k])
+        out[row, :len(chosen)] = chosen
+    return out
+
+
+def expand_block_indices(block_indices, query_positions, sequence_lengths, token_to_req,
+                         compress_ratio, token_topk):
+    """Reference of ``expand_block_indices`` (the seed's expansion)."""
+    block_topk = token_topk // compress_ratio
+    rows = len(query_positions)
+    out = np.full((rows, token_topk + compress_ratio - 1), -1, np.int64)
+    for row in range(rows):
+        position = int(query_positions[row])
+        length = _select_request_length(int(token_to_req[row]), sequence_lengths)
+        complete = min(_select_visible_blocks(position, length, compress_ratio), block_topk)
+        tokens = [int(block_indices[row, i // compress_ratio]) * compress_ratio + i % compress_ratio
+                  for i in range(complete * compress_ratio)]
+        tail_start = (max(position + 1, 0) // compress_ratio) * compress_ratio
+        tokens += list(range(tail_start, max(position + 1, 0)))
+        for column, token in enumerate(tokens):
+            if 0 <= token < length:
+                out[row, column] = token
+    return out
+
+
+def select_paged_tokens(q, k_cache, page_table, token_to_req, query_positions, sequence_lengths,
+                        token_topk, compress_ratio):
+    """Reference of ``select_paged_tokens``: score, top-k, expand."""
+    logits, visible = mqa_paged_scores(q, k_cache, page_table, token_to_req, query_positions,
+                                       sequence_lengths, compress_ratio)
+    blocks = topk_blocks(logits, visible, token_topk // compress_ratio)
+    return expand_block_indices(blocks, query_positions, sequence_lengths, token_to_req,
+                                compress_ratio, token_topk)
+
+
+# --------------------------------------------------------------------------
+# The composed step (qsa_attention_step), dense: no pages, no ring
+# --------------------------------------------------------------------------
+
+def qsa_attention_step(q, index_q, requests, positions, keys, values, index_keys, cos_sin, index_cos_sin, *,
+                       compress_ratio, token_topk, is_neox=True, softmax_scale=None, token_indices=None):
+    """Float64 reference of one composed step, from each request's whole history.
+
+    Row ``r`` is request ``requests[r]`` at position ``positions[r]``.
+    ``keys[req]``, ``values[req]`` ``[L, KH, D]`` and ``index_keys[req]``
+    ``[L, DI]`` hold every token of the request up to the end of this step
+    (``L`` its length after the step), raw: before RoPE.  Nothing is paged:
+    the compressed keys are the means of the complete groups, rotated at their
+    first position; a row selects the ``token_topk // compress_ratio`` best of
+    its visible groups (score: sum over heads of relu(q . k) / sqrt(DI); ties
+    to the lower group), expands them in ascending order and appends the
+    causal tail of its open group.  ``token_indices`` given: attend those
+    instead (the kernels' selection, ``-1`` skipped).
+
+    Returns ``(out [T, QH, D], token_indices [T, token_topk + compress_ratio - 1])``.
+    """
+    q = np.asarray(q, np.float64)
+    index_q = np.asarray(index_q, np.float64)
+    rows, qh, d = q.shape
+    width = token_topk + compress_ratio - 1
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    out = np.zeros_like(q)
+    selected = np.full((rows, width), -1, np.int64)
+
+    def rotate(x, position, table):  # x [H, D] at one position
+        cos, sin = cos_sin_row(np.asarray(table, np.float64), position, x.shape[-1], is_neox)
+        return rope(x, cos, sin, is_neox)
+
+    for row in range(rows):
+        request, position = requests[row], int(positions[row])
+        key_rows = np.asarray(keys[request], np.float64)
+        length = len(key_rows)
+        if token_indices is None:
+            raw = np.asarray(index_keys[request], np.float64)
+            visible = min((position + 1) // compress_ratio, length // compress_ratio)
+            compressed = [rotate(raw[g * compress_ratio:(g + 1) * compress_ratio].mean(0)[None], g * compress_ratio,
+                                 index_cos_sin)[0] for g in range(visible)]
+            queries = rotate(index_q[row], position, index_cos_sin)
+            scores = [np.maximum(queries @ key, 0).sum() / np.sqrt(index_q.shape[-1]) for key in compressed]
+            best = sorted(np.argsort(-np.asarray(scores), kind="stable")[: token_topk // compress_ratio])
+            tail_start = (position + 1) // compress_ratio * compress_ratio
+            tokens = [g * compress_ratio + o for g in best for o in range(compress_ratio)]
+            tokens += list(range(tail_start, position + 1))
+        else:
+            tokens = [int(t) for t in token_indices[row] if t >= 0]
+        selected[row, : len(tokens)] = tokens
+        if not tokens:
+            continue
+        query = rotate(q[row], position, cos_sin)
+        k_sel = np.stack([rotate(key_rows[t], t, cos_sin) for t in tokens])  # [N, KH, D]
+        v_sel = np.asarray(values[request], np.float64)[tokens]
+        group = qh // k_sel.shape[1]
+        for head in range(qh):
+            s = k_sel[:, head // group] @ query[head] * scale
+            w = np.exp(s - s.max())
+            out[row, head] = w @ v_sel[:, head // group] / w.sum()
+    return out, selected

@@ -1,0 +1,309 @@
+"""Stage 4 benchmark: split-K sparse paged GQA attention, production geometry.
+
+24 query / 2 KV heads x d256, bf16, pages of 64, 2051 selected tokens per row
+(top-512 blocks of 4 tokens + the 3-token causal tail).  Decode: one row per
+request at 1/8/64/256/1024 requests; prefill: chunks of 256 and 2048 rows of
+one request; contexts 8K/32K/128K.
+
+Every request's block table maps its context onto random distinct pages of one
+shared pool (8 GiB of K+V, far beyond L2), so 1024 requests x 128K need no
+275 GB of cache.  Decode rows select independent random blocks; prefill rows
+rank blocks by one shared score plus per-row noise, so neighbouring rows
+overlap as real queries do (the measured overlap is reported).
+
+Reported per shape: the plan's launch choice (splits, BLOCK_N, tiles per
+split, warps, stages); qsa_torch by do_bench (L2 flushed) and CUDA-graph
+replay (L2 warm); qsa_jax by wall clock and fori_loop on a subset; a dense
+baseline (torch SDPA over the whole context, where its K/V fit); the seed's
+H200 time where DESIGN.md has one.  Bytes: each selected K and V row once per
+KV head, plus q, out and the indices; prefill rows re-read tokens their
+neighbours selected (L2 serves them), so its "% of peak" may pass 100.
+
+``--sweep`` (a separate tuning run, a few minutes): CUDA-graph µs of launch
+configurations around the plan's table (BLOCK_N x warps x stages, and half /
+double the split count) on a few shapes, written to sparse_attention_sweep.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the card
+
+import common  # noqa: E402
+
+QH, KH, D, PAGE = 24, 2, 256, 64
+TOKEN_TOPK, COMPRESS_RATIO = 2048, 4
+DECODE_ROWS = [1, 8, 64, 256, 1024]
+PREFILL_ROWS = [256, 2048]
+CONTEXTS = [8192, 32768, 131072]
+POOL_BYTES = 8 << 30  # K+V of the shared page pool
+DENSE_LIMIT_BYTES = 24 << 30  # K+V of the dense baseline
+PREFILL_NOISE = 0.25  # per-row score noise against a shared N(0, 1) block score
+JAX_SHAPES = {("decode", 1, 32768), ("decode", 64, 32768), ("decode", 256, 32768), ("prefill", 2048, 131072)}
+# DESIGN.md, "What the seed's kernels do on the H200" (CUDA-graph replay);
+# decode cost does not depend on the context (2051 tokens per row whatever it is).
+SEED_DECODE_US = {1: 9.7, 64: 121.0, 256: 410.0}
+SEED_PREFILL_US = {(2048, 131072): 1306.0}
+
+SWEEP_SHAPES = [("decode", 1, 32768), ("decode", 8, 32768), ("decode", 64, 32768), ("decode", 256, 32768),
+                ("decode", 1024, 32768), ("prefill", 256, 131072), ("prefill", 2048, 131072)]
+SWEEP_BLOCK_N, SWEEP_WARPS, SWEEP_STAGES = (16, 32, 64), (2, 4, 8), (2, 3)
+
+# Tiny shapes for the CPU interpreter (still split: 67 indices are 3 tiles of 32).
+SMOKE = dict(QH=4, KH=2, D=256, PAGE=16, TOKEN_TOPK=64, DECODE_ROWS=[1], PREFILL_ROWS=[4], CONTEXTS=[256],
+             POOL_BYTES=1 << 20, DENSE_LIMIT_BYTES=1 << 30, JAX_SHAPES={("decode", 1, 256)})
+
+
+def page_bytes(g) -> int:
+    return g["PAGE"] * g["KH"] * g["D"] * 2 * 2  # K and V, bf16
+
+
+def select_tokens(torch, scores, positions, ratio, topk):
+    """Top-``topk`` visible blocks of ``ratio`` tokens per row (ascending), then the causal tail."""
+    groups = scores.shape[1]
+    visible = (positions + 1) // ratio
+    column = torch.arange(groups, device=scores.device)
+    scores = scores.masked_fill(column[None, :] >= visible[:, None], float("-inf"))
+    blocks = scores.topk(topk, dim=1).indices.sort(dim=1).values
+    tokens = (blocks[:, :, None] * ratio + torch.arange(ratio, device=scores.device)).flatten(1)
+    tail = positions[:, None] - torch.arange(ratio - 2, -1, -1, device=scores.device)[None, :]
+    return torch.cat([tokens, tail], dim=1).to(torch.int32)
+
+
+def make_shape(torch, g, mode, rows, context, k_pool, device, generator):
+    """q, token_indices, block_table, token_to_req (+ selection statistics) for one shape."""
+    ratio, topk = COMPRESS_RATIO, g["TOKEN_TOPK"] // COMPRESS_RATIO
+    pool_pages = k_pool.shape[0]
+    context_pages = context // g["PAGE"]
+    requests = rows if mode == "decode" else 1
+    # Distinct pages per request: a run of one random permutation of the pool.
+    permutation = torch.randperm(pool_pages, device=device, generator=generator)
+    starts = torch.randint(0, pool_pages, (requests, 1), device=device, generator=generator)
+    block_table = permutation[(starts + torch.arange(context_pages, device=device)) % pool_pages].to(torch.int32)
+    groups = context // ratio
+    if mode == "decode":
+        positions = torch.full((rows,), context - 1, device=device)
+        scores = torch.rand(rows, groups, device=device, generator=generator)
+        token_to_req = torch.arange(rows, device=device, dtype=torch.int32)
+    else:
+        positions = torch.arange(context - rows, context, device=device)
+        shared = torch.randn(1, groups, device=device, generator=generator)
+        scores = shared + PREFILL_NOISE * torch.randn(rows, groups, device=device, generator=generator)
+        token_to_req = torch.zeros(rows, device=device, dtype=torch.int32)
+    token_indices = select_tokens(torch, scores, positions, ratio, topk)
+    q = torch.randn(rows, g["QH"], g["D"], device=device, generator=generator).to(torch.bfloat16)
+    stats = {}
+    if mode == "prefill":
+        stats["unique_tokens"] = int(torch.unique(token_indices).numel())
+        # Block tokens are sorted per row: look each up in the previous row.
+        current, previous = token_indices[1:, :-(ratio - 1)], token_indices[:-1, :-(ratio - 1)].contiguous()
+        at = torch.searchsorted(previous, current.contiguous()).clamp(max=previous.shape[1] - 1)
+        stats["neighbour_overlap"] = float((previous.gather(1, at) == current).float().mean())
+    return q, token_indices, block_table, token_to_req, stats
+
+
+def moved_bytes(g, rows, width):
+    return rows * g["KH"] * width * g["D"] * 2 * 2 + 2 * rows * g["QH"] * g["D"] * 2 + rows * width * 4
+
+
+def dense_baseline(torch, g, mode, rows, context, q, device):
+    """SDPA over the full context for the same rows, as (fn, bytes), or None if its K/V do not fit."""
+    import torch.nn.functional as F
+
+    batch = rows if mode == "decode" else 1
+    kv_bytes = 2 * batch * g["KH"] * context * g["D"] * 2
+    if kv_bytes > g["DENSE_LIMIT_BYTES"]:
+        return None
+    group = g["QH"] // g["KH"]
+    k = torch.empty(batch, g["KH"], context, g["D"], device=device, dtype=torch.bfloat16).normal_()
+    v = torch.empty_like(k).normal_()
+    # GQA as MQA per KV head: a KV head's query heads (and, for prefill, its
+    # rows) form the query sequence; no mask (decode sees the whole context;
+    # prefill is shown non-causal, an upper bound of the causal cost).
+    if mode == "decode":
+        dense_q = q.view(rows, g["KH"], group, g["D"])
+    else:
+        dense_q = q.view(rows, g["KH"], group, g["D"]).permute(1, 0, 2, 3).reshape(1, g["KH"], rows * group, g["D"])
+    return (lambda: F.scaled_dot_product_attention(dense_q, k, v)), kv_bytes + 2 * q.numel() * 2
+
+
+def plan_choice(qsa_torch, attention, arrays):
+    infos = {n: qsa_torch._launch.info(a) for n, a in arrays.items()}
+    partial = attention.plan_sparse_paged_attention(**infos).launches[0]
+    return dict(splits=partial.grid[1], block_n=partial.constexprs["BLOCK_N"],
+                tiles_per_split=partial.constexprs["TILES_PER_SPLIT"],
+                warps=partial.num_warps, stages=partial.num_stages)
+
+
+def seed_us(mode, rows, context):
+    return SEED_DECODE_US.get(rows) if mode == "decode" else SEED_PREFILL_US.get((rows, context))
+
+
+def sweep(qsa_torch, attention, arrays, smoke):
+    """CUDA-graph µs of configurations around the table's (partial kernel's warps/stages overridden)."""
+    infos = {n: qsa_torch._launch.info(a) for n, a in arrays.items()}
+    d = infos["q"].shape[2]
+    planned = attention.plan_sparse_paged_attention(**infos).launches[0].grid[1]
+    configs = [(block_n, None, warps, stages)
+               for block_n in SWEEP_BLOCK_N for warps in SWEEP_WARPS for stages in SWEEP_STAGES]
+    configs += [(None, splits, None, None) for splits in sorted({max(1, planned // 2), 2 * planned} - {planned})]
+    table_tile_bytes = attention.TILE_BYTES
+    results = []
+    try:
+        for block_n, splits, warps, stages in configs[:2] if smoke else configs:
+            attention.TILE_BYTES = block_n * 2 * d if block_n else table_tile_bytes
+            program = attention.plan_sparse_paged_attention(**infos, num_splits=splits)
+            partial = program.launches[0]
+            partial = dataclasses.replace(partial, num_warps=warps or partial.num_warps,
+                                          num_stages=stages or partial.num_stages)
+            program = dataclasses.replace(program, launches=(partial, *program.launches[1:]))
+            result = dict(block_n=partial.constexprs["BLOCK_N"], splits=partial.grid[1],
+                          tiles_per_split=partial.constexprs["TILES_PER_SPLIT"],
+                          warps=partial.num_warps, stages=partial.num_stages)
+            call = lambda: qsa_torch._launch.run(program, arrays, arrays["q"].device)  # noqa: E731
+            try:
+                # Without CUDA (smoke): the wall clock, to check the path runs.
+                result["graph_us"] = common.torch_graph_us(call, smoke=smoke) or common.torch_median_us(call, smoke)
+            except Exception as error:  # e.g. out of shared memory
+                result["error"] = f"{type(error).__name__}: {str(error)[:120]}"
+            results.append(result)
+    finally:
+        attention.TILE_BYTES = table_tile_bytes
+    return results
+
+
+def to_jax(tensor):
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    if tensor.is_cuda:
+        return jax.dlpack.from_dlpack(tensor)  # zero-copy: the pool is not duplicated
+    if tensor.dtype == torch.bfloat16:
+        return jnp.asarray(tensor.float().numpy()).astype(jnp.bfloat16)
+    return jnp.asarray(tensor.numpy())
+
+
+def main():
+    parser = common.parser(__doc__, "sparse_attention.json")
+    parser.add_argument("--sweep", action="store_true", help="tune: sweep launch configurations instead")
+    args = parser.parse_args()
+    import jax
+    import torch
+
+    import qsa_jax
+    import qsa_torch
+    from qsa_kernels import attention
+
+    g = dict(QH=QH, KH=KH, D=D, PAGE=PAGE, TOKEN_TOPK=TOKEN_TOPK, DECODE_ROWS=DECODE_ROWS,
+             PREFILL_ROWS=PREFILL_ROWS, CONTEXTS=CONTEXTS, POOL_BYTES=POOL_BYTES,
+             DENSE_LIMIT_BYTES=DENSE_LIMIT_BYTES, JAX_SHAPES=JAX_SHAPES)
+    if args.smoke:
+        g.update(SMOKE)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator(device=device).manual_seed(0)
+    pool_pages = max(g["POOL_BYTES"] // page_bytes(g), max(g["CONTEXTS"]) // g["PAGE"])
+    k_pool = torch.empty(pool_pages, g["PAGE"], g["KH"], g["D"], device=device, dtype=torch.bfloat16).normal_()
+    v_pool = torch.empty_like(k_pool).normal_()
+    width = g["TOKEN_TOPK"] + COMPRESS_RATIO - 1
+    notes = [
+        f"geometry: {g['QH']} Q / {g['KH']} KV heads x d{g['D']}, bf16, pages of {g['PAGE']}, "
+        f"{width} indices per row; pool of {pool_pages} pages ({pool_pages * page_bytes(g) / 2**30:.1f} GiB K+V) "
+        "shared by all requests through random distinct pages per request",
+        "bytes: each selected K and V row once per KV head + q + out + indices; prefill re-reads neighbours' "
+        "tokens from L2 (unique_bytes counts each token once), so its pct_peak may pass 100",
+        "torch_us: do_bench median (L2 flushed); *_graph_us: CUDA graph replay (L2 warm: at 1-8 decode rows "
+        "the whole selection fits in L2)",
+        "jax_wall_us: 20 back-to-back jitted calls, wall clock per call; jax_loop_us: one jitted fori_loop of 20 "
+        "calls per call (device time estimate); JAX runs a subset of shapes",
+        "dense_*: torch SDPA (flash) over the whole context for the same rows, GQA as MQA per KV head; prefill "
+        "non-causal; skipped where its K/V exceed "
+        f"{g['DENSE_LIMIT_BYTES'] / 2**30:.0f} GiB (e.g. 256 requests x 128K: the seed table has 16098 us)",
+        f"prefill selection: shared N(0,1) block score + {PREFILL_NOISE} x N(0,1) per row; neighbour_overlap: "
+        "fraction of a row's selected block tokens its previous row also selected",
+        "seed_us: DESIGN.md's H200 table (CUDA-graph replay); speedup_vs_seed uses torch_graph_us",
+    ]
+    shapes = [("decode", r, c) for r in g["DECODE_ROWS"] for c in g["CONTEXTS"]]
+    shapes += [("prefill", r, c) for r in g["PREFILL_ROWS"] for c in g["CONTEXTS"]]
+    if args.sweep:
+        shapes = shapes[:1] if args.smoke else SWEEP_SHAPES
+        rows_out = []
+        for mode, rows, context in shapes:
+            q, token_indices, block_table, token_to_req, _ = make_shape(
+                torch, g, mode, rows, context, k_pool, device, generator)
+            arrays = dict(q=q, k_cache=k_pool, v_cache=v_pool, token_indices=token_indices,
+                          block_table=block_table, token_to_req=token_to_req)
+            nbytes = moved_bytes(g, rows, width)
+            table = plan_choice(qsa_torch, attention, arrays)
+            for result in sweep(qsa_torch, attention, arrays, args.smoke):
+                is_table = all(result[k] == table[k] for k in ("block_n", "splits", "warps", "stages"))
+                rows_out.append(dict(mode=mode, rows=rows, context=context, table=is_table, bytes=nbytes, **result,
+                                     pct_peak=common.pct_peak(nbytes, result.get("graph_us"))))
+            shape_rows = [r for r in rows_out if (r["mode"], r["rows"], r["context"]) == (mode, rows, context)]
+            shape_rows.sort(key=lambda r: r.get("graph_us") or float("inf"))
+            common.print_table(shape_rows[:8], ["mode", "rows", "context", "table", "block_n", "splits",
+                                                "tiles_per_split", "warps", "stages", "graph_us", "pct_peak", "error"])
+        common.write_json(args.json.replace(".json", "_sweep.json"), "sparse_paged_attention sweep", rows_out,
+                          notes[:1] + ["graph_us: CUDA graph replay of 20 calls, per call; table: the plan's choice"])
+        return
+    rows_out = []
+    for mode, rows, context in shapes:
+        q, token_indices, block_table, token_to_req, stats = make_shape(
+            torch, g, mode, rows, context, k_pool, device, generator)
+        arrays = dict(q=q, k_cache=k_pool, v_cache=v_pool, token_indices=token_indices,
+                      block_table=block_table, token_to_req=token_to_req)
+        nbytes = moved_bytes(g, rows, width)
+        row = dict(mode=mode, rows=rows, context=context, width=width, **plan_choice(qsa_torch, attention, arrays),
+                   bytes=nbytes, **stats)
+        if "unique_tokens" in stats:
+            row["unique_bytes"] = stats["unique_tokens"] * g["KH"] * g["D"] * 2 * 2
+        call = lambda: qsa_torch.sparse_paged_attention(**arrays)  # noqa: E731
+        row["torch_us"] = common.torch_median_us(call, args.smoke)
+        row["torch_graph_us"] = common.torch_graph_us(call, smoke=args.smoke)
+        for key in ("torch_us", "torch_graph_us"):
+            row[key.replace("_us", "_gbps")] = common.gbps(nbytes, row[key])
+            row[key.replace("_us", "_pct_peak")] = common.pct_peak(nbytes, row[key])
+        seed = seed_us(mode, rows, context)
+        if seed and not args.smoke:
+            row["seed_us"] = seed
+            if row["torch_graph_us"]:
+                row["speedup_vs_seed"] = seed / row["torch_graph_us"]
+
+        if (mode, rows, context) in g["JAX_SHAPES"]:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            jax_arrays = tuple(to_jax(a) for a in arrays.values())
+            jitted = jax.jit(qsa_jax.sparse_paged_attention)
+            calls = 2 if args.smoke else 20
+            row["jax_wall_us"] = common.jax_wall_us(jitted, jax_arrays, calls=calls, smoke=args.smoke)
+            # The output has q's shape: thread it as the next q so no call is dropped.
+            row["jax_loop_us"] = common.jax_loop_us(
+                lambda c: (qsa_jax.sparse_paged_attention(*c), *c[1:]), jax_arrays, calls=calls, smoke=args.smoke)
+            row["jax_loop_pct_peak"] = common.pct_peak(nbytes, row["jax_loop_us"])
+            if row["torch_graph_us"]:
+                row["jax_vs_torch_device"] = row["jax_loop_us"] / row["torch_graph_us"]
+            del jax_arrays
+
+        dense = dense_baseline(torch, g, mode, rows, context, q, device)
+        if dense is not None:
+            dense_fn, dense_bytes = dense
+            row["dense_bytes"] = dense_bytes
+            row["dense_us"] = common.torch_median_us(dense_fn, args.smoke)
+            row["dense_graph_us"] = common.torch_graph_us(dense_fn, calls=5, smoke=args.smoke)
+            row["dense_graph_pct_peak"] = common.pct_peak(dense_bytes, row["dense_graph_us"])
+            if row["dense_graph_us"] and row["torch_graph_us"]:
+                row["sparse_speedup_vs_dense"] = row["dense_graph_us"] / row["torch_graph_us"]
+            del dense, dense_fn
+        rows_out.append(row)
+        common.print_table([row], list(row))
+    common.print_table(rows_out, [
+        "mode", "rows", "context", "splits", "block_n", "tiles_per_split", "bytes", "torch_us", "torch_graph_us",
+        "torch_graph_gbps", "torch_graph_pct_peak", "seed_us", "speedup_vs_seed", "jax_wall_us", "jax_loop_us",
+        "jax_vs_torch_device", "dense_graph_us", "sparse_speedup_vs_dense", "neighbour_overlap"])
+    common.write_json(args.json, "sparse_paged_attention", rows_out, notes)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,352 @@
+"""Stage 4: split-K sparse paged GQA attention with an exact log-sum-exp merge.
+
+One program attends the GROUP query heads that share one KV head of one row,
+over one split of the row's selected tokens, so each gathered K/V row is read
+once per KV head and used by the whole group.  Per tile of BLOCK_N selected
+tokens it loads the logical positions, maps them to physical pages through
+the row's request's block table, gathers K and V as ``[BLOCK_N, D]`` rows
+(contiguous D) and runs an online softmax in the log2 domain.
+
+With one split the program writes the output directly.  With several, each
+split writes its normalised float32 partial output and log2-sum-exp, and a
+merge kernel weights the partials by ``2 ** (lse - max lse)``: exactly the
+softmax over the union of the splits.
+
+Numerics (the seed's): q.k in the cache dtype with float32 accumulation, the
+scale applied to the float32 scores, probabilities rounded to the value dtype
+for the P.V product while the normaliser sums them in float32.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import triton
+import triton.language as tl
+
+from . import runtime
+from .launch import ArrayInfo, Buffer, Launch, Program, cached_plan
+from .validate import INDEX_DTYPES, Checker
+
+FUNCTION = "sparse_paged_attention"
+DOC = """\
+GQA attention of each row over its selected tokens of a paged KV cache.
+
+Row ``r`` attends the tokens listed in ``token_indices[r]``: logical token
+positions of its request ``token_to_req[r]``, whose pages are
+``block_table[token_to_req[r]]``.  Query head ``h`` reads KV head
+``h // (QH // KH)``.  The selection is split across programs and merged with an
+exact log-sum-exp (the split count changes only rounding).
+
+Args:
+    q: ``[R, QH, D]`` bf16 or fp16; D a power of two >= 16.
+    k_cache, v_cache: ``[num_blocks, P, KH, D]`` (the flash layout of
+        ``rope_reshape_and_cache``) of q's dtype, ``QH % KH == 0``.
+    token_indices: ``[R, W]`` int32/int64 logical token positions.  ``-1``, a
+        position past the block table, an unmapped (``-1``) or out-of-range
+        page are skipped; a position listed twice is attended twice.
+    block_table: ``[B, max_pages]`` int32/int64 physical page of each logical
+        page of each request.
+    token_to_req: ``[R]`` int32/int64 request of each row; a row whose request
+        is ``-1`` or ``>= B`` attends nothing.
+    softmax_scale: Python number multiplying q.k; defaults to ``D ** -0.5``.[jax:  A
+        compile-time constant under ``jax.jit``.]
+
+Returns:
+    ``out [R, QH, D]`` of q's dtype; rows with no valid token are zeros.
+"""
+
+LOG2_E = 1.4426950408889634
+
+# ---------------------------------------------------------------------------
+# Launch configuration, decided from static shapes only (rows x KV heads,
+# selection width W, head dim D), with an H200 in mind: 132 SMs, 228 KB of
+# shared memory per SM, ~4.3 TB/s of HBM.
+#
+# | choice     | value                        | why                                     |
+# |------------|------------------------------|-----------------------------------------|
+# | BLOCK_N    | TILE_BYTES / (2 bytes * D),  | K and V tiles of 16 KB each (D=256: 32  |
+# |            | 16..128, at most W (pow2)    | tokens)                                 |
+# | splits     | TARGET_PROGRAMS // (R * KH), | ~2 programs per SM: a decode row alone  |
+# |            | a power of two, <= tiles     | gets one tile per split; no split (and  |
+# |            |                              | no merge pass) once R * KH > 132        |
+# | num_stages | 3                            | the loop's loads chain index -> page -> |
+# |            |                              | K/V; one stage each prefetches K/V one  |
+# |            |                              | tile ahead                              |
+# | num_warps  | 4 (8 if BLOCK_M * D > 4096)  | the float32 accumulator [BLOCK_M, D]    |
+# |            |                              | stays at 32 registers per thread        |
+# | grid       | (rows, splits, KV heads)     | rows vary fastest: programs running     |
+# |            |                              | together are neighbouring rows of one   |
+# |            |                              | KV head, whose overlapping selections   |
+# |            |                              | L2 serves once                          |
+#
+# Compiled for sm_90 (d256, group 12, BLOCK_N 32): 153 registers and 42 KB of
+# shared memory per program, so three programs (~96 KB of K/V in flight) per
+# SM.  Splits are powers of two so that eager torch compiles few variants
+# (TILES_PER_SPLIT is a compile-time constant: the loop needs no runtime bound).
+# ---------------------------------------------------------------------------
+TILE_BYTES = 16 * 1024
+TARGET_PROGRAMS = 264
+NUM_STAGES = 3
+#: float32 elements of one merge chunk (SPLIT_CHUNK x D): 32 registers per thread.
+MERGE_CHUNK_ELEMENTS = 4096
+
+#: Score of a skipped token and initial running max: far below any real
+#: score, yet finite so that exp2(max_old - max_new) never sees inf - inf.
+MASKED_SCORE = tl.constexpr(-1.0e20)
+
+
+@triton.jit
+def _dot(a, b, acc, INTERPRET: tl.constexpr):
+    """``a @ b + acc`` with float32 accumulation.
+
+    The interpreter's bf16 dot is wrong, so only there the operands (exact in
+    float32) are upcast; compiled code keeps the 16-bit tensor-core dot.
+    """
+    if INTERPRET:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def sparse_attention_partial_kernel(
+    # inputs
+    q_ptr, k_cache_ptr, v_cache_ptr, token_indices_ptr, block_table_ptr, token_to_req_ptr,
+    # outputs: `out` itself (one split) or float32 partial outputs; log2-sum-exp
+    o_ptr, lse_ptr,
+    # sizes, strides, scale
+    num_blocks, num_requests, table_width, scale_log2,
+    q_sr, q_sh, k_sb, k_sp, k_sh, v_sb, v_sp, v_sh, ti_sr, bt_sr,
+    o_ss, o_sr, o_sh, lse_ss, lse_sr,
+    # constexprs
+    GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, WIDTH: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1).to(tl.int64)
+    kv_head = tl.program_id(2)
+
+    # The group's query heads, padded to BLOCK_M >= 16 rows for tl.dot.
+    group_offsets = tl.arange(0, BLOCK_M)
+    head_ok = group_offsets < GROUP
+    heads = kv_head * GROUP + group_offsets
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + row * q_sr + heads[:, None] * q_sh + d[None, :], mask=head_ok[:, None], other=0.0)
+
+    request = tl.load(token_to_req_ptr + row)
+    request_ok = (request >= 0) & (request < num_requests)
+    table_row = block_table_ptr + tl.where(request_ok, request, 0).to(tl.int64) * bt_sr
+    index_row = token_indices_ptr + row * ti_sr
+    k_head = k_cache_ptr + kv_head * k_sh
+    v_head = v_cache_ptr + kv_head * v_sh
+
+    running_max = tl.full((BLOCK_M,), MASKED_SCORE, tl.float32)
+    normaliser = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    first_column = split * (TILES_PER_SPLIT * BLOCK_N)
+    for tile in range(TILES_PER_SPLIT):
+        columns = first_column + tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        token = tl.load(index_row + columns, mask=columns < WIDTH, other=-1)
+        logical_page = token // PAGE
+        valid = request_ok & (token >= 0) & (logical_page < table_width)
+        page = tl.load(table_row + tl.where(valid, logical_page, 0), mask=valid, other=-1)
+        valid = valid & (page >= 0) & (page < num_blocks)
+        # page * block stride overflows int32 in large caches.
+        page = tl.where(valid, page, 0).to(tl.int64)
+        offset = tl.where(valid, token % PAGE, 0)
+        k_rows = k_head + page * k_sb + offset * k_sp
+        v_rows = v_head + page * v_sb + offset * v_sp
+        keys = tl.load(k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        values = tl.load(v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+
+        scores = _dot(q, tl.trans(keys), None, INTERPRET) * scale_log2
+        scores = tl.where(valid[None, :], scores, MASKED_SCORE)
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        rescale = tl.math.exp2(running_max - new_max)
+        probabilities = tl.where(valid[None, :], tl.math.exp2(scores - new_max[:, None]), 0.0)
+        acc = _dot(probabilities.to(values.dtype), values, acc * rescale[:, None], INTERPRET)
+        normaliser = normaliser * rescale + tl.sum(probabilities, axis=1)
+        running_max = new_max
+
+    has_tokens = normaliser > 0
+    safe_normaliser = tl.maximum(normaliser, 1.0e-20)
+    out = tl.where(has_tokens[:, None], acc / safe_normaliser[:, None], 0.0)
+    lse = tl.where(has_tokens, running_max + tl.math.log2(safe_normaliser), -float("inf"))
+    tl.store(o_ptr + split * o_ss + row * o_sr + heads[:, None] * o_sh + d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=head_ok[:, None])
+    tl.store(lse_ptr + split * lse_ss + row * lse_sr + heads, lse, mask=head_ok)
+
+
+@triton.jit
+def merge_splits_kernel(
+    # inputs: partial outputs [S, R, QH, D] and log2-sum-exps [S, R, QH], float32
+    partial_out_ptr, partial_lse_ptr,
+    # outputs
+    out_ptr,
+    # sizes and strides
+    rows, out_sr, out_sh,
+    # constexprs
+    QH: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, D)
+    all_splits = tl.arange(0, BLOCK_SPLITS)
+    lse = tl.load(partial_lse_ptr + (all_splits * rows + row) * QH + head,
+                  mask=all_splits < NUM_SPLITS, other=-float("inf"))
+    lse_max = tl.max(lse, axis=0)
+    # No split saw a token: every weight is 0 and the row is zeros.
+    lse_max = tl.where(lse_max == -float("inf"), 0.0, lse_max)
+    # The largest split weighs 1, so the denominator is >= 1 unless no split
+    # saw a token (then it is 0, and so is every partial).
+    denominator = tl.maximum(tl.sum(tl.math.exp2(lse - lse_max), axis=0), 1.0)
+
+    merged = tl.zeros((D,), tl.float32)
+    chunk = tl.arange(0, SPLIT_CHUNK)
+    for first in tl.static_range(0, NUM_SPLITS, SPLIT_CHUNK):
+        splits = first + chunk
+        in_range = splits < NUM_SPLITS
+        at = (splits * rows + row) * QH + head
+        weight = tl.math.exp2(tl.load(partial_lse_ptr + at, mask=in_range, other=-float("inf")) - lse_max)
+        partial = tl.load(partial_out_ptr + at[:, None] * D + d[None, :], mask=in_range[:, None], other=0.0)
+        merged += tl.sum(partial * weight[:, None], axis=0)
+    tl.store(out_ptr + row * out_sr + head * out_sh + d, (merged / denominator).to(out_ptr.dtype.element_ty))
+
+
+def _softmax_scale(check: Checker, softmax_scale, d: int) -> float:
+    if softmax_scale is None:
+        return d ** -0.5
+    if (not isinstance(softmax_scale, numbers.Real) or isinstance(softmax_scale, bool)
+            or not math.isfinite(float(softmax_scale))):
+        check.fail("softmax_scale", "must be a finite Python number or None", repr(softmax_scale))
+    return float(softmax_scale)
+
+
+def _split_plan(rows: int, kv_heads: int, width: int, d: int, num_splits: int | None):
+    """``(BLOCK_N, tiles per split, splits)`` from the table above."""
+    block_n = max(16, min(128, TILE_BYTES // (2 * d)))
+    block_n = min(block_n, max(16, triton.next_power_of_2(width)))
+    tiles = max(1, triton.cdiv(width, block_n))
+    if num_splits is None:
+        wanted = max(1, TARGET_PROGRAMS // max(1, rows * kv_heads))
+        num_splits = 1 << (wanted.bit_length() - 1)
+    tiles_per_split = triton.cdiv(tiles, min(num_splits, tiles))
+    # Re-derive the count so that no split is empty.
+    return block_n, tiles_per_split, triton.cdiv(tiles, tiles_per_split)
+
+
+@cached_plan
+def plan_sparse_paged_attention(
+    q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, token_indices: ArrayInfo,
+    block_table: ArrayInfo, token_to_req: ArrayInfo, softmax_scale=None,
+    *, num_splits: int | None = None,
+) -> Program:
+    """Validate stage-4 arguments and describe the launches (see API.md).
+
+    ``num_splits`` overrides the table's split count (tests only; the public
+    functions do not expose it); it is capped so that no split is empty.
+    """
+    check = Checker(FUNCTION)
+    check.rank("q", q, 3, "[R, QH, D]")
+    check.rank("k_cache", k_cache, 4, "[num_blocks, P, KH, D] (flash layout)")
+    check.rank("v_cache", v_cache, 4, "[num_blocks, P, KH, D] (flash layout)")
+    check.dtype("q", q, ("bfloat16", "float16"))
+    if k_cache.dtype != q.dtype:
+        check.fail("k_cache", f"must have q's dtype {q.dtype}", k_cache.dtype)
+    if v_cache.dtype != q.dtype:
+        check.fail("v_cache", f"must have q's dtype {q.dtype}", v_cache.dtype)
+    rows, qh, d = q.shape
+    num_blocks, page, kh, cache_d = k_cache.shape
+    check.power_of_two("q", d, "head dim D")
+    if d < 16:
+        check.fail("q", "must have head dim D >= 16", d)
+    if cache_d != d:
+        check.fail("k_cache", f"must have q's head dim D = {d}", f"shape {k_cache.shape}")
+    if v_cache.shape != k_cache.shape:
+        check.fail("v_cache", f"must have k_cache's shape {k_cache.shape}", f"shape {v_cache.shape}")
+    if kh < 1 or qh % kh:
+        check.fail("q", f"must have a number of heads QH divisible by k_cache's KH = {kh}", f"QH = {qh}")
+    if page < 1:
+        check.fail("k_cache", "must have a page size P >= 1", f"shape {k_cache.shape}")
+    check.rank("token_indices", token_indices, 2, "[R, W]")
+    check.dtype("token_indices", token_indices, INDEX_DTYPES)
+    if token_indices.shape[0] != rows:
+        check.fail("token_indices", f"must have R = {rows} rows like q", f"shape {token_indices.shape}")
+    check.rank("block_table", block_table, 2, "[B, max_pages]")
+    check.dtype("block_table", block_table, INDEX_DTYPES)
+    check.rank("token_to_req", token_to_req, 1, "[R]")
+    check.dtype("token_to_req", token_to_req, INDEX_DTYPES)
+    if token_to_req.shape[0] != rows:
+        check.fail("token_to_req", f"must have R = {rows} entries like q", f"shape {token_to_req.shape}")
+    scale = _softmax_scale(check, softmax_scale, d)
+    arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, token_indices=token_indices,
+                  block_table=block_table, token_to_req=token_to_req)
+    for name, info in arrays.items():
+        check.last_dim_contiguous(name, info)
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+        check.fail("num_splits", "must be a positive int or None", repr(num_splits))
+
+    width = token_indices.shape[1]
+    group = qh // kh
+    block_m = max(16, triton.next_power_of_2(group))
+    block_n, tiles_per_split, splits = _split_plan(rows, kh, width, d, num_splits)
+
+    out = Buffer("out", (rows, qh, d), q.dtype)
+    # The log2-sum-exps of one split are the rows' own: kept for a later
+    # option to return them (API.md, "Beyond the seeds").
+    partial_lse = Buffer("partial_lse", (splits, rows, qh), "float32")
+    if splits == 1:
+        partial_out = out  # written directly, no merge
+        buffers = (out, partial_lse)
+    else:
+        partial_out = Buffer("partial_out", (splits, rows, qh, d), "float32")
+        buffers = (out, partial_out, partial_lse)
+    # Both candidates are contiguous [..., R, QH, D]: only the split stride differs.
+    o_sr, o_sh, _ = out.info.strides
+    o_ss = rows * qh * d if splits > 1 else 0
+    lse_ss, lse_sr, _ = partial_lse.info.strides
+
+    partial = Launch(
+        kernel=sparse_attention_partial_kernel,
+        # Rows vary fastest (see the table).
+        grid=(rows, splits, kh),
+        inputs=tuple(arrays),
+        outputs=(partial_out.name, partial_lse.name),
+        scalars=dict(
+            num_blocks=num_blocks, num_requests=block_table.shape[0], table_width=block_table.shape[1],
+            scale_log2=scale * LOG2_E,
+            q_sr=q.strides[0], q_sh=q.strides[1],
+            k_sb=k_cache.strides[0], k_sp=k_cache.strides[1], k_sh=k_cache.strides[2],
+            v_sb=v_cache.strides[0], v_sp=v_cache.strides[1], v_sh=v_cache.strides[2],
+            ti_sr=token_indices.strides[0], bt_sr=block_table.strides[0],
+            o_ss=o_ss, o_sr=o_sr, o_sh=o_sh, lse_ss=lse_ss, lse_sr=lse_sr,
+        ),
+        constexprs=dict(
+            GROUP=group, D=d, PAGE=page, WIDTH=width, BLOCK_M=block_m, BLOCK_N=block_n,
+            TILES_PER_SPLIT=tiles_per_split, INTERPRET=runtime.INTERPRETED,
+        ),
+        num_warps=4 if block_m * d <= 4096 else 8,
+        num_stages=NUM_STAGES,
+    )
+    launches = (partial,)
+    if splits > 1:
+        block_splits = triton.next_power_of_2(splits)
+        merge = Launch(
+            kernel=merge_splits_kernel,
+            grid=(rows, qh),
+            inputs=("partial_out", "partial_lse"),
+            outputs=("out",),
+            scalars=dict(rows=rows, out_sr=o_sr, out_sh=o_sh),
+            constexprs=dict(
+                QH=qh, D=d, NUM_SPLITS=splits, BLOCK_SPLITS=block_splits,
+                SPLIT_CHUNK=min(block_splits, max(1, MERGE_CHUNK_ELEMENTS // d)),
+            ),
+            num_warps=4,
+            num_stages=1,
+        )
+        launches += (merge,)
+    return Program(FUNCTION, buffers, launches, ("out",))

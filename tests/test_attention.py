@@ -1,0 +1,426 @@
+"""Stage 4 (sparse_paged_attention): both adapters against the float64 reference,
+split and unsplit paths, skipped indices, torch-vs-JAX bitwise parity under
+jax.jit, the plan's launch table, validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import qsa_jax
+import qsa_jax._attention as jax_attention
+import qsa_torch
+import qsa_torch._attention as torch_attention
+from qsa_kernels import attention
+from qsa_kernels.launch import ArrayInfo
+
+from . import reference as R
+from .util import DEVICE, assert_bitwise_equal, assert_close, f64, host, to_jax, tolerance
+
+ARGUMENTS = ("q", "k_cache", "v_cache", "token_indices", "block_table", "token_to_req")
+
+
+@dataclasses.dataclass
+class Case:
+    """One configuration; options are spread pairwise over the cases."""
+
+    R: int = 4
+    QH: int = 8
+    KH: int = 2
+    D: int = 64
+    P: int = 8
+    W: int = 24  # selection width
+    requests: int = 2
+    pages_per_request: int = 4
+    dtype: torch.dtype = torch.bfloat16
+    index_dtype: torch.dtype = torch.int32
+    splits: int | None = None  # None: the plan's table (small cases: as many as tiles)
+    scale: float | None = None
+    views: bool = False  # q, caches, indices and table as strided views
+    seed: int = 0
+
+
+def make_inputs(c: Case):
+    """Random q/K/V with shuffled physical pages, ragged valid counts per row,
+    duplicates, and every kind of skipped index mixed in."""
+    g = torch.Generator().manual_seed(c.seed)
+    rng = np.random.default_rng(c.seed)
+    blocks = c.requests * c.pages_per_request + 3
+    width = c.pages_per_request + 1  # the last logical page is unmapped (-1)
+    # Views are sliced on the device: moving a view would make it contiguous.
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(device=DEVICE, dtype=c.dtype)  # noqa: E731
+    index_tensor = lambda array: torch.from_numpy(array).to(device=DEVICE, dtype=c.index_dtype)  # noqa: E731
+
+    if c.views:
+        # q sliced from a packed qkv; caches from a pool with twice the heads;
+        # indices and table as column slices of wider arrays.
+        qkv = rnd(c.R, c.QH + 2 * c.KH, c.D)
+        q = qkv[:, : c.QH]
+        k_pool, v_pool = rnd(blocks, c.P, 2 * c.KH, c.D), rnd(blocks, c.P, 2 * c.KH, c.D)
+        k_cache, v_cache = k_pool[:, :, c.KH:], v_pool[:, :, : c.KH]
+    else:
+        q = rnd(c.R, c.QH, c.D)
+        k_cache, v_cache = rnd(blocks, c.P, c.KH, c.D), rnd(blocks, c.P, c.KH, c.D)
+
+    table = np.full((c.requests, width), -1, np.int64)
+    table[:, : c.pages_per_request] = rng.permutation(blocks)[: c.requests * c.pages_per_request].reshape(
+        c.requests, c.pages_per_request)
+    table[0, 1] = -1  # an unmapped page inside the context
+    table[-1, 0] = blocks + 2  # an out-of-range page
+    context = rng.integers(c.P + 1, c.pages_per_request * c.P, size=c.requests)  # not page multiples
+
+    to_req = rng.integers(0, c.requests, size=c.R)
+    indices = np.full((c.R, c.W), -1, np.int64)
+    skipped = [-1, -7, width * c.P + 3, 10 * width * c.P, (width - 1) * c.P + 1]  # negative, past the table, unmapped
+    for row in range(c.R):
+        valid = rng.integers(1, c.W + 1)  # ragged; sampled with replacement, so duplicates occur
+        tokens = list(rng.integers(0, context[to_req[row]], size=valid))
+        tokens += list(rng.choice(skipped, size=c.W - valid))
+        if row == 0 and c.W >= 3:
+            tokens[-2:] = [tokens[0]] * 2  # a token listed three times
+        indices[row] = rng.permutation(tokens)
+    if c.R >= 4:
+        indices[1] = -1  # nothing selected
+        to_req[2] = -1  # no request
+        to_req[3] = c.requests  # request past the table
+
+    if c.views:
+        wide = np.full((c.R, c.W + 5), 123, np.int64)
+        wide[:, 2: 2 + c.W] = indices
+        token_indices = index_tensor(wide)[:, 2: 2 + c.W]
+        wide_table = np.full((c.requests, width + 3), 0, np.int64)
+        wide_table[:, :width] = table
+        block_table = index_tensor(wide_table)[:, :width]
+    else:
+        token_indices, block_table = index_tensor(indices), index_tensor(table)
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, token_indices=token_indices,
+                block_table=block_table, token_to_req=index_tensor(to_req))
+
+
+def reference_for(args, scale=None):
+    return R.sparse_paged_attention(
+        f64(args["q"]), f64(args["k_cache"]), f64(args["v_cache"]), host(args["token_indices"]),
+        host(args["block_table"]), host(args["token_to_req"]), softmax_scale=scale)
+
+
+def run_jax(args, scale=None):
+    call = jax.jit(lambda *arrays: qsa_jax.sparse_paged_attention(*arrays, softmax_scale=scale))
+    return call(*(to_jax(args[n]) for n in ARGUMENTS))
+
+
+@pytest.fixture
+def force_splits(monkeypatch):
+    """Make both public functions plan ``n`` splits (a plan-only keyword)."""
+    def force(n: int | None):
+        if n is None:
+            return
+        plan = functools.partial(attention.plan_sparse_paged_attention, num_splits=n)
+        monkeypatch.setattr(torch_attention, "plan_sparse_paged_attention", plan)
+        monkeypatch.setattr(jax_attention, "plan_sparse_paged_attention", plan)
+    return force
+
+
+def planned_splits(args, num_splits=None) -> int:
+    infos = {n: qsa_torch._launch.info(args[n]) for n in ARGUMENTS}
+    program = attention.plan_sparse_paged_attention(**infos, num_splits=num_splits)
+    return program.launches[0].grid[1]
+
+
+def check_case(c: Case, force_splits):
+    args = make_inputs(c)
+    splits = planned_splits(args, c.splits)
+    assert c.splits in (None, splits), f"the case asks for {c.splits} splits but plans {splits}"
+    force_splits(c.splits)
+    out = qsa_torch.sparse_paged_attention(**args, softmax_scale=c.scale)
+    ref = reference_for(args, c.scale)
+    assert out.dtype == c.dtype and out.shape == (c.R, c.QH, c.D)
+    assert_close(out, ref, tolerance(c.dtype), f"torch vs reference ({splits} splits)")
+    assert np.abs(ref).sum() > 0, "the case attends nothing: it tests nothing"
+    assert_bitwise_equal(run_jax(args, c.scale), out, "torch vs JAX")
+
+
+# Group sizes 1/4/12/16 x head dims 64/128/256, every pair once; dtype, split
+# count, scale, index dtype and strided views spread over them.  Widths span
+# several BLOCK_N tiles (BLOCK_N = 128 / 64 / 32 for D = 64 / 128 / 256).
+CASES = {
+    "g1_d64_bf16_table": Case(QH=2, KH=2, D=64, W=300),
+    "g1_d128_fp16_unsplit_scale": Case(QH=2, KH=2, D=128, W=150, dtype=torch.float16, splits=1, scale=0.2),
+    "g1_d256_bf16_3splits_views": Case(QH=1, KH=1, D=256, W=180, splits=3, views=True),
+    "g4_d64_fp16_2splits_int64": Case(QH=8, KH=2, D=64, W=300, dtype=torch.float16, splits=2, index_dtype=torch.int64),
+    "g4_d128_bf16_table_scale": Case(QH=4, KH=1, D=128, W=150, scale=0.05, P=16),
+    "g4_d256_fp16_unsplit": Case(QH=8, KH=2, D=256, W=70, dtype=torch.float16, splits=1),
+    "g12_d64_bf16_unsplit_int64_views": Case(QH=12, KH=1, D=64, W=200, splits=1, index_dtype=torch.int64, views=True),
+    "g12_d128_fp16_table": Case(QH=24, KH=2, D=128, W=150, dtype=torch.float16, R=5),
+    "g12_d256_bf16_production_table": Case(QH=24, KH=2, D=256, W=75, P=16),
+    "g16_d64_fp16_table_scale": Case(QH=16, KH=1, D=64, W=260, dtype=torch.float16, scale=1.5),
+    "g16_d128_bf16_3splits_views": Case(QH=32, KH=2, D=128, W=150, splits=3, views=True),
+    "g16_d256_fp16_unsplit_int64": Case(QH=16, KH=1, D=256, W=40, dtype=torch.float16, splits=1, index_dtype=torch.int64),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_against_reference_and_jax(name, force_splits):
+    check_case(CASES[name], force_splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_split_and_unsplit_agree(dtype, monkeypatch):
+    """Splits change the results only through rounding: each split rounds its
+    probabilities to the value dtype against its own running max, and the
+    output is rounded once more (measured: ~1.5e-3 bf16, ~1.6e-4 fp16)."""
+    c = Case(QH=12, KH=1, D=128, W=256, R=3, dtype=dtype)
+    args = make_inputs(c)
+    outputs = {}
+    for n in (1, 2, 4):
+        assert planned_splits(args, n) == n
+        plan = functools.partial(attention.plan_sparse_paged_attention, num_splits=n)
+        monkeypatch.setattr(torch_attention, "plan_sparse_paged_attention", plan)
+        outputs[n] = f64(qsa_torch.sparse_paged_attention(**args))
+    ref = reference_for(args)
+    for n, out in outputs.items():
+        assert_close(out, ref, tolerance(dtype), f"{n} splits vs reference")
+        assert_close(out, outputs[1], tolerance(dtype) / 4, f"{n} splits vs 1 split")
+
+
+def check_against_reference(args, ref, dtype):
+    out = qsa_torch.sparse_paged_attention(**args)
+    assert_close(out, ref, tolerance(dtype), "torch vs reference")
+    assert_bitwise_equal(run_jax(args), out, "torch vs JAX")
+    return out
+
+
+def test_rows_without_valid_tokens_are_zero(force_splits):
+    c = Case(R=7, QH=4, KH=2, D=64, W=130)  # two tiles of 128
+    args = make_inputs(c)
+    indices, to_req = args["token_indices"], args["token_to_req"]
+    table_width = args["block_table"].shape[1]
+    indices[4] = table_width * c.P + 5  # every position past the block table
+    indices[5] = (table_width - 1) * c.P  # every position on the unmapped last page
+    to_req[5] = 0
+    indices[6, ::2] = 1 * c.P + 1  # request 0's unmapped page 1, and -1
+    indices[6, 1::2] = -1
+    to_req[6] = 0
+    ref = reference_for(args)
+    for splits in (1, 2):
+        assert planned_splits(args, splits) == splits
+        force_splits(splits)
+        out = f64(check_against_reference(args, ref, c.dtype))
+        assert not out[1:].any(), f"rows with no valid token must be exactly zero ({splits} splits)"
+        assert out[0].any()
+
+
+def test_duplicates_count_twice():
+    c = Case(R=1, QH=4, KH=1, D=64, W=3, requests=1, P=4)
+    args = make_inputs(c)
+    table, blocks = host(args["block_table"]), args["k_cache"].shape[0]
+    mapped = [t for t in range(c.P * 4) if 0 <= table[0, t // c.P] < blocks][:2]
+    args["token_to_req"][0] = 0
+    args["token_indices"][0] = torch.tensor([mapped[0], mapped[1], mapped[0]])
+    out = f64(qsa_torch.sparse_paged_attention(**args))
+    assert_close(out, reference_for(args), tolerance(c.dtype), "duplicates kept")
+    deduplicated = dict(args, token_indices=args["token_indices"][:, :2].contiguous())
+    assert np.abs(out - reference_for(deduplicated)).max() > 0.05, "a duplicate must weigh twice"
+
+
+def test_default_scale_is_inverse_sqrt_d():
+    args = make_inputs(Case(R=2, D=128, W=64))
+    default = qsa_torch.sparse_paged_attention(**args)
+    explicit = qsa_torch.sparse_paged_attention(**args, softmax_scale=128 ** -0.5)
+    other = qsa_torch.sparse_paged_attention(**args, softmax_scale=0.3)
+    assert_bitwise_equal(default, explicit, "default vs D ** -0.5")
+    assert (f64(default) != f64(other)).any()
+
+
+def test_empty_selection_and_no_rows():
+    args = make_inputs(Case(R=4, W=8))
+    no_width = dict(args, token_indices=args["token_indices"][:, :0])
+    out = qsa_torch.sparse_paged_attention(**no_width)
+    assert out.shape == (4, 8, 64) and not f64(out).any()
+    assert_bitwise_equal(run_jax(no_width), out, "torch vs JAX, W = 0")
+    no_rows = {n: (a[:0] if n in ("q", "token_indices", "token_to_req") else a) for n, a in args.items()}
+    assert qsa_torch.sparse_paged_attention(**no_rows).shape == (0, 8, 64)
+    assert run_jax(no_rows).shape == (0, 8, 64)
+
+
+def test_launch_table():
+    """The plan's choices for the production geometry (24 Q / 2 KV heads, d256)."""
+    def plan(rows, width=2051, d=256, qh=24, kh=2):
+        a = ArrayInfo.contiguous
+        return attention.plan_sparse_paged_attention(
+            a((rows, qh, d), "bfloat16"), a((4096, 64, kh, d), "bfloat16"), a((4096, 64, kh, d), "bfloat16"),
+            a((rows, width), "int32"), a((8, 2048), "int32"), a((rows,), "int32"))
+
+    decode_one = plan(1)
+    partial, merge = decode_one.launches
+    assert partial.constexprs["BLOCK_N"] == 32 and partial.constexprs["TILES_PER_SPLIT"] == 1
+    assert partial.grid == (1, 65, 2) and merge.grid == (1, 24)  # one tile per split
+    assert plan(64).launches[0].grid == (64, 2, 2)
+    assert [launch.grid for launch in plan(256).launches] == [(256, 1, 2)]  # no split, no merge
+    assert plan(2048).buffer("partial_out") is None
+    assert plan(4, d=64, qh=8).launches[0].constexprs["BLOCK_N"] == 128
+    assert plan(4, width=10).launches[0].constexprs["BLOCK_N"] == 16  # capped by the width
+
+
+# --------------------------------------------------------------------------
+# GPU-only: production geometry, large caches.
+# --------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_production_decode_shape():
+    c = Case(R=64, QH=24, KH=2, D=256, P=64, W=2051, requests=64, pages_per_request=40)
+    args = make_inputs(c)
+    ref = reference_for(args)
+    infos = {n: qsa_torch._launch.info(args[n]) for n in ARGUMENTS}
+    for splits in (None, 1):
+        program = attention.plan_sparse_paged_attention(**infos, num_splits=splits)
+        (out,) = qsa_torch._launch.run(program, args, args["q"].device)
+        assert_close(out, ref, tolerance(c.dtype), f"splits={splits}")
+    assert_bitwise_equal(run_jax(args), qsa_torch.sparse_paged_attention(**args), "torch vs JAX")
+
+
+@pytest.mark.gpu
+def test_page_offsets_past_int32():
+    """page * block stride exceeds 2**31 elements: offsets must be int64."""
+    d, kh, page = 256, 2, 64
+    blocks = 2 ** 31 // (page * kh * d) + 8
+    k_cache = torch.empty(blocks, page, kh, d, device=DEVICE, dtype=torch.bfloat16)
+    v_cache = torch.empty_like(k_cache)
+    pages = torch.tensor([3, blocks - 1, blocks - 5], device=DEVICE)
+    k_cache[pages] = torch.randn(3, page, kh, d, device=DEVICE, dtype=torch.bfloat16)
+    v_cache[pages] = torch.randn(3, page, kh, d, device=DEVICE, dtype=torch.bfloat16)
+    q = torch.randn(2, 24, d, device=DEVICE, dtype=torch.bfloat16)
+    block_table = pages.to(torch.int32)[None]
+    indices = torch.randint(0, 3 * page, (2, 100), device=DEVICE, dtype=torch.int32)
+    token_to_req = torch.zeros(2, device=DEVICE, dtype=torch.int32)
+    out = qsa_torch.sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_req)
+    # The reference sees only the three pages used.
+    ref = R.sparse_paged_attention(f64(q), f64(k_cache[pages]), f64(v_cache[pages]), host(indices),
+                                   np.arange(3)[None], host(token_to_req))
+    assert_close(out, ref, tolerance(torch.bfloat16), "large cache")
+
+
+# --------------------------------------------------------------------------
+# Validation: both adapters raise ValueError with the same message.
+# --------------------------------------------------------------------------
+
+def _bad(mutate):
+    def build():
+        args = make_inputs(Case(D=32, W=8))
+        scale = mutate(args)
+        return args, scale
+    return build
+
+
+def _set(**changes):
+    return _bad(lambda a: a.update({n: f(a) for n, f in changes.items()}))
+
+
+BAD_ARGUMENTS = {
+    "q_rank": (_set(q=lambda a: a["q"][0]), "q must be [R, QH, D] (rank 3)"),
+    "cache_rank": (_set(k_cache=lambda a: a["k_cache"][0]), "k_cache must be [num_blocks, P, KH, D]"),
+    "q_dtype": (_set(q=lambda a: a["q"].float()), "q must have dtype bfloat16 or float16"),
+    "cache_dtype": (_set(k_cache=lambda a: a["k_cache"].half()), "k_cache must have q's dtype bfloat16"),
+    "value_dtype": (_set(v_cache=lambda a: a["v_cache"].half()), "v_cache must have q's dtype"),
+    "d_not_power_of_two": (_set(q=lambda a: a["q"][..., :24], k_cache=lambda a: a["k_cache"][..., :24],
+                                v_cache=lambda a: a["v_cache"][..., :24]), "q must have head dim D a power of two"),
+    "d_too_small": (_set(q=lambda a: a["q"][..., :8], k_cache=lambda a: a["k_cache"][..., :8],
+                         v_cache=lambda a: a["v_cache"][..., :8]), "q must have head dim D >= 16"),
+    "cache_head_dim": (_set(k_cache=lambda a: a["k_cache"][..., :16], v_cache=lambda a: a["v_cache"][..., :16]),
+                       "k_cache must have q's head dim D = 32"),
+    "cache_shapes_differ": (_set(v_cache=lambda a: a["v_cache"][:3]), "v_cache must have k_cache's shape"),
+    "qh_not_multiple": (_set(q=lambda a: a["q"][:, :3]), "q must have a number of heads QH divisible by k_cache's KH = 2"),
+    "indices_rank": (_set(token_indices=lambda a: a["token_indices"][0]), "token_indices must be [R, W]"),
+    "indices_rows": (_set(token_indices=lambda a: a["token_indices"][:2]), "token_indices must have R = 4 rows"),
+    "indices_dtype": (_set(token_indices=lambda a: a["token_indices"].float()), "token_indices must have dtype int32 or int64"),
+    "table_rank": (_set(block_table=lambda a: a["block_table"][0]), "block_table must be [B, max_pages]"),
+    "table_dtype": (_set(block_table=lambda a: a["block_table"].to(torch.uint8)), "block_table must have dtype int32 or int64, got uint8"),
+    "to_req_length": (_set(token_to_req=lambda a: a["token_to_req"][:3]), "token_to_req must have R = 4 entries"),
+    "to_req_dtype": (_set(token_to_req=lambda a: a["token_to_req"].float()), "token_to_req must have dtype"),
+    "scale_not_a_number": (_bad(lambda a: "0.1"), "softmax_scale must be a finite Python number or None"),
+    "scale_nan": (_bad(lambda a: float("nan")), "softmax_scale must be a finite"),
+    "non_contiguous_last_dim": (_set(q=lambda a: a["q"].transpose(1, 2).contiguous().transpose(1, 2)),
+                                "q must have a contiguous last dimension"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_ARGUMENTS))
+def test_invalid_arguments_same_error_in_both_adapters(name):
+    build, expected = BAD_ARGUMENTS[name]
+    args, scale = build()
+    with pytest.raises(ValueError) as torch_error:
+        qsa_torch.sparse_paged_attention(**args, softmax_scale=scale)
+    assert expected in str(torch_error.value)
+    assert str(torch_error.value).startswith("sparse_paged_attention: ")
+    if name == "non_contiguous_last_dim":
+        return  # JAX arrays are always row-major: the case cannot be built there
+    jax_args = {n: to_jax(a) for n, a in args.items()}
+    with pytest.raises(ValueError) as jax_error:
+        qsa_jax.sparse_paged_attention(**jax_args, softmax_scale=scale)
+    assert str(jax_error.value) == str(torch_error.value)
+
+
+def test_wrong_array_type():
+    args = make_inputs(Case(W=8))
+    with pytest.raises(TypeError, match="sparse_paged_attention: block_table must be a torch.Tensor"):
+        qsa_torch.sparse_paged_attention(**{**args, "block_table": host(args["block_table"])})
+    jax_args = {n: to_jax(a) for n, a in args.items()}
+    with pytest.raises(TypeError, match="sparse_paged_attention: q must be a JAX array"):
+        qsa_jax.sparse_paged_attention(**{**jax_args, "q": args["q"]})
+
+
+# --------------------------------------------------------------------------
+# The compiled path, without a GPU: the interpreter accepts code that the
+# compiler rejects (it once hid a non-constexpr global), so compile the
+# production plans for sm_90 (PTX and cubin, in a process that does not
+# interpret).
+# --------------------------------------------------------------------------
+
+COMPILE_FOR_SM90 = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from qsa_kernels.attention import plan_sparse_paged_attention
+from qsa_kernels.launch import ArrayInfo
+
+POINTER = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32", "int32": "*i32", "int64": "*i64"}
+compiled = []
+for rows, qh, kh, d, dtype, index in ((1, 24, 2, 256, "bfloat16", "int32"), (2048, 24, 2, 256, "bfloat16", "int32"),
+                                      (8, 16, 4, 64, "float16", "int64")):
+    a = ArrayInfo.contiguous
+    arrays = dict(q=a((rows, qh, d), dtype), k_cache=a((4096, 64, kh, d), dtype), v_cache=a((4096, 64, kh, d), dtype),
+                  token_indices=a((rows, 2051), index), block_table=a((8, 2048), index), token_to_req=a((rows,), index))
+    program = plan_sparse_paged_attention(**arrays)
+    env = {**arrays, **{b.name: b.info for b in program.buffers}}
+    for launch in program.launches:
+        names = launch.inputs + launch.outputs
+        # As torch specialises them: 16-byte aligned pointers, sizes divisible by 16 marked so.
+        signature = {arg: POINTER[env[name].dtype] for arg, name in zip(launch.kernel.arg_names, names)}
+        attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(names))}
+        for i, (name, value) in enumerate(launch.scalars.items(), start=len(names)):
+            signature[name] = "fp32" if isinstance(value, float) else "i32"
+            if isinstance(value, int) and value and value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        signature.update({name: "constexpr" for name in launch.constexprs})
+        kernel = triton.compile(ASTSource(launch.kernel, signature, dict(launch.constexprs), attrs),
+                                target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+        assert kernel.asm["cubin"], launch.kernel.__name__
+        compiled.append(launch.kernel.__name__)
+print(len(compiled))
+"""
+
+
+def test_kernels_compile_for_sm90():
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    result = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], capture_output=True, text=True, env=env)
+    if "ptxas" in result.stderr and "not found" in result.stderr:
+        pytest.skip("no ptxas in this triton installation")
+    assert result.returncode == 0 and result.stdout.strip() == "5", result.stderr[-3000:]
