@@ -16,6 +16,7 @@ def main():
 
     import qsa_torch
     from qsa_kernels import rope_cache
+    from qsa_kernels.launch import clear_plan_caches
 
     rows = []
     for qh, kh, d in [(24, 2, 256), (32, 8, 128)]:
@@ -33,7 +34,7 @@ def main():
             for tile in [1024, 2048, 4096, 8192]:
                 for warps in [2, 4, 8]:
                     rope_cache.TILE_ELEMENTS, rope_cache.NUM_WARPS = tile, warps
-                    rope_cache.plan_rope_reshape_and_cache.cache_clear()
+                    clear_plan_caches()
                     fn = lambda: qsa_torch.rope_reshape_and_cache(  # noqa: E731
                         q, k, v, key_cache, value_cache, slots, positions, cos_sin, is_neox=True)
                     us = common.torch_graph_us(fn)

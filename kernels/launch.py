@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple
 
-__all__ = ["ArrayInfo", "Buffer", "Launch", "Program", "cached_plan", "contiguous_strides"]
+__all__ = ["ArrayInfo", "Buffer", "Launch", "Program", "cached_plan", "clear_plan_caches", "contiguous_strides"]
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -138,11 +138,24 @@ class Program:
         return tuple(launch for launch in self.launches if not launch.empty)
 
 
+_PLAN_CACHES: list = []
+
+
 def cached_plan(plan):
     """Memoise a plan function: its arguments are hashable metadata and options.
 
-    Plans are pure, so a decode loop with steady shapes pays for validation
-    and planning once (this is most of the torch adapter's host overhead).
-    Invalid arguments raise every time: exceptions are not cached.
+    Plans are pure functions of their arguments and of their module's tuning
+    constants, so a decode loop with steady shapes pays for validation and
+    planning once (most of the torch adapter's host overhead).  Invalid
+    arguments raise every time: exceptions are not cached.  Whoever changes a
+    tuning constant (benchmark sweeps, tests) calls :func:`clear_plan_caches`.
     """
-    return functools.lru_cache(maxsize=4096)(plan)
+    cached = functools.lru_cache(maxsize=4096)(plan)
+    _PLAN_CACHES.append(cached)
+    return cached
+
+
+def clear_plan_caches() -> None:
+    """Forget every memoised plan (after changing a plan module's constants)."""
+    for cached in _PLAN_CACHES:
+        cached.cache_clear()

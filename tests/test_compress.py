@@ -399,7 +399,11 @@ def flow_steps(f: Flow, stored, page_table, ring_blocks):
             query_start_loc=np.array([0, *itertools.accumulate(sizes)], np.int32),
             logical_positions=np.array([p for _, p in rows], np.int32),
             compressed_slots=np.array(compressed_slots, np.int32),
-            ring_slots=np.array([ring_blocks[i] * f.ring + p % f.ring for i, p in rows], np.int32),
+            # Only a chunk's last `ring` positions go into the ring: earlier ones
+            # would share slots with them, and two rows writing one slot in one
+            # call is unspecified (on the GPU, whichever program runs last wins).
+            ring_slots=np.array([ring_blocks[i] * f.ring + p % f.ring if p >= done[i] + sizes[i] - f.ring else -1
+                                 for i, p in rows], np.int32),
         )
         done = [d + s for d, s in zip(done, sizes)]
         step += 1

@@ -1,0 +1,246 @@
+"""Stage 3 benchmark: block scoring, exact top-k and the fused selection.
+
+Production geometry: indexer 4 heads x d128, bf16 queries and compressed keys,
+compress ratio 4, compressed pages of 64, top-512 blocks (token_topk 2048).
+Contexts 8K/32K/128K/512K/1M tokens (columns = context / 4); decode: 1, 8, 64,
+256 rows (one request each); prefill: chunks of 256 and 2048 rows of one
+request (contexts up to 128K only: larger ones are skipped to keep the run
+short).  Every request maps its pages onto random distinct pages of one shared
+pool, so 256 requests x 1M tokens need no 16 GB of keys.
+
+Per shape:
+- scorer (``mqa_paged_scores``): µs and GB/s.  Bytes: decode reads each row's
+  request keys once per row, plus the logits written; prefill counts the
+  request's keys once (unique bytes; L2 serves the other rows' reads) plus
+  the logits written, which dominate.
+- top-k (``topk_blocks``, k = 512) against ``torch.topk(sorted=False)`` on the
+  same logits, and ``jax.lax.top_k`` on a subset of shapes;
+- ``select_paged_tokens`` end to end (torch; JAX on a subset).
+torch: CUDA-graph replay (device time; fewer calls per graph for slow
+shapes) and do_bench (median, L2 flushed) for the scorer.  JAX: wall clock of
+back-to-back jitted calls (host overhead included) and, for the selection and
+the top-k, a jitted fori_loop (device-time estimate).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the card
+
+import common  # noqa: E402
+
+HEADS, D, RATIO, PAGE, TOKEN_TOPK = 4, 128, 4, 64, 2048
+DECODE_ROWS = [1, 8, 64, 256]
+PREFILL_ROWS = [256, 2048]
+CONTEXTS = [8192, 32768, 131072, 524288, 1048576]
+PREFILL_CONTEXTS = [8192, 32768, 131072]
+POOL_BYTES = 2 << 30
+JAX_SHAPES = {("decode", 1, 131072), ("decode", 64, 32768), ("prefill", 256, 32768)}
+LAX_TOPK_SHAPES = JAX_SHAPES | {("decode", 1, 1048576), ("decode", 256, 131072), ("prefill", 2048, 131072)}
+GRAPH_BUDGET_S = 0.2  # per CUDA-graph measurement: fewer calls per graph for slow shapes
+DEADLINE_S = 90.0  # past this, JAX measurements are skipped (noted in the JSON)
+HARD_STOP_S = 110.0  # past this, remaining shapes are skipped (noted in the JSON)
+# DESIGN.md, "What the seed's kernels do on the H200" (CUDA-graph replay).
+SEED_SCORER_US = {("decode", 256, 131072): 850.0, ("prefill", 2048, 131072): 6314.0}
+SEED_TOPK_US = {("decode", 1, 131072): 43.0, ("decode", 256, 131072): 167.0}
+
+SMOKE = dict(PAGE=16, TOKEN_TOPK=32, DECODE_ROWS=[1, 2], PREFILL_ROWS=[8], CONTEXTS=[512, 2048],
+             PREFILL_CONTEXTS=[512], POOL_BYTES=1 << 20, JAX_SHAPES={("decode", 1, 512)},
+             LAX_TOPK_SHAPES={("decode", 1, 512)})
+
+
+def make_shape(torch, g, mode, rows, context, pool, device, generator):
+    """The scorer's arguments for one shape (pages drawn from the shared pool)."""
+    columns = context // RATIO
+    width = columns // g["PAGE"]
+    requests = rows if mode == "decode" else 1
+    permutation = torch.randperm(pool.shape[0], device=device, generator=generator)
+    starts = torch.randint(0, pool.shape[0], (requests, 1), device=device, generator=generator)
+    page_table = permutation[(starts + torch.arange(width, device=device)) % pool.shape[0]].to(torch.int32)
+    if mode == "decode":
+        positions = torch.full((rows,), context - 1, device=device, dtype=torch.int32)
+        token_to_req = torch.arange(rows, device=device, dtype=torch.int32)
+    else:
+        positions = torch.arange(context - rows, context, device=device, dtype=torch.int32)
+        token_to_req = torch.zeros(rows, device=device, dtype=torch.int32)
+    q = torch.randn(rows, HEADS, D, device=device, generator=generator).to(torch.bfloat16)
+    return dict(q=q, k_cache=pool, page_table=page_table, token_to_req=token_to_req, query_positions=positions,
+                sequence_lengths=torch.full((requests,), context, device=device, dtype=torch.int32))
+
+
+def scorer_bytes(mode, rows, columns):
+    key_rows = rows * columns if mode == "decode" else columns  # prefill: unique keys
+    return key_rows * D * 2 + rows * columns * 4 + rows * HEADS * D * 2
+
+
+def graph_us(fn, smoke, estimate_us=None):
+    """CUDA-graph µs per call, with as many calls per graph as fit the budget
+    (without CUDA: the wall-clock median, so that --smoke exercises the path)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return common.torch_median_us(fn, smoke)
+    if estimate_us is None:
+        fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        estimate_us = (time.perf_counter() - start) * 1e6
+    calls = max(1, min(20, int(GRAPH_BUDGET_S * 1e6 / 18 / max(estimate_us, 1.0))))
+    return common.torch_graph_us(fn, calls=calls, smoke=smoke)
+
+
+def to_jax(tensor):
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    if tensor.is_cuda:
+        return jax.dlpack.from_dlpack(tensor)  # zero-copy: the pool is not duplicated
+    if tensor.dtype == torch.bfloat16:
+        return jnp.asarray(tensor.float().numpy()).astype(jnp.bfloat16)
+    return jnp.asarray(tensor.numpy())
+
+
+def jax_topk_us(jax, qsa_jax, logits, visible, k, smoke):
+    """Ours (jax) and lax.top_k: wall µs per call and fori_loop µs per step.
+
+    The loop threads each result into one element of the next input (an
+    in-place update), so XLA can neither hoist nor drop a call."""
+    jnp = jax.numpy
+    calls = 2 if smoke else 20
+    ours = jax.jit(qsa_jax.topk_blocks, static_argnums=2)
+    lax = jax.jit(lambda x: jax.lax.top_k(x, k))
+    result = dict(jax_topk_wall_us=common.jax_wall_us(ours, (logits, visible, k), calls=calls, smoke=smoke),
+                  lax_topk_wall_us=common.jax_wall_us(lax, (logits,), calls=calls, smoke=smoke))
+
+    def ours_step(carry):
+        x, v = carry
+        out = qsa_jax.topk_blocks(x, v, k)
+        return x, v.at[0].set(jnp.where(out[0, 0] == -12345, v[0] + 1, v[0]))
+
+    def lax_step(x):
+        _, index = jax.lax.top_k(x, k)
+        return x.at[0, 0].set(jnp.where(index[0, 0] == -12345, 1.0, x[0, 0]))
+
+    result["jax_topk_loop_us"] = common.jax_loop_us(ours_step, (logits, visible), calls=calls, smoke=smoke)
+    result["lax_topk_loop_us"] = common.jax_loop_us(lax_step, logits, calls=calls, smoke=smoke)
+    return result
+
+
+def jax_select_us(jax, qsa_jax, arrays, topk, smoke):
+    jnp = jax.numpy
+    calls = 2 if smoke else 20
+    args = tuple(to_jax(a) for a in arrays.values())
+    select = jax.jit(qsa_jax.select_paged_tokens, static_argnums=(6, 7))
+    wall = common.jax_wall_us(select, args + (topk, RATIO), calls=calls, smoke=smoke)
+
+    def step(carry):
+        out = qsa_jax.select_paged_tokens(*carry, topk, RATIO)
+        positions = carry[4]
+        positions = positions.at[0].set(jnp.where(out[0, 0] == -12345, positions[0] + 1, positions[0]))
+        return (*carry[:4], positions, carry[5])
+
+    return wall, common.jax_loop_us(step, args, calls=calls, smoke=smoke)
+
+
+def main():
+    parser = common.parser(__doc__, "select.json")
+    args = parser.parse_args()
+    import jax
+    import torch
+
+    import qsa_jax
+    import qsa_torch
+
+    started = time.perf_counter()
+    g = dict(PAGE=PAGE, TOKEN_TOPK=TOKEN_TOPK, DECODE_ROWS=DECODE_ROWS, PREFILL_ROWS=PREFILL_ROWS,
+             CONTEXTS=CONTEXTS, PREFILL_CONTEXTS=PREFILL_CONTEXTS, POOL_BYTES=POOL_BYTES,
+             JAX_SHAPES=JAX_SHAPES, LAX_TOPK_SHAPES=LAX_TOPK_SHAPES)
+    if args.smoke:
+        g.update(SMOKE)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator(device=device).manual_seed(0)
+    page_bytes = g["PAGE"] * D * 2
+    pool_pages = max(g["POOL_BYTES"] // page_bytes, max(g["CONTEXTS"]) // RATIO // g["PAGE"])
+    pool = torch.empty(pool_pages, g["PAGE"], 1, D, device=device, dtype=torch.bfloat16).normal_()
+    k = g["TOKEN_TOPK"] // RATIO
+    notes = [
+        f"geometry: {HEADS} heads x d{D} bf16, ratio {RATIO}, compressed pages of {g['PAGE']}, top-{k} blocks "
+        f"(token_topk {g['TOKEN_TOPK']}); pool of {pool_pages} pages ({pool_pages * page_bytes / 2**30:.1f} GiB) "
+        "shared by all requests through random distinct pages per request",
+        "scorer bytes: decode = each row's request keys once per row + logits written + q; prefill = the "
+        "request's keys once (unique bytes) + logits written (the bulk) + q",
+        "*_graph_us: CUDA-graph replay per call (device time, L2 warm; 20 calls per graph, fewer for slow "
+        "shapes); scorer_us: do_bench median (L2 flushed)",
+        "torch_topk: torch.topk(logits, k, sorted=False) on the scorer's logits (ours also orders columns)",
+        "jax_*_wall_us: back-to-back jitted calls, wall clock per call (host overhead included); "
+        "jax_*_loop_us: one jitted fori_loop of calls, per call (device-time estimate)",
+        f"skipped: prefill at contexts above {max(g['PREFILL_CONTEXTS'])}; JAX selection/top-k only on "
+        f"{sorted(g['JAX_SHAPES'])}; lax.top_k only on {sorted(g['LAX_TOPK_SHAPES'])}",
+        "seed_*: DESIGN.md's H200 table (CUDA-graph replay); the seed's top-k is torch.topk at 1 x 32768 cols "
+        "(43 us) and 256 x 32768 (167 us)",
+    ]
+    shapes = [("decode", r, c) for c in g["CONTEXTS"] for r in g["DECODE_ROWS"]]
+    shapes += [("prefill", r, c) for c in g["PREFILL_CONTEXTS"] for r in g["PREFILL_ROWS"]]
+    rows_out = []
+    for mode, rows, context in shapes:
+        if time.perf_counter() - started > HARD_STOP_S:
+            notes.append(f"stopped after {HARD_STOP_S:.0f} s: shape {(mode, rows, context)} and later ones skipped")
+            break
+        arrays = make_shape(torch, g, mode, rows, context, pool, device, generator)
+        columns = context // RATIO
+        row = dict(mode=mode, rows=rows, context=context, columns=columns)
+        score = lambda: qsa_torch.mqa_paged_scores(**arrays, compress_ratio=RATIO)  # noqa: E731
+        logits, visible = score()
+        nbytes = scorer_bytes(mode, rows, columns)
+        row["scorer_bytes"] = nbytes
+        row["scorer_us"] = common.torch_median_us(score, args.smoke)
+        row["scorer_graph_us"] = graph_us(score, args.smoke, row["scorer_us"])
+        row["scorer_graph_gbps"] = common.gbps(nbytes, row["scorer_graph_us"])
+        row["scorer_graph_pct_peak"] = common.pct_peak(nbytes, row["scorer_graph_us"])
+
+        row["topk_graph_us"] = graph_us(lambda: qsa_torch.topk_blocks(logits, visible, k), args.smoke)
+        row["torch_topk_graph_us"] = graph_us(lambda: torch.topk(logits, k, dim=1, sorted=False), args.smoke)
+        if row["topk_graph_us"] and row["torch_topk_graph_us"]:
+            row["topk_speedup_vs_torch"] = row["torch_topk_graph_us"] / row["topk_graph_us"]
+
+        select = lambda: qsa_torch.select_paged_tokens(**arrays, token_topk=g["TOKEN_TOPK"],  # noqa: E731
+                                                       compress_ratio=RATIO)
+        row["select_graph_us"] = graph_us(select, args.smoke)
+        shape = (mode, rows, context)
+        if not args.smoke:
+            for key, table in (("seed_scorer_us", SEED_SCORER_US), ("seed_topk_us", SEED_TOPK_US)):
+                if shape in table:
+                    row[key] = table[shape]
+            if "seed_scorer_us" in row and row["scorer_graph_us"]:
+                row["scorer_speedup_vs_seed"] = row["seed_scorer_us"] / row["scorer_graph_us"]
+
+        in_time = time.perf_counter() - started < DEADLINE_S
+        if shape in g["LAX_TOPK_SHAPES"] | g["JAX_SHAPES"] and not in_time:
+            row["jax_skipped"] = "deadline"
+        elif shape in g["LAX_TOPK_SHAPES"] | g["JAX_SHAPES"]:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            row.update(jax_topk_us(jax, qsa_jax, to_jax(logits), to_jax(visible), k, args.smoke))
+            if shape in g["JAX_SHAPES"]:
+                row["jax_select_wall_us"], row["jax_select_loop_us"] = jax_select_us(
+                    jax, qsa_jax, arrays, g["TOKEN_TOPK"], args.smoke)
+        del logits, visible
+        rows_out.append(row)
+        common.print_table([row], list(row))
+    if any(r.get("jax_skipped") for r in rows_out):
+        notes.append(f"JAX measurements past {DEADLINE_S:.0f} s of run time were skipped (jax_skipped)")
+    notes.append(f"total run time {time.perf_counter() - started:.0f} s")
+    common.print_table(rows_out, [
+        "mode", "rows", "context", "scorer_us", "scorer_graph_us", "scorer_graph_pct_peak", "seed_scorer_us",
+        "topk_graph_us", "torch_topk_graph_us", "topk_speedup_vs_torch", "lax_topk_loop_us", "jax_topk_loop_us",
+        "select_graph_us", "jax_select_wall_us", "jax_select_loop_us"])
+    common.write_json(args.json, "selection (mqa_paged_scores, topk_blocks, select_paged_tokens)", rows_out, notes)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,369 @@
+"""Stage 3: mqa_paged_scores, topk_blocks, expand_block_indices, select_paged_tokens.
+
+Each function is compared with the float64 reference (top-k and expansion
+exactly), and the JAX adapter under ``jax.jit`` with torch bitwise.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import qsa_jax
+import qsa_kernels.select as select_plans
+import qsa_torch
+from qsa_kernels.launch import clear_plan_caches
+
+from . import reference
+from .util import DEVICE, assert_bitwise_equal, f64, host, to_jax, tolerance
+
+LENGTHS = (150, 61, 97)  # tokens per request: not multiples of ratio * page
+
+
+def scoring_case(seed, *, heads=4, dim=64, page=16, dtype=torch.bfloat16, prefill=False,
+                 integer=False):
+    """Shuffled pages with a missing and an out-of-range page; rows of every kind.
+
+    Rows: the last token of each request, an early (causal) position, a
+    negative position, no request (-1) and an out-of-range request.  Decode:
+    the page table has idle requests too (B >= R, one-row score tiles); with
+    ``prefill``, 20 consecutive rows of request 0 come first (B < R: row
+    tiles of one request and tiles mixing requests both occur).
+    """
+    g = torch.Generator().manual_seed(seed)
+    requests = len(LENGTHS) + (0 if prefill else 5)
+    width = 4
+    pages = len(LENGTHS) * width + 2
+    page_table = torch.full((requests, width), -1, dtype=torch.int32)
+    page_table[:len(LENGTHS)] = torch.randperm(pages, generator=g)[:len(LENGTHS) * width].reshape(-1, width)
+    page_table[2, 1] = -1
+    page_table[0, 1] = pages + 5
+    lengths = list(LENGTHS) + [0] * (requests - len(LENGTHS))
+    requests_of_rows = [0, 1, 2, 1, 2, -1, requests]
+    positions = [LENGTHS[0] - 1, LENGTHS[1] - 1, LENGTHS[2] - 1, 9, -9, 40, 40]
+    if prefill:
+        requests_of_rows = [0] * 20 + requests_of_rows
+        positions = list(range(120, 140)) + positions
+    rows = len(positions)
+    if integer:  # small integers: exact scores, many ties and relu zeros
+        q = torch.randint(-2, 3, (rows, heads, dim), generator=g).float()
+        k_cache = torch.randint(-2, 3, (pages, page, 1, dim), generator=g).float()
+    else:
+        q = torch.randn(rows, heads, dim, generator=g)
+        k_cache = torch.randn(pages, page, 1, dim, generator=g)
+    return dict(
+        q=q.to(dtype).to(DEVICE),
+        k_cache=k_cache.to(dtype).to(DEVICE),
+        page_table=page_table.to(DEVICE),
+        token_to_req=torch.tensor(requests_of_rows, dtype=torch.int32, device=DEVICE),
+        query_positions=torch.tensor(positions, dtype=torch.int64, device=DEVICE),
+        sequence_lengths=torch.tensor(lengths, dtype=torch.int32, device=DEVICE),
+    )
+
+
+def numpy_args(case):
+    return {name: f64(value) if value.is_floating_point() else host(value) for name, value in case.items()}
+
+
+def jax_args(case):
+    return {name: to_jax(value) for name, value in case.items()}
+
+
+def assert_scores_close(logits, expected, tol, what):
+    logits = f64(logits)
+    assert logits.shape == expected.shape, what
+    assert np.array_equal(np.isneginf(logits), np.isneginf(expected)), f"{what}: -inf columns differ"
+    finite = np.isfinite(expected)
+    error = np.linalg.norm(logits[finite] - expected[finite]) / max(np.linalg.norm(expected[finite]), 1e-30)
+    assert error <= tol, f"{what}: relative error {error:.2e} > {tol:.0e}"
+
+
+# --------------------------------------------------------------------------
+# mqa_paged_scores
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype, heads, dim, ratio, prefill", [
+    (torch.bfloat16, 4, 64, 4, False),
+    (torch.bfloat16, 1, 128, 8, True),
+    (torch.float32, 4, 128, 4, True),
+    (torch.float16, 1, 64, 8, False),
+])
+def test_scores_match_reference(dtype, heads, dim, ratio, prefill):
+    case = scoring_case(1, heads=heads, dim=dim, dtype=dtype, prefill=prefill)
+    logits, visible = qsa_torch.mqa_paged_scores(**case, compress_ratio=ratio)
+    expected, expected_visible = reference.mqa_paged_scores(**numpy_args(case), compress_ratio=ratio)
+    assert logits.dtype == torch.float32 and visible.dtype == torch.int32
+    assert np.array_equal(host(visible), expected_visible)
+    assert_scores_close(logits, expected, tolerance(dtype), "logits")
+    scores = jax.jit(qsa_jax.mqa_paged_scores, static_argnums=6)
+    jax_logits, jax_visible = scores(*jax_args(case).values(), ratio)
+    assert_bitwise_equal(logits, jax_logits, "logits torch vs jax")
+    assert_bitwise_equal(visible, jax_visible, "visible torch vs jax")
+
+
+def test_scores_options():
+    """num_columns below and above the page-table capacity, a custom divisor, mixed dtypes."""
+    case = scoring_case(2, prefill=True)
+    case["q"] = case["q"].float()  # fp32 queries over a bf16 cache
+    for columns, divisor in ((37, 2.5), (80, None)):
+        logits, visible = qsa_torch.mqa_paged_scores(**case, compress_ratio=4, num_columns=columns,
+                                                     score_divisor=divisor)
+        expected, expected_visible = reference.mqa_paged_scores(**numpy_args(case), compress_ratio=4,
+                                                                num_columns=columns, score_divisor=divisor)
+        assert np.array_equal(host(visible), expected_visible)
+        assert_scores_close(logits, expected, 1e-5, f"logits, {columns} columns")
+        jax_logits, _ = jax.jit(qsa_jax.mqa_paged_scores, static_argnums=(6, 7, 8))(
+            *jax_args(case).values(), 4, columns, divisor)
+        assert_bitwise_equal(logits, jax_logits, "logits torch vs jax")
+
+
+# --------------------------------------------------------------------------
+# topk_blocks
+# --------------------------------------------------------------------------
+
+def topk_logits(seed, rows, columns, special=False):
+    """Scores with many exact ties (relu zeros, a clipped top) and, with
+    ``special``, -0.0, -inf and NaN."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, columns, generator=g).clamp(min=0.0, max=1.2)
+    if special:
+        kind = torch.randint(0, 6, (rows, columns), generator=g)
+        logits[kind == 0] = -0.0
+        logits[kind == 1] = float("-inf")
+        logits[kind == 2] = float("nan")
+        logits[kind == 3] = -logits[kind == 3]
+    return logits
+
+
+def check_topk(logits, visible, k):
+    logits, visible = logits.to(DEVICE), visible.to(DEVICE)
+    out = qsa_torch.topk_blocks(logits, visible, k)
+    assert out.dtype == torch.int32 and tuple(out.shape) == (logits.shape[0], k)
+    expected = reference.topk_blocks(f64(logits), host(visible), k)
+    assert np.array_equal(host(out), expected), f"top-{k}: {host(out)} vs {expected}"
+    jax_out = jax.jit(qsa_jax.topk_blocks, static_argnums=2)(to_jax(logits), to_jax(visible), k)
+    assert_bitwise_equal(out, jax_out, "top-k torch vs jax")
+
+
+@pytest.mark.parametrize("columns, k, special", [(50, 7, True), (300, 20, False), (40, 64, True)])
+def test_topk_matches_reference(columns, k, special):
+    """visible_blocks below k, zero, negative, within and beyond the width; k > C."""
+    logits = topk_logits(3, 5, columns, special)
+    visible = torch.tensor([columns, k - 1, 0, -4, columns + 9], dtype=torch.int32)
+    check_topk(logits, visible, k)
+
+
+def test_topk_special_values_rank():
+    """Larger first, -0.0 == +0.0 (ties to the lower column), -inf above NaN."""
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[nan, -inf, 0.0, -0.0, 1.0, -inf, nan, -0.0],
+                           [nan, -inf, nan, -inf, -1.0, nan, -inf, nan],
+                           [-0.0, 0.0, -0.0, 0.0, -0.0, 0.0, -0.0, 0.0]])
+    visible = torch.tensor([8, 8, 8], dtype=torch.int32)
+    out = qsa_torch.topk_blocks(logits.to(DEVICE), visible.to(DEVICE), 4)
+    assert host(out).tolist() == [[2, 3, 4, 7], [1, 3, 4, 6], [0, 1, 2, 3]]
+    check_topk(logits, visible, 4)
+
+
+@pytest.mark.parametrize("kind", ["random", "sorted", "periodic", "special"])
+def test_topk_split_rows(monkeypatch, kind):
+    """Small tiles force rows split over slices, and the three finishing paths:
+    T equal to the group bound (sorted), candidates (random), candidates
+    overflowing the buffer (periodic: the large keys share one group)."""
+    monkeypatch.setattr(select_plans, "TOPK_TILE", 16)
+    monkeypatch.setattr(select_plans, "TOPK_MIN_CANDIDATES", 8)
+    rows, columns, k = 3, 200, 5
+    if kind == "sorted":
+        logits = torch.arange(rows * columns, dtype=torch.float32).reshape(rows, columns)
+    elif kind == "periodic":
+        logits = torch.zeros(rows, columns)
+        logits[:, ::8] = torch.arange(columns // 8, dtype=torch.float32)
+        logits[1, ::8] = 1.0  # ties among the large keys
+    else:
+        logits = topk_logits(4, rows, columns, special=kind == "special")
+    visible = torch.tensor([columns, 150, 77], dtype=torch.int32)
+    program = select_plans.plan_topk_blocks(qsa_torch._launch.info(logits),
+                                            qsa_torch._launch.info(visible), k)
+    assert program.launches[0].scalars["slices"] > 1
+    check_topk(logits, visible, k)
+
+
+def test_topk_bf16_strided_and_empty():
+    logits = topk_logits(5, 4, 96)
+    packed = torch.cat([logits, torch.zeros(4, 5)], dim=1)[:, :96]  # row stride 101
+    visible = torch.tensor([96, 50, 3, 96], dtype=torch.int64)
+    check_topk(packed, visible, 9)
+    check_topk(logits.to(torch.bfloat16), visible, 9)
+    check_topk(logits, visible, 0)
+    check_topk(torch.zeros(0, 8), torch.zeros(0, dtype=torch.int32), 3)
+    check_topk(torch.zeros(2, 0), torch.tensor([5, 0], dtype=torch.int32), 3)
+
+
+# --------------------------------------------------------------------------
+# expand_block_indices
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ratio, token_topk", [(4, 16), (8, 24)])
+def test_expand_matches_reference(ratio, token_topk):
+    g = torch.Generator().manual_seed(6)
+    block_topk = token_topk // ratio
+    rows = 9
+    blocks = torch.randint(-1, 30, (rows, block_topk), generator=g, dtype=torch.int32)
+    positions = torch.tensor([0, 3, 7, 60, 96, 149, -1, -5, 33], dtype=torch.int64)
+    requests = torch.tensor([0, 0, 1, 1, 2, 0, 0, -1, 5], dtype=torch.int32)
+    lengths = torch.tensor(LENGTHS, dtype=torch.int32)
+    args = [t.to(DEVICE) for t in (blocks, positions, lengths, requests)]
+    out = qsa_torch.expand_block_indices(*args, ratio, token_topk)
+    expected = reference.expand_block_indices(*(host(t) for t in args), ratio, token_topk)
+    assert out.dtype == torch.int32
+    assert np.array_equal(host(out), expected)
+    jax_out = jax.jit(qsa_jax.expand_block_indices, static_argnums=(4, 5))(*map(to_jax, args), ratio, token_topk)
+    assert_bitwise_equal(out, jax_out, "expand torch vs jax")
+
+
+# --------------------------------------------------------------------------
+# select_paged_tokens
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ratio, token_topk, prefill", [(4, 16, True), (8, 32, False)])
+def test_select_matches_reference(ratio, token_topk, prefill):
+    """Integer inputs make scores exact, so the float64 pipeline ranks identically (ties included)."""
+    case = scoring_case(7, prefill=prefill, integer=True)
+    out = qsa_torch.select_paged_tokens(**case, token_topk=token_topk, compress_ratio=ratio)
+    expected = reference.select_paged_tokens(**numpy_args(case), token_topk=token_topk,
+                                             compress_ratio=ratio)
+    assert np.array_equal(host(out), expected)
+    # The same as composing the public stages.
+    logits, visible = qsa_torch.mqa_paged_scores(**case, compress_ratio=ratio)
+    blocks = qsa_torch.topk_blocks(logits, visible, token_topk // ratio)
+    composed = qsa_torch.expand_block_indices(blocks, case["query_positions"], case["sequence_lengths"],
+                                              case["token_to_req"], ratio, token_topk)
+    assert_bitwise_equal(out, composed, "select vs composed stages")
+    jax_out = jax.jit(qsa_jax.select_paged_tokens, static_argnums=(6, 7))(
+        *jax_args(case).values(), token_topk, ratio)
+    assert_bitwise_equal(out, jax_out, "select torch vs jax")
+
+
+@pytest.mark.parametrize("prefill", [False, True])
+def test_select_chunked_matches_unchunked(monkeypatch, prefill):
+    case = scoring_case(8, prefill=prefill)
+    assert (case["q"].shape[0] > case["page_table"].shape[0]) == prefill  # one-row or 16-row tiles
+    whole = qsa_torch.select_paged_tokens(**case, token_topk=12, compress_ratio=4)
+    columns = case["page_table"].shape[1] * case["k_cache"].shape[1]
+    # Three rows' (decode) or one 16-row tile's (prefill) logits per chunk.
+    monkeypatch.setattr(select_plans, "LOGITS_WORKSPACE_BYTES", 3 * 4 * columns)
+    clear_plan_caches()  # plans are memoised: forget the unchunked one
+    infos = {name: qsa_torch._launch.info(value) for name, value in case.items()}
+    program = select_plans.plan_select_paged_tokens(**infos, token_topk=12, compress_ratio=4)
+    chunks = sum(launch.kernel is select_plans.scores_kernel for launch in program.launches)
+    assert chunks == (2 if prefill else 3)
+    chunked = qsa_torch.select_paged_tokens(**case, token_topk=12, compress_ratio=4)
+    assert_bitwise_equal(whole, chunked, "chunked vs whole")
+    # A fresh function, so that the trace (and plan) is made with the small workspace.
+    jax_out = jax.jit(lambda *arrays: qsa_jax.select_paged_tokens(*arrays, 12, 4))(*jax_args(case).values())
+    assert_bitwise_equal(whole, jax_out, "chunked jax vs torch")
+
+
+def test_select_without_blocks_keeps_the_tail():
+    case = scoring_case(9)
+    out = qsa_torch.select_paged_tokens(**case, token_topk=0, compress_ratio=4)
+    expected = reference.select_paged_tokens(**numpy_args(case), token_topk=0, compress_ratio=4)
+    assert np.array_equal(host(out), expected)
+    jax_out = jax.jit(qsa_jax.select_paged_tokens, static_argnums=(6, 7))(*jax_args(case).values(), 0, 4)
+    assert_bitwise_equal(out, jax_out, "select torch vs jax")
+
+
+# --------------------------------------------------------------------------
+# Argument errors: ValueError, same text in both adapters
+# --------------------------------------------------------------------------
+
+def _scoring(**changes):
+    case = scoring_case(10)
+    case.update(changes)
+    return case
+
+
+ERROR_CASES = [
+    ("mqa_paged_scores", lambda: (_scoring(q=torch.zeros(7, 64)), (4,)), "q must be [R, H, D]"),
+    ("mqa_paged_scores", lambda: (_scoring(k_cache=torch.zeros(4, 16, 2, 64)), (4,)), "one key head"),
+    ("mqa_paged_scores", lambda: (_scoring(k_cache=torch.zeros(4, 16, 1, 32)), (4,)), "head dim D = 64"),
+    ("mqa_paged_scores", lambda: (_scoring(token_to_req=torch.zeros(3, dtype=torch.int32)), (4,)),
+     "token_to_req must have R = 7 entries"),
+    ("mqa_paged_scores", lambda: (_scoring(sequence_lengths=torch.zeros(2, dtype=torch.int32)), (4,)),
+     "sequence_lengths must have B = 8 entries"),
+    ("mqa_paged_scores", lambda: (_scoring(page_table=torch.zeros(3, 4)), (4,)), "page_table must have dtype"),
+    ("mqa_paged_scores", lambda: (_scoring(), (0,)), "compress_ratio must be a positive int"),
+    ("mqa_paged_scores", lambda: (_scoring(), (4, -1)), "num_columns must be a non-negative int"),
+    ("mqa_paged_scores", lambda: (_scoring(), (4, None, 0.0)), "score_divisor must be a positive number"),
+    ("topk_blocks", lambda: (dict(logits=torch.zeros(3), visible_blocks=torch.zeros(3, dtype=torch.int32)), (2,)),
+     "logits must be [R, C]"),
+    ("topk_blocks", lambda: (dict(logits=torch.zeros(3, 5), visible_blocks=torch.zeros(2, dtype=torch.int32)),
+                             (2,)), "visible_blocks must have R = 3 entries"),
+    ("topk_blocks", lambda: (dict(logits=torch.zeros(3, 5), visible_blocks=torch.zeros(3, dtype=torch.int32)),
+                             (-1,)), "k must be a non-negative int"),
+    ("expand_block_indices", lambda: (dict(block_indices=torch.zeros(2, 3, dtype=torch.int32),
+                                           query_positions=torch.zeros(2, dtype=torch.int32),
+                                           sequence_lengths=torch.zeros(1, dtype=torch.int32),
+                                           token_to_req=torch.zeros(2, dtype=torch.int32)), (4, 14)),
+     "token_topk must be a multiple of compress_ratio = 4, got 14"),
+    ("expand_block_indices", lambda: (dict(block_indices=torch.zeros(2, 3, dtype=torch.int32),
+                                           query_positions=torch.zeros(2, dtype=torch.int32),
+                                           sequence_lengths=torch.zeros(1, dtype=torch.int32),
+                                           token_to_req=torch.zeros(2, dtype=torch.int32)), (4, 16)),
+     "block_indices must have token_topk // compress_ratio = 4 columns"),
+    ("select_paged_tokens", lambda: (_scoring(), (10, 4)), "token_topk must be a multiple of compress_ratio"),
+    ("select_paged_tokens", lambda: (_scoring(q=torch.zeros(7, 4, 64, dtype=torch.int32)), (16, 4)),
+     "q must have dtype bfloat16 or float16 or float32"),
+]
+
+
+@pytest.mark.parametrize("function, make, message", ERROR_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(ERROR_CASES)])
+def test_errors_match_between_adapters(function, make, message):
+    arrays, options = make()
+    arrays = {name: value.to(DEVICE) for name, value in arrays.items()}
+    with pytest.raises(ValueError) as torch_error:
+        getattr(qsa_torch, function)(*arrays.values(), *options)
+    with pytest.raises(ValueError) as jax_error:
+        getattr(qsa_jax, function)(*(to_jax(value) for value in arrays.values()), *options)
+    assert message in str(torch_error.value)
+    assert str(torch_error.value) == str(jax_error.value)
+    assert str(torch_error.value).startswith(f"{function}: ")
+
+
+# --------------------------------------------------------------------------
+# GPU only: production-sized shapes
+# --------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, columns, k", [(1, 32768, 512), (3, 262144, 2048), (64, 8192, 100)])
+def test_topk_large(rows, columns, k):
+    logits = topk_logits(11, rows, columns)
+    visible = torch.full((rows,), columns, dtype=torch.int32)
+    visible[-1] = columns // 3
+    check_topk(logits, visible, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, requests", [(64, 64), (300, 1)])
+def test_select_production_geometry(rows, requests):
+    """4 heads x d128 bf16, ratio 4, pages of 64, 8K-token contexts, top-512 blocks."""
+    g = torch.Generator().manual_seed(12)
+    context, ratio, page, heads, dim = 8192, 4, 64, 4, 128
+    width = context // ratio // page
+    page_table = torch.randperm(requests * width, generator=g).reshape(requests, width).int()
+    case = dict(
+        q=torch.randint(-2, 3, (rows, heads, dim), generator=g).to(torch.bfloat16),
+        k_cache=torch.randint(-2, 3, (requests * width, page, 1, dim), generator=g).to(torch.bfloat16),
+        page_table=page_table,
+        token_to_req=torch.arange(rows, dtype=torch.int32) % requests,
+        query_positions=(context - 1 - torch.arange(rows, dtype=torch.int32).flip(0) * (requests == 1)),
+        sequence_lengths=torch.full((requests,), context, dtype=torch.int32),
+    )
+    case = {name: value.to(DEVICE) for name, value in case.items()}
+    out = qsa_torch.select_paged_tokens(**case, token_topk=2048, compress_ratio=ratio)
+    expected = reference.select_paged_tokens(**numpy_args(case), token_topk=2048, compress_ratio=ratio)
+    assert np.array_equal(host(out), expected)
+    jax_out = jax.jit(qsa_jax.select_paged_tokens, static_argnums=(6, 7))(*jax_args(case).values(), 2048, ratio)
+    assert_bitwise_equal(out, jax_out, "select torch vs jax")
