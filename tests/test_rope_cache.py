@@ -364,3 +364,12 @@ def test_torch_uses_current_stream():
         out = qsa_torch.rope_reshape_and_cache(**args, **options)
     torch.cuda.current_stream().wait_stream(stream)
     assert_bitwise_equal(out[0], expected, "q_out computed on the side stream")
+
+
+@pytest.mark.gpu
+def test_jax_cpu_array_in_compiled_process_rejected():
+    args, options = make_inputs(Case())
+    cpu = jax.devices("cpu")[0]
+    jax_args = {n: jax.device_put(to_jax(a), cpu) for n, a in args.items()}
+    with pytest.raises(ValueError, match="must be on a CUDA device"):
+        qsa_jax.rope_reshape_and_cache(**jax_args, is_neox=True)
