@@ -353,7 +353,7 @@ def plan_rope_reshape_and_cache(
     q_out = Buffer("q_out", (t, qh, d), q.dtype)
     k_out = Buffer("k_out", (t_kv, kh, d), k.dtype)
     zeros = Buffer("zeros", (t, qh, d) if return_zeros else (1,), q.dtype)
-    block_h = min(triton.next_power_of_2(qh), max(1, TILE_ELEMENTS // d))
+    block_h = min(triton.next_power_of_2(max(qh, 1)), max(1, TILE_ELEMENTS // d))  # QH = 0: no query blocks
     num_q_blocks = triton.cdiv(qh, block_h)
     qo_st, qo_sh, _ = q_out.info.strides
     ko_st, ko_sh, _ = k_out.info.strides

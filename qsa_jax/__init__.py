@@ -12,6 +12,7 @@ from ._attention import sparse_paged_attention
 from ._compress import compress_groups, store_cache_rows
 from ._rope_cache import rope_reshape_and_cache
 from ._select import expand_block_indices, mqa_paged_scores, select_paged_tokens, topk_blocks
+from ._step import QSAState, StepMetadata, qsa_attention_step
 
 __all__ = [
     "rope_reshape_and_cache",
@@ -22,4 +23,7 @@ __all__ = [
     "expand_block_indices",
     "select_paged_tokens",
     "sparse_paged_attention",
+    "qsa_attention_step",
+    "QSAState",
+    "StepMetadata",
 ]

@@ -1,0 +1,316 @@
+"""Composed-step benchmark: one QSA attention layer's decode step against a dense attention layer.
+
+Production geometry (attention 24 Q / 2 KV heads x d256 bf16, KV pages of 64;
+indexer 4 heads x d128, ratio 4, compressed pages of 64; top 512 blocks =
+2048 tokens + tail).  ``B`` requests at ``L`` tokens of context each decode one
+row: ``qsa_attention_step`` runs all four stages (RoPE + KV write, compression
++ ring + compressed store, selection, sparse attention).
+
+One copy of the caches: torch allocates them (random contents; each request's
+pages contiguous, so the dense baseline can view them as ``[B, L, KH, D]``)
+and JAX uses the same memory through DLPack, updating it in place by
+donation.  Should a runtime refuse to donate a DLPack buffer (the step would
+then copy the whole cache), JAX gets its own copy where two fit, else that
+shape's JAX columns are skipped with a note.
+
+Paths, per shape:
+* ``jax_wall_us``: N back-to-back calls of the jitted step (donated state),
+  wall clock per call; ``jax_loop_us``: one jitted ``lax.fori_loop`` of N steps
+  with ``unroll=True`` (device time), each step's output fed back as the next
+  query so no step can be dropped;
+* ``torch_graph_us``: CUDA-graph replay of N steps; ``torch_eager_us``:
+  ``triton.testing.do_bench`` median of one eager step;
+* ``dense_graph_us``: the dense attention layer, CUDA-graph replay: stage 1
+  (RoPE + KV write) and ``scaled_dot_product_attention`` (flash) over each
+  request's whole context (GQA as MQA per KV head).
+
+Goals reported: JAX jitted step device time within 5% of the torch graph step;
+at 128K the QSA layer at least 15x faster than the dense layer for every batch.
+Shapes run in order of importance (128K first) and stop at a time budget, with
+a note.  ``benchmarks/plot_step.py`` draws the JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+import warnings
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the card
+
+import common  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    QH: int = 24
+    KH: int = 2
+    D: int = 256
+    IH: int = 4
+    DI: int = 128
+    PAGE: int = 64
+    RATIO: int = 4
+    CPAGE: int = 64
+    TOKEN_TOPK: int = 2048
+
+
+PRODUCTION = Geometry()
+BATCHES = [1, 8, 64, 256]
+CONTEXTS = [131072, 32768, 8192]  # 128K first: the 15x goal is stated there
+LOOP_CALLS = 10  # steps per CUDA graph and per unrolled fori_loop
+TIME_BUDGET_S = 100.0  # stop starting new shapes past this (the whole run must stay < 150 s)
+MEMORY_MARGIN = 4 << 30  # bytes left free for workspaces, graphs and JAX
+
+SMOKE = Geometry(QH=4, KH=2, D=32, IH=2, DI=32, PAGE=8, RATIO=4, CPAGE=8, TOKEN_TOPK=16)
+SMOKE_BATCHES, SMOKE_CONTEXTS = [1, 2], [64]
+
+
+def cache_bytes(g: Geometry, batch: int, context: int) -> int:
+    kv = 2 * batch * context * g.KH * g.D * 2
+    compressed = batch * (context // g.RATIO + g.CPAGE) * g.DI * 2
+    return kv + compressed
+
+
+class Shape:
+    """Caches, metadata and inputs of one (batch, context) decode step, on torch's device."""
+
+    def __init__(self, g: Geometry, batch: int, context: int, device):
+        import numpy as np
+        import torch
+
+        import qsa_torch
+        from qsa_kernels.paging import CacheGeometry, PagedRequests
+
+        self.g, self.batch, self.context = g, batch, context
+        geometry = CacheGeometry(
+            page_size=g.PAGE, num_pages=batch * -(-context // g.PAGE), compress_ratio=g.RATIO,
+            compressed_page_size=g.CPAGE, num_compressed_pages=batch * -(-(context // g.RATIO) // g.CPAGE),
+            max_context=context, max_requests=batch)
+        pager = PagedRequests(geometry)  # no shuffle: request r owns pages r*W .. r*W + W - 1
+        for request in range(batch):
+            pager.admit(request, context - 1)
+        self.host_meta = pager.step({request: 1 for request in range(batch)})  # row at position context - 1
+        self.meta = qsa_torch.StepMetadata.from_host(self.host_meta, device)
+        shapes = geometry.state_shapes(g.KH, g.D, g.DI)
+        self.state = qsa_torch.QSAState(**{
+            name: torch.empty(shape, dtype=torch.bfloat16, device=device).normal_() for name, shape in shapes.items()})
+        gen = torch.Generator(device).manual_seed(0)
+        rnd = lambda *s: torch.randn(*s, generator=gen, device=device).to(torch.bfloat16)  # noqa: E731
+        self.inputs = dict(q=rnd(batch, g.QH, g.D), k=rnd(batch, g.KH, g.D), v=rnd(batch, g.KH, g.D),
+                           index_q=rnd(batch, g.IH, g.DI), index_k=rnd(batch, 1, g.DI))
+        def table(d):
+            angles = torch.arange(context, device=device)[:, None] * torch.rand(d // 2, device=device)
+            return torch.cat([angles.cos(), angles.sin()], 1)
+
+        self.cos_sin, self.index_cos_sin = table(g.D), table(g.DI)
+        self.options = dict(compress_ratio=g.RATIO, token_topk=g.TOKEN_TOPK)
+        assert np.all(self.host_meta.positions == context - 1)
+
+    def torch_step(self):
+        import qsa_torch
+
+        return qsa_torch.qsa_attention_step(**self.inputs, state=self.state, metadata=self.meta, cos_sin=self.cos_sin,
+                                            index_cos_sin=self.index_cos_sin, **self.options)[0]
+
+    def dense_step(self):
+        """Stage 1, then flash SDPA over every request's whole context (the caches viewed as [B, L, KH, D])."""
+        import torch.nn.functional as F
+
+        import qsa_torch
+
+        g, batch = self.g, self.batch
+        q, _, key_cache, value_cache = qsa_torch.rope_reshape_and_cache(
+            self.inputs["q"], self.inputs["k"], self.inputs["v"], self.state.key_cache, self.state.value_cache,
+            self.meta.slot_mapping, self.meta.positions, self.cos_sin, is_neox=True)
+        whole = lambda cache: cache.view(batch, -1, g.KH, g.D)[:, : self.context].transpose(1, 2)  # noqa: E731
+        return F.scaled_dot_product_attention(q.view(batch, g.KH, g.QH // g.KH, g.D), whole(key_cache),
+                                              whole(value_cache))
+
+
+def jax_columns(shape: Shape, share: str, smoke: bool) -> tuple[dict, str]:
+    """JAX wall clock and fori_loop device time of the step; ``share`` is "dlpack" or "copy"."""
+    import jax
+    import jax.numpy as jnp
+
+    import qsa_jax
+    from qsa_kernels.paging import STATE_FIELDS
+
+    dlpack = jax.dlpack.from_dlpack
+    inputs = {name: dlpack(a) for name, a in shape.inputs.items()}
+    tables = (dlpack(shape.cos_sin), dlpack(shape.index_cos_sin))
+    meta = qsa_jax.StepMetadata.from_host(shape.host_meta)
+    own = (lambda t: jnp.array(dlpack(t), copy=True)) if share == "copy" else dlpack
+    state = qsa_jax.QSAState(**{name: own(getattr(shape.state, name)) for name in STATE_FIELDS})
+
+    def step(inputs, state, meta, cos_sin, index_cos_sin):
+        return qsa_jax.qsa_attention_step(**inputs, state=state, metadata=meta, cos_sin=cos_sin,
+                                          index_cos_sin=index_cos_sin, **shape.options)
+
+    def loop(inputs, state, meta, cos_sin, index_cos_sin):
+        def body(_, carry):
+            q, state = carry
+            return step(dict(inputs, q=q), state, meta, cos_sin, index_cos_sin)  # out feeds the next q
+
+        return jax.lax.fori_loop(0, LOOP_CALLS, body, (inputs["q"], state), unroll=True)
+
+    jitted = jax.jit(step, donate_argnums=1)
+    looped = jax.jit(loop, donate_argnums=1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        _, state = jax.block_until_ready(jitted(inputs, state, meta, *tables))
+        note = ""
+        if share == "dlpack" and state.key_cache.unsafe_buffer_pointer() != shape.state.key_cache.data_ptr():
+            note = "donation did not keep the DLPack buffer"
+        times = []
+        for _ in range(3 if smoke else 5):
+            start = time.perf_counter()
+            for _ in range(LOOP_CALLS):
+                _, state = jitted(inputs, state, meta, *tables)
+            jax.block_until_ready(state)
+            times.append((time.perf_counter() - start) * 1e6 / LOOP_CALLS)
+        columns = dict(jax_wall_us=statistics.median(times))
+        _, state = jax.block_until_ready(looped(inputs, state, meta, *tables))
+        times = []
+        for _ in range(3 if smoke else 5):
+            start = time.perf_counter()
+            _, state = jax.block_until_ready(looped(inputs, state, meta, *tables))
+            times.append((time.perf_counter() - start) * 1e6 / LOOP_CALLS)
+        columns["jax_loop_us"] = statistics.median(times)
+    return columns, note
+
+
+class Runner:
+    """Measures shapes in turn; JAX shares torch's caches through DLPack until donating them fails."""
+
+    def __init__(self, smoke: bool):
+        import torch
+
+        self.torch, self.smoke = torch, smoke
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.share = "dlpack"
+        self.notes: list[str] = []
+
+    def free_bytes(self) -> float:
+        return self.torch.cuda.mem_get_info()[0] if self.device.type == "cuda" else float("inf")
+
+    def measure(self, g: Geometry, batch: int, context: int) -> dict | None:
+        label = f"B={batch} L={_tokens(context)}"
+        need = cache_bytes(g, batch, context)
+        if need + MEMORY_MARGIN > self.free_bytes():
+            self.notes.append(f"{label}: skipped, its caches ({need / 2**30:.1f} GiB) do not fit")
+            return None
+        shape = Shape(g, batch, context, self.device)
+        row = dict(batch=batch, context=context, cache_gib=round(need / 2**30, 2))
+        row["torch_eager_us"] = common.torch_median_us(shape.torch_step, self.smoke)
+        row["torch_graph_us"] = common.torch_graph_us(shape.torch_step, calls=LOOP_CALLS, smoke=self.smoke)
+        row["dense_graph_us"] = common.torch_graph_us(shape.dense_step, calls=LOOP_CALLS, smoke=self.smoke)
+        row.update(self.jax(shape, label))
+        row["jax_over_torch_device"] = _ratio(row.get("jax_loop_us"), row.get("torch_graph_us"))
+        row["dense_over_qsa"] = _ratio(row.get("dense_graph_us"), row.get("torch_graph_us"))
+        del shape
+        if self.device.type == "cuda":
+            self.torch.cuda.empty_cache()
+        return row
+
+    def jax(self, shape: Shape, label: str) -> dict:
+        if self.share == "dlpack":
+            try:
+                columns, problem = jax_columns(shape, "dlpack", self.smoke)
+                if not problem:
+                    return columns
+                self.notes.append(f"{label}: {problem}; JAX gets its own copy of the caches from here on")
+            except Exception as error:
+                self.notes.append(f"{label}: JAX over the DLPack caches failed ({type(error).__name__}: "
+                                  f"{str(error)[:160]}); JAX gets its own copy from here on")
+            self.share = "copy"
+        if cache_bytes(shape.g, shape.batch, shape.context) + MEMORY_MARGIN > self.free_bytes():
+            self.notes.append(f"{label}: JAX skipped: a second copy of the caches does not fit")
+            return {}
+        try:
+            return jax_columns(shape, "copy", self.smoke)[0]
+        except Exception as error:  # keep the torch columns of the shape
+            self.notes.append(f"{label}: JAX failed: {type(error).__name__}: {str(error)[:200]}")
+            return {}
+
+
+def main():
+    p = common.parser(__doc__, "step.json")
+    p.add_argument("--budget", type=float, default=TIME_BUDGET_S, help="seconds after which no new shape starts")
+    args = p.parse_args()
+    started = time.perf_counter()
+    g = SMOKE if args.smoke else PRODUCTION
+    batches, contexts = (SMOKE_BATCHES, SMOKE_CONTEXTS) if args.smoke else (BATCHES, CONTEXTS)
+    runner = Runner(args.smoke)
+    rows = []
+    for context in contexts:
+        for batch in batches:
+            if time.perf_counter() - started > args.budget:
+                runner.notes.append(f"B={batch} L={_tokens(context)}: skipped, past the {args.budget:.0f} s budget")
+                continue
+            row = runner.measure(g, batch, context)
+            if row is not None:
+                rows.append(row)
+                common.print_table([row], list(row))
+
+    columns = ["batch", "context", "cache_gib", "torch_eager_us", "torch_graph_us", "jax_wall_us", "jax_loop_us",
+               "dense_graph_us", "jax_over_torch_device", "dense_over_qsa"]
+    print()
+    common.print_table(rows, columns)
+    goals = _goals(rows, batches, contexts[0])
+    for line in goals + runner.notes:
+        print(line)
+    sharing = ("one copy of the caches, allocated by torch and shared with JAX through DLPack (random contents)"
+               if runner.share == "dlpack" else "JAX used its own copy of the caches (see the notes)")
+    common.write_json(args.json, "qsa_attention_step", rows, [
+        "one QSA attention layer's decode step (all four stages), one row per request, production geometry; "
+        "every row completes a compressed group (the step's most expensive case)",
+        f"torch_graph_us: CUDA graph of {LOOP_CALLS} steps, per step; torch_eager_us: do_bench median",
+        f"jax_wall_us: {LOOP_CALLS} back-to-back jitted calls with the state donated, wall clock per call",
+        f"jax_loop_us: one jitted lax.fori_loop of {LOOP_CALLS} steps, unroll=True, per step (device time)",
+        "dense_graph_us: stage 1 + flash SDPA over the whole context (GQA as MQA per KV head), CUDA graph",
+        sharing, *goals, *runner.notes,
+    ])
+    _plot(args.json)
+    print(f"wall: {time.perf_counter() - started:.0f} s")
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 else str(n)
+
+
+def _ratio(a, b):
+    return a / b if a and b else None
+
+
+def _goals(rows, batches, longest) -> list[str]:
+    ratios = [r["jax_over_torch_device"] for r in rows if r.get("jax_over_torch_device")]
+    lines = []
+    if ratios:
+        lines.append(f"goal: JAX step device time within 5% of the torch graph step: worst ratio "
+                     f"{max(ratios):.3f} -> {'met' if max(ratios) <= 1.05 else 'NOT met'}")
+    at_longest = {r["batch"]: r.get("dense_over_qsa") for r in rows if r["context"] == longest}
+    if at_longest:
+        missing = [b for b in batches if not at_longest.get(b)]
+        worst = min(v for v in at_longest.values() if v) if any(at_longest.values()) else None
+        met = worst is not None and worst >= 15 and not missing
+        lines.append(f"goal: at {_tokens(longest)} the QSA layer >= 15x faster than dense for every batch: "
+                     f"speedups {', '.join(f'B={b}: {v:.1f}x' for b, v in at_longest.items() if v)}"
+                     f"{'; not measured: B=' + ','.join(map(str, missing)) if missing else ''} -> "
+                     f"{'met' if met else 'NOT met'}")
+    return lines
+
+
+def _plot(json_path: str) -> None:
+    try:
+        import matplotlib  # noqa: F401  (optional)
+        import plot_step
+    except ImportError as error:
+        print(f"no plot ({error}); run benchmarks/plot_step.py where matplotlib is installed")
+        return
+    plot_step.plot(json_path, os.path.splitext(json_path)[0] + ".png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""The composed QSA attention step for JAX (the composition is in qsa_kernels.step)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qsa_kernels import step as _step
+from qsa_kernels.docs import jax_doc
+
+from . import _launch
+from ._attention import sparse_paged_attention
+from ._compress import compress_groups, store_cache_rows
+from ._rope_cache import rope_reshape_and_cache
+from ._select import select_paged_tokens
+
+Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QSAState:
+    key_cache: Array
+    value_cache: Array
+    compressor_state_cache: Array
+    compressed_key_cache: Array
+
+    @classmethod
+    def zeros(cls, geometry, *, kv_heads, head_dim, index_head_dim, dtype, index_dtype=None, device=None):
+        shapes = geometry.state_shapes(kv_heads, head_dim, index_head_dim)
+        index_dtype = dtype if index_dtype is None else index_dtype
+        dtypes = dict(key_cache=dtype, value_cache=dtype, compressor_state_cache=index_dtype,
+                      compressed_key_cache=index_dtype)
+        return cls(**{name: jnp.zeros(shape, dtypes[name], device=device) for name, shape in shapes.items()})
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepMetadata:
+    slot_mapping: Array
+    positions: Array
+    raw_positions: Array
+    token_to_req: Array
+    query_start_loc: Array
+    sequence_lengths: Array
+    block_table: Array
+    compressed_block_table: Array
+    compressed_slots: Array
+    compressor_state_block_table: Array
+    compressor_state_slots: Array
+
+    @classmethod
+    def from_host(cls, host, device=None):
+        return cls(**{name: jax.device_put(np.asarray(getattr(host, name)), device)
+                      for name in _step.METADATA_FIELDS})
+
+
+_BACKEND = _step.Backend(
+    rope_reshape_and_cache=rope_reshape_and_cache,
+    compress_groups=compress_groups,
+    store_cache_rows=store_cache_rows,
+    select_paged_tokens=select_paged_tokens,
+    sparse_paged_attention=sparse_paged_attention,
+    state_type=QSAState,
+    metadata_type=StepMetadata,
+    check_arrays=_launch.metadata,
+    full_like=jnp.full_like,
+    zeros_like=jnp.zeros_like,
+    contiguous=lambda x: x,  # JAX arrays are always row-major
+)
+
+
+def qsa_attention_step(q, k, v, index_q, index_k, state, metadata, cos_sin, index_cos_sin, *,
+                       compress_ratio, token_topk, is_neox=True, softmax_scale=None,
+                       return_token_indices=False):
+    return _step.attention_step(_BACKEND, q, k, v, index_q, index_k, state, metadata, cos_sin, index_cos_sin,
+                                compress_ratio=compress_ratio, token_topk=token_topk, is_neox=is_neox,
+                                softmax_scale=softmax_scale, return_token_indices=return_token_indices)
+
+
+qsa_attention_step.__doc__ = jax_doc(_step.STEP_DOC)
+QSAState.__doc__ = jax_doc(_step.STATE_DOC)
+StepMetadata.__doc__ = jax_doc(_step.METADATA_DOC)

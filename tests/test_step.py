@@ -1,0 +1,417 @@
+"""The composed step (qsa_attention_step) and its paging metadata.
+
+* paging: every index array of a scripted run (joins, finishes, page reuse)
+  checked against a brute-force model of the caches;
+* the composed step against the same stages called one by one, bitwise;
+* a multi-step run mixing prefill chunks and decode rows, requests joining
+  and finishing: torch and JAX (jit, donated state) bit-identical at every
+  step, the JAX step traced once per batch shape, and every step against a
+  dense (unpaged) float64 reference of the whole step;
+* the same argument errors from both adapters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import qsa_jax
+import qsa_torch
+from qsa_kernels.paging import CacheGeometry, PagedRequests
+
+from . import reference as R
+from .util import DEVICE, assert_bitwise_equal, assert_close, f64, host, to_jax
+
+# On the CPU the JAX side runs from a host callback, which cannot reuse a donated buffer.
+pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+
+STATE_FIELDS = ("key_cache", "value_cache", "compressor_state_cache", "compressed_key_cache")
+
+
+# --------------------------------------------------------------------------
+# Paging metadata
+# --------------------------------------------------------------------------
+
+def check_metadata(geometry: CacheGeometry, meta, lengths_before: dict, schedule: dict, ring: dict) -> None:
+    """Brute-force checks of one step's metadata; ``ring`` maps ring slot -> (request, position)."""
+    g = geometry
+    requests = list(schedule)
+    assert meta.query_start_loc.tolist() == np.cumsum([0] + [schedule[r] for r in requests]).tolist()
+    row = 0
+    for b, request in enumerate(requests):
+        start = lengths_before.get(request, 0)
+        assert meta.sequence_lengths[b] == start + schedule[request]
+        pages = meta.block_table[b]
+        cpages = meta.compressed_block_table[b]
+        for position in range(start, start + schedule[request]):
+            assert meta.token_to_req[row] == b and meta.positions[row] == position
+            assert meta.raw_positions[row, 0].tolist() == [position] * 3
+            page = pages[position // g.page_size]
+            assert 0 <= page < g.num_pages
+            assert meta.slot_mapping[row] == page * g.page_size + position % g.page_size
+            if (position + 1) % g.compress_ratio == 0:
+                group = position // g.compress_ratio
+                cpage = cpages[group // g.compressed_page_size]
+                assert 0 <= cpage < g.num_compressed_pages
+                assert meta.compressed_slots[row] == cpage * g.compressed_page_size + group % g.compressed_page_size
+            else:
+                assert meta.compressed_slots[row] == -1
+            slot = meta.compressor_state_slots[row]
+            if slot >= 0:
+                assert slot == meta.compressor_state_block_table[b, 0] * g.ring_size + position % g.ring_size
+                ring[int(slot)] = (request, position)
+            row += 1
+        # Every member of the open group is in the ring for the next step.
+        end = int(meta.sequence_lengths[b])
+        for position in range(end // g.compress_ratio * g.compress_ratio, end):
+            slot = meta.compressor_state_block_table[b, 0] * g.ring_size + position % g.ring_size
+            assert ring[int(slot)] == (request, position), f"ring lost {request}@{position}"
+        assert (pages[-(-end // g.page_size):] == -1).all()
+    assert row == meta.num_rows
+    # Ring slots are distinct within a step; KV and compressed pages are never shared.
+    ring_slots = meta.compressor_state_slots[meta.compressor_state_slots >= 0]
+    assert len(set(ring_slots.tolist())) == len(ring_slots)
+    for table in (meta.block_table, meta.compressed_block_table, meta.compressor_state_block_table):
+        used = table[table >= 0]
+        assert len(set(used.tolist())) == len(used)
+    for name in dataclasses.asdict(meta):
+        assert getattr(meta, name).dtype == np.int32, name
+
+
+def test_paging_metadata_over_joins_and_finishes():
+    geometry = CacheGeometry(page_size=4, num_pages=14, compress_ratio=4, compressed_page_size=2,
+                             num_compressed_pages=6, max_context=24, max_requests=3, ring_size=6)
+    pager = PagedRequests(geometry, seed=3)
+    ring: dict = {}
+    script = [{"a": 9, "b": 3}, {"a": 2, "b": 5, "c": 1}, {"a": 1, "b": 1, "c": 7},
+              "finish b", {"d": 6, "a": 1, "c": 1}, "finish a", {"c": 1, "d": 4, "e": 13}, {"e": 1}]
+    for item in script:
+        if isinstance(item, str):
+            pager.release(item.split()[1])
+            continue
+        before = dict(pager.lengths)
+        check_metadata(geometry, pager.step(item), before, item, ring)
+    # The pools came back: 3 requests in flight hold exactly the pages their lengths need.
+    held = sum(-(-n // 4) for n in pager.lengths.values())
+    assert len(pager._free_pages) == geometry.num_pages - held
+    with pytest.raises(ValueError, match="past max_context"):
+        pager.step({"e": 11})
+    with pytest.raises(ValueError, match="out of compressor-state rings"):
+        pager.step({"f": 1})
+
+
+def test_paging_admit_and_exhaustion():
+    geometry = CacheGeometry(page_size=8, num_pages=4, compress_ratio=4, compressed_page_size=4,
+                             num_compressed_pages=2, max_context=64, max_requests=2)
+    pager = PagedRequests(geometry)
+    pager.admit("x", 17)  # 3 pages, 4 groups -> 1 compressed page
+    meta = pager.step({"x": 3})
+    assert meta.positions.tolist() == [17, 18, 19] and meta.sequence_lengths.tolist() == [20]
+    assert meta.compressed_slots.tolist() == [-1, -1, meta.compressed_block_table[0, 1] * 4 + 0]
+    with pytest.raises(ValueError, match="out of KV pages"):
+        pager.step({"y": 9})
+    with pytest.raises(ValueError, match="already in flight"):
+        pager.admit("x", 1)
+
+
+# --------------------------------------------------------------------------
+# The step
+# --------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Model:
+    """Head geometry of one QSA attention layer and its step options."""
+
+    QH: int = 4
+    KH: int = 2
+    D: int = 32
+    IH: int = 2
+    DI: int = 32
+    ratio: int = 4
+    token_topk: int = 8
+    dtype: torch.dtype = torch.bfloat16
+    index_dtype: torch.dtype = torch.float32
+    is_neox: bool = True
+
+    def options(self) -> dict:
+        return dict(compress_ratio=self.ratio, token_topk=self.token_topk, is_neox=self.is_neox)
+
+
+GEOMETRY = CacheGeometry(page_size=8, num_pages=40, compress_ratio=4, compressed_page_size=4,
+                         num_compressed_pages=24, max_context=48, max_requests=4)
+
+
+def rope_table(d: int, positions: int = 64) -> torch.Tensor:
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angles = torch.arange(positions, dtype=torch.float64)[:, None] * inv_freq
+    return torch.cat([angles.cos(), angles.sin()], 1).float().to(DEVICE)
+
+
+def random_state(model: Model, g: torch.Generator, geometry: CacheGeometry = GEOMETRY) -> qsa_torch.QSAState:
+    """Random (never zero) caches: stale contents a correct step must never read."""
+    shapes = geometry.state_shapes(model.KH, model.D, model.DI)
+    dtypes = dict(key_cache=model.dtype, value_cache=model.dtype,
+                  compressor_state_cache=model.index_dtype, compressed_key_cache=model.index_dtype)
+    return qsa_torch.QSAState(**{n: torch.randn(shapes[n], generator=g).to(dtypes[n]).to(DEVICE)
+                                 for n in STATE_FIELDS})
+
+
+def random_inputs(model: Model, rows: int, g: torch.Generator) -> dict:
+    rnd = lambda *shape, dtype: torch.randn(*shape, generator=g).to(dtype).to(DEVICE)  # noqa: E731
+    return dict(q=rnd(rows, model.QH, model.D, dtype=model.dtype), k=rnd(rows, model.KH, model.D, dtype=model.dtype),
+                v=rnd(rows, model.KH, model.D, dtype=model.dtype),
+                index_q=rnd(rows, model.IH, model.DI, dtype=model.index_dtype),
+                index_k=rnd(rows, 1, model.DI, dtype=model.index_dtype))
+
+
+def clone_state(state):
+    return dataclasses.replace(state, **{n: getattr(state, n).clone() for n in STATE_FIELDS})
+
+
+def stage_by_stage(model: Model, inputs: dict, state, meta, cos_sin, index_cos_sin):
+    """The step written out with the public stage functions, in the documented order."""
+    m, neox = meta, model.is_neox
+    q, _, key_cache, value_cache = qsa_torch.rope_reshape_and_cache(
+        inputs["q"], inputs["k"], inputs["v"], state.key_cache, state.value_cache, m.slot_mapping, m.positions,
+        cos_sin, is_neox=neox)
+    pooled, first = qsa_torch.compress_groups(
+        inputs["index_k"], m.raw_positions, state.compressor_state_cache, m.compressor_state_block_table,
+        m.token_to_req, m.query_start_loc, m.positions, m.compressed_slots, model.ratio)
+    qsa_torch.store_cache_rows(state.compressor_state_cache, m.compressor_state_slots, inputs["index_k"])
+
+    def rotate(x, positions):
+        scratch = torch.zeros(2, 1, 1, x.shape[-1], dtype=x.dtype, device=x.device)
+        no_slots = torch.full_like(positions, -1)
+        return qsa_torch.rope_reshape_and_cache(x, x[:, :1], x[:, :1], scratch[:1], scratch[1:], no_slots,
+                                                positions, index_cos_sin, is_neox=neox)[0]
+
+    qsa_torch.store_cache_rows(state.compressed_key_cache, m.compressed_slots, rotate(pooled, first[:, 0].contiguous()))
+    indices = qsa_torch.select_paged_tokens(rotate(inputs["index_q"], m.positions), state.compressed_key_cache,
+                                            m.compressed_block_table, m.token_to_req, m.positions,
+                                            m.sequence_lengths, model.token_topk, model.ratio)
+    out = qsa_torch.sparse_paged_attention(q, key_cache, value_cache, indices, m.block_table, m.token_to_req)
+    return out, indices
+
+
+@pytest.mark.parametrize("model", [
+    Model(),
+    Model(QH=8, KH=2, D=16, IH=4, DI=16, ratio=8, token_topk=16, index_dtype=torch.bfloat16, is_neox=False),
+], ids=["bf16_fp32index_r4", "gqa4_bf16index_r8_gptj"])
+def test_step_equals_stage_by_stage(model):
+    g = torch.Generator().manual_seed(11)
+    geometry = dataclasses.replace(GEOMETRY, compress_ratio=model.ratio, ring_size=None)
+    pager = PagedRequests(geometry, seed=5)
+    cos_sin, index_cos_sin = rope_table(model.D), rope_table(model.DI)
+    state = random_state(model, g, geometry)
+    # A first step fills rings and compressed pages that the compared step reads.
+    meta = qsa_torch.StepMetadata.from_host(pager.step({"a": 13, "b": 6}), DEVICE)
+    _, state = qsa_torch.qsa_attention_step(**random_inputs(model, 19, g), state=state, metadata=meta,
+                                            cos_sin=cos_sin, index_cos_sin=index_cos_sin, **model.options())
+    manual_state = clone_state(state)
+    meta = qsa_torch.StepMetadata.from_host(pager.step({"a": 7, "b": 1, "c": 3}), DEVICE)
+    inputs = random_inputs(model, 11, g)
+    out, new_state, indices = qsa_torch.qsa_attention_step(
+        **inputs, state=state, metadata=meta, cos_sin=cos_sin, index_cos_sin=index_cos_sin,
+        return_token_indices=True, **model.options())
+    manual_out, manual_indices = stage_by_stage(model, inputs, manual_state, meta, cos_sin, index_cos_sin)
+    assert all(getattr(new_state, n) is getattr(state, n) for n in STATE_FIELDS), "torch updates in place"
+    assert_bitwise_equal(out, manual_out, "out")
+    assert_bitwise_equal(indices, manual_indices, "token_indices")
+    for name in STATE_FIELDS:
+        assert_bitwise_equal(getattr(state, name), getattr(manual_state, name), name)
+    assert (host(indices) >= 0).sum() > 3 * 11, "the step selected almost nothing"
+
+
+class Run:
+    """One layer stepped through torch and JAX side by side, with the histories a dense reference needs."""
+
+    def __init__(self, model: Model, seed: int):
+        self.model = model
+        self.g = torch.Generator().manual_seed(seed)
+        self.pager = PagedRequests(GEOMETRY, seed=seed)
+        self.cos_sin, self.index_cos_sin = rope_table(model.D), rope_table(model.DI)
+        self.torch_state = random_state(model, self.g)
+        self.jax_state = qsa_jax.QSAState(**{n: to_jax(getattr(self.torch_state, n)) for n in STATE_FIELDS})
+        self.histories: dict = {}
+        self.traces = 0
+
+        def step(inputs, state, meta, cos_sin, index_cos_sin):
+            self.traces += 1  # runs only while tracing
+            return qsa_jax.qsa_attention_step(**inputs, state=state, metadata=meta, cos_sin=cos_sin,
+                                              index_cos_sin=index_cos_sin, return_token_indices=True,
+                                              **model.options())
+
+        self.jax_step = jax.jit(step, donate_argnums=(1,))
+
+    def finish(self, request):
+        self.pager.release(request)
+        del self.histories[request]
+
+    def step(self, schedule: dict):
+        host_meta = self.pager.step(schedule)
+        inputs = random_inputs(self.model, host_meta.num_rows, self.g)
+        out, self.torch_state, indices = qsa_torch.qsa_attention_step(
+            **inputs, state=self.torch_state, metadata=qsa_torch.StepMetadata.from_host(host_meta, DEVICE),
+            cos_sin=self.cos_sin, index_cos_sin=self.index_cos_sin, return_token_indices=True,
+            **self.model.options())
+        jax_out, self.jax_state, jax_indices = self.jax_step(
+            {n: to_jax(a) for n, a in inputs.items()}, self.jax_state, qsa_jax.StepMetadata.from_host(host_meta),
+            to_jax(self.cos_sin), to_jax(self.index_cos_sin))
+        assert_bitwise_equal(out, jax_out, "torch vs JAX out")
+        assert_bitwise_equal(indices, jax_indices, "torch vs JAX token_indices")
+        for name in STATE_FIELDS:
+            assert_bitwise_equal(getattr(self.torch_state, name), getattr(self.jax_state, name), f"torch vs JAX {name}")
+        self.check_reference(schedule, host_meta, inputs, out, indices)
+
+    def check_reference(self, schedule, host_meta, inputs, out, indices):
+        requests = list(schedule)
+        for b, request in enumerate(requests):
+            rows = slice(host_meta.query_start_loc[b], host_meta.query_start_loc[b + 1])
+            new = dict(k=f64(inputs["k"][rows]), v=f64(inputs["v"][rows]), index_k=f64(inputs["index_k"][rows])[:, 0])
+            old = self.histories.get(request)
+            self.histories[request] = new if old is None else {n: np.concatenate([old[n], new[n]]) for n in new}
+        row_requests = [requests[b] for b in host_meta.token_to_req]
+        ref_out, ref_indices = R.qsa_attention_step(
+            f64(inputs["q"]), f64(inputs["index_q"]), row_requests, host_meta.positions,
+            {r: h["k"] for r, h in self.histories.items()}, {r: h["v"] for r, h in self.histories.items()},
+            {r: h["index_k"] for r, h in self.histories.items()}, f64(self.cos_sin), f64(self.index_cos_sin),
+            **self.model.options())
+        np.testing.assert_array_equal(host(indices), ref_indices, "token_indices vs float64 reference")
+        assert_close(out, ref_out, 1e-2, "out vs float64 reference")
+        self.check_compressed_keys(requests, host_meta)
+
+    def check_compressed_keys(self, requests, host_meta):
+        """Every complete group's key: the mean of its raw index keys, rotated at its first position."""
+        cache = f64(self.torch_state.compressed_key_cache)
+        ratio, page_size = self.model.ratio, GEOMETRY.compressed_page_size
+        table = f64(self.index_cos_sin)
+        for b, request in enumerate(requests):
+            raw = self.histories[request]["index_k"]
+            for group in range(len(raw) // ratio):
+                first = group * ratio
+                cos, sin = R.cos_sin_row(table, first, raw.shape[-1], self.model.is_neox)
+                expected = R.rope(raw[first: first + ratio].mean(0), cos, sin, self.model.is_neox)
+                page = host_meta.compressed_block_table[b, group // page_size]
+                assert_close(cache[page, group % page_size, 0], expected, 1e-5, f"{request} group {group}")
+
+
+def test_multi_step_run_torch_jax_and_reference():
+    """Chunked prefill mixed with decode, joins and finishes (a finished request's pages and
+    ring are reused, stale), steps of a repeated shape reusing the JAX trace."""
+    run = Run(Model(), seed=7)
+    run.step({"a": 6, "b": 9})  # prefill chunks; a's group 4..7 straddles into the next step
+    run.step({"a": 5, "b": 1, "c": 3})  # a continues, b decodes, c joins
+    run.step({"a": 1, "b": 1, "c": 1})
+    run.finish("b")
+    run.step({"a": 1, "c": 1, "d": 7})  # d takes b's ring block and pages; (T, B) of the second step
+    run.step({"a": 1, "c": 1, "d": 1})  # (T, B) of the third step
+    run.step({"a": 1, "c": 1, "d": 1})
+    assert run.traces == 3, f"the JAX step was traced {run.traces} times for 3 batch shapes"
+    assert run.pager.lengths == {"a": 15, "c": 7, "d": 9}
+
+
+def valid_arguments():
+    """Keyword arguments of one valid step, for torch and for JAX."""
+    model = Model()
+    g = torch.Generator().manual_seed(0)
+    host_meta = PagedRequests(GEOMETRY).step({"a": 3})
+    inputs = random_inputs(model, 3, g)
+    state = random_state(model, g)
+    cs = rope_table(model.D)
+    torch_args = dict(**inputs, state=state, metadata=qsa_torch.StepMetadata.from_host(host_meta, DEVICE),
+                      cos_sin=cs, index_cos_sin=cs, **model.options())
+    jax_args = dict({n: to_jax(a) for n, a in inputs.items()},
+                    state=qsa_jax.QSAState(**{n: to_jax(getattr(state, n)) for n in STATE_FIELDS}),
+                    metadata=qsa_jax.StepMetadata.from_host(host_meta), cos_sin=to_jax(cs), index_cos_sin=to_jax(cs),
+                    **model.options())
+    return torch_args, jax_args
+
+
+def test_invalid_arguments_same_error_in_both_adapters():
+    torch_args, jax_args = valid_arguments()
+    cases = {
+        "topk": (ValueError, dict(token_topk=6)),
+        "ratio": (ValueError, dict(compress_ratio=0)),
+        "rows": (ValueError, dict(index_q=lambda a: a[:2])),
+        "index_heads": (ValueError, dict(index_k=lambda a: a[:, [0, 0]])),
+    }
+    for name, (error, change) in cases.items():
+        messages = []
+        for adapter, args in ((qsa_torch, torch_args), (qsa_jax, jax_args)):
+            args = dict(args)
+            for key, value in change.items():
+                args[key] = value(args[key]) if callable(value) else value
+            with pytest.raises(error) as info:
+                adapter.qsa_attention_step(**args)
+            messages.append(str(info.value))
+        assert messages[0] == messages[1], name
+        assert messages[0].startswith("qsa_attention_step: "), messages[0]
+
+
+def test_wrong_array_types_name_the_argument():
+    torch_args, jax_args = valid_arguments()
+    numpy_cache = host(torch_args["state"].key_cache)
+    cases = [
+        (qsa_torch, dict(torch_args, q=host(torch_args["q"])), "q must be a torch.Tensor, got ndarray"),
+        (qsa_torch, dict(torch_args, state=dataclasses.replace(torch_args["state"], key_cache=numpy_cache)),
+         "state.key_cache must be a torch.Tensor, got ndarray"),
+        (qsa_jax, dict(jax_args, metadata=dataclasses.replace(jax_args["metadata"],
+                                                              positions=torch_args["metadata"].positions)),
+         "metadata.positions must be a JAX array, got Tensor"),
+        (qsa_jax, dict(jax_args, metadata=torch_args["metadata"]),
+         "metadata must be a qsa_jax.StepMetadata, got qsa_torch.StepMetadata"),
+        (qsa_torch, dict(torch_args, state=dict(key_cache=None)), "state must be a qsa_torch.QSAState, got dict"),
+    ]
+    for adapter, args, message in cases:
+        with pytest.raises(TypeError) as info:
+            adapter.qsa_attention_step(**args)
+        assert str(info.value) == f"qsa_attention_step: {message}"
+
+
+@pytest.mark.gpu
+def test_production_geometry_graph_and_jax():
+    """24 Q / 2 KV heads x d256, indexer 4 x d128, ratio 4, pages of 64, top 2048 tokens: a prefill
+    chunk then a decode step; torch eager, torch CUDA-graph replay and JAX agree bitwise."""
+    model = Model(QH=24, KH=2, D=256, IH=4, DI=128, token_topk=2048, index_dtype=torch.bfloat16)
+    geometry = CacheGeometry(page_size=64, num_pages=256, compress_ratio=4, compressed_page_size=64,
+                             num_compressed_pages=64, max_context=4096, max_requests=8)
+    g = torch.Generator().manual_seed(0)
+    pager = PagedRequests(geometry, seed=0)
+    cs, ics = rope_table(model.D, 4096), rope_table(model.DI, 4096)
+    state = random_state(model, g, geometry)
+    # ~650 complete groups per request: the top 512 blocks are a real choice.
+    meta = qsa_torch.StepMetadata.from_host(pager.step({r: 2600 + 37 * r for r in range(4)}), DEVICE)
+    _, state = qsa_torch.qsa_attention_step(**random_inputs(model, meta.positions.shape[0], g), state=state,
+                                            metadata=meta, cos_sin=cs, index_cos_sin=ics, **model.options())
+    jax_state = qsa_jax.QSAState(**{n: to_jax(getattr(state, n)) for n in STATE_FIELDS})
+    host_meta = pager.step({r: 1 for r in range(4)})
+    meta = qsa_torch.StepMetadata.from_host(host_meta, DEVICE)
+    inputs = random_inputs(model, 4, g)
+
+    def torch_step(state):
+        return qsa_torch.qsa_attention_step(**inputs, state=state, metadata=meta, cos_sin=cs, index_cos_sin=ics,
+                                            return_token_indices=True, **model.options())
+
+    eager_state, graph_state = clone_state(state), clone_state(state)
+    eager, _, eager_indices = torch_step(eager_state)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # every kernel was compiled by the eager call
+        graphed, _, graphed_indices = torch_step(graph_state)
+    graph.replay()
+    torch.cuda.synchronize()
+    jax_step = jax.jit(lambda i, s, m, c, ic: qsa_jax.qsa_attention_step(
+        **i, state=s, metadata=m, cos_sin=c, index_cos_sin=ic, return_token_indices=True, **model.options()),
+        donate_argnums=(1,))
+    jax_out, jax_state, jax_indices = jax_step({n: to_jax(a) for n, a in inputs.items()}, jax_state,
+                                               qsa_jax.StepMetadata.from_host(host_meta), to_jax(cs), to_jax(ics))
+    for name, a, b in (("graph out", graphed, eager), ("graph indices", graphed_indices, eager_indices),
+                       ("jax out", jax_out, eager), ("jax indices", jax_indices, eager_indices)):
+        assert_bitwise_equal(a, b, name)
+    for name in STATE_FIELDS:
+        assert_bitwise_equal(getattr(graph_state, name), getattr(eager_state, name), f"graph {name}")
+        assert_bitwise_equal(getattr(jax_state, name), getattr(eager_state, name), f"jax {name}")
+    assert (host(eager_indices) >= 0).sum(1).min() >= 2048
