@@ -60,35 +60,37 @@ Returns:
 LOG2_E = 1.4426950408889634
 
 # ---------------------------------------------------------------------------
-# Launch configuration, decided from static shapes only (rows x KV heads,
-# selection width W, head dim D), with an H200 in mind: 132 SMs, 228 KB of
-# shared memory per SM, ~4.3 TB/s of HBM.
+# Launch configuration, decided from static shapes only: programs = R x KH
+# (rows x KV heads), selection width W and head dim D.
 #
-# | choice     | value                        | why                                     |
-# |------------|------------------------------|-----------------------------------------|
-# | BLOCK_N    | TILE_BYTES / (2 bytes * D),  | K and V tiles of 16 KB each (D=256: 32  |
-# |            | 16..128, at most W (pow2)    | tokens)                                 |
-# | splits     | TARGET_PROGRAMS // (R * KH), | ~2 programs per SM: a decode row alone  |
-# |            | a power of two, <= tiles     | gets one tile per split; no split (and  |
-# |            |                              | no merge pass) once R * KH > 132        |
-# | num_stages | 3                            | the loop's loads chain index -> page -> |
-# |            |                              | K/V; one stage each prefetches K/V one  |
-# |            |                              | tile ahead                              |
-# | num_warps  | 4 (8 if BLOCK_M * D > 4096)  | the float32 accumulator [BLOCK_M, D]    |
-# |            |                              | stays at 32 registers per thread        |
-# | grid       | (rows, splits, KV heads)     | rows vary fastest: programs running     |
-# |            |                              | together are neighbouring rows of one   |
-# |            |                              | KV head, whose overlapping selections   |
-# |            |                              | L2 serves once                          |
+# Splits: TARGET_PROGRAMS // programs, a power of two capped at the number of
+# tiles, so that a decode batch too small to fill the H200's 132 SMs still
+# puts ~2 programs on each; no split (and no merge pass) once programs > 132.
+# Grid (rows, splits, KV heads): rows vary fastest, so programs running
+# together are neighbouring rows of one KV head, whose overlapping selections
+# L2 serves once.
 #
-# Compiled for sm_90 (d256, group 12, BLOCK_N 32): 153 registers and 42 KB of
-# shared memory per program, so three programs (~96 KB of K/V in flight) per
-# SM.  Splits are powers of two so that eager torch compiles few variants
-# (TILES_PER_SPLIT is a compile-time constant: the loop needs no runtime bound).
+# Tile, warps and stages were swept on the H200 (CUDA-graph replay, 24 Q / 2
+# KV heads x d256, bf16, W = 2051; benchmarks/bench_sparse_attention.py
+# --sweep), best of 18 configurations per shape:
+#
+# | programs  | K/V tile | warps | stages | measured on         | us (table before) |
+# |-----------|----------|-------|--------|---------------------|-------------------|
+# | <= 132    | 32 KB    | 8     | 3      | decode 1 / 64 rows  | 9.5 / 93 (10.9 / 101)  |
+# | 133-4095  | 16 KB    | 2     | 3      | decode 256 rows     | 285 (386)         |
+# | >= 4096   | 32 KB    | 2     | 2      | prefill 2048 rows   | 1206 (2193)       |
+#
+# (32 KB of K or V is BLOCK_N = 64 tokens at D = 256.)  Many small programs
+# favour 2 warps: more of them fit on an SM, so more gathers are in flight.
 # ---------------------------------------------------------------------------
-TILE_BYTES = 16 * 1024
 TARGET_PROGRAMS = 264
-NUM_STAGES = 3
+LAUNCH_TABLE = (  # (most programs, tile bytes, warps, stages)
+    (132, 32 * 1024, 8, 3),
+    (4095, 16 * 1024, 2, 3),
+    (None, 32 * 1024, 2, 2),
+)
+#: Set by tuning sweeps to force a tile size; None follows LAUNCH_TABLE.
+TILE_BYTES = None
 #: float32 elements of one merge chunk (SPLIT_CHUNK x D): 32 registers per thread.
 MERGE_CHUNK_ELEMENTS = 4096
 
@@ -226,9 +228,15 @@ def _softmax_scale(check: Checker, softmax_scale, d: int) -> float:
     return float(softmax_scale)
 
 
-def _split_plan(rows: int, kv_heads: int, width: int, d: int, num_splits: int | None):
-    """``(BLOCK_N, tiles per split, splits)`` from the table above."""
-    block_n = max(16, min(128, TILE_BYTES // (2 * d)))
+def _launch_config(rows: int, kv_heads: int, width: int, d: int, num_splits: int | None):
+    """``(BLOCK_N, tiles per split, splits, warps, stages)`` from the table above."""
+    programs = rows * kv_heads
+    for most, tile_bytes, num_warps, num_stages in LAUNCH_TABLE:
+        if most is None or programs <= most:
+            break
+    if TILE_BYTES is not None:
+        tile_bytes = TILE_BYTES
+    block_n = max(16, min(128, tile_bytes // (2 * d)))
     block_n = min(block_n, max(16, triton.next_power_of_2(width)))
     tiles = max(1, triton.cdiv(width, block_n))
     if num_splits is None:
@@ -236,7 +244,7 @@ def _split_plan(rows: int, kv_heads: int, width: int, d: int, num_splits: int | 
         num_splits = 1 << (wanted.bit_length() - 1)
     tiles_per_split = triton.cdiv(tiles, min(num_splits, tiles))
     # Re-derive the count so that no split is empty.
-    return block_n, tiles_per_split, triton.cdiv(tiles, tiles_per_split)
+    return block_n, tiles_per_split, triton.cdiv(tiles, tiles_per_split), num_warps, num_stages
 
 
 @cached_plan
@@ -293,7 +301,7 @@ def plan_sparse_paged_attention(
     width = token_indices.shape[1]
     group = qh // kh
     block_m = max(16, triton.next_power_of_2(group))
-    block_n, tiles_per_split, splits = _split_plan(rows, kh, width, d, num_splits)
+    block_n, tiles_per_split, splits, num_warps, num_stages = _launch_config(rows, kh, width, d, num_splits)
 
     out = Buffer("out", (rows, qh, d), q.dtype)
     # The log2-sum-exps of one split are the rows' own: kept for a later
@@ -329,8 +337,8 @@ def plan_sparse_paged_attention(
             GROUP=group, D=d, PAGE=page, WIDTH=width, BLOCK_M=block_m, BLOCK_N=block_n,
             TILES_PER_SPLIT=tiles_per_split, INTERPRET=runtime.INTERPRETED,
         ),
-        num_warps=4 if block_m * d <= 4096 else 8,
-        num_stages=NUM_STAGES,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     launches = (partial,)
     if splits > 1:

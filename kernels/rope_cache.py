@@ -23,8 +23,12 @@ from .validate import FLOAT_DTYPES, FP8_DTYPE, INDEX_DTYPES, Checker
 
 FUNCTION = "rope_reshape_and_cache"
 # Query heads per program: a [BLOCK_H, D] tile of about this many elements.
-TILE_ELEMENTS = 4096
-NUM_WARPS = 4
+# Swept on the H200 (benchmarks/tune_rope_cache.py, T = 2048 and 8192, bf16):
+# small tiles on 2 warps keep the most rows in flight: 24 Q / 2 KV x d256
+# reaches 85-87% of 4.3 TB/s, 32 Q / 8 KV x d128 83-85% (4096 on 4 warps:
+# 73-76% and 83-86%).
+TILE_ELEMENTS = 1024
+NUM_WARPS = 2
 DOC = """\
 Apply RoPE to q and k and write k and v into a paged KV cache.
 
