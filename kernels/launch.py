@@ -21,11 +21,12 @@ Conventions every kernel follows, so one signature serves both adapters:
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple
 
-__all__ = ["ArrayInfo", "Buffer", "Launch", "Program", "cached_plan", "clear_plan_caches", "contiguous_strides"]
+__all__ = ["ArrayInfo", "Buffer", "Launch", "Program", "cached_plan", "clear_plan_caches", "contiguous_strides", "split_arguments"]
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -133,6 +134,10 @@ class Program:
                     names.append(name)
         return tuple(names)
 
+    def returned(self, results: tuple):
+        """Results as the public function returns them: a lone result bare, else the tuple."""
+        return results[0] if len(results) == 1 else results
+
     @property
     def runnable_launches(self) -> tuple[Launch, ...]:
         return tuple(launch for launch in self.launches if not launch.empty)
@@ -151,8 +156,21 @@ def cached_plan(plan):
     tuning constant (benchmark sweeps, tests) calls :func:`clear_plan_caches`.
     """
     cached = functools.lru_cache(maxsize=4096)(plan)
+    # What adapters need to bind a public function to its plan: its name
+    # (for error messages) and which of its arguments are arrays.
+    cached.function = plan.__name__.removeprefix("plan_")
+    cached.array_arguments = tuple(
+        name for name, parameter in inspect.signature(plan).parameters.items()
+        if "ArrayInfo" in str(parameter.annotation))
     _PLAN_CACHES.append(cached)
     return cached
+
+
+def split_arguments(plan, arguments: Mapping[str, Any]) -> tuple[dict, dict]:
+    """A public call's arguments, by name, as ``(arrays, options)`` for ``plan``."""
+    arrays = {name: arguments[name] for name in plan.array_arguments}
+    options = {name: value for name, value in arguments.items() if name not in arrays}
+    return arrays, options
 
 
 def clear_plan_caches() -> None:

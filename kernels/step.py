@@ -25,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, NamedTuple
 
+import numpy as np
+
 from .paging import METADATA_FIELDS, STATE_FIELDS
 from .validate import Checker
 
@@ -108,6 +110,58 @@ Fields (``T`` rows of ``B`` requests):
     group), compressor_state_block_table ``[B, 1]``, compressor_state_slots
     ``[T]`` (``-1`` for rows the ring does not keep).
 """
+
+
+@dataclasses.dataclass(frozen=True)
+class StateFields:
+    """The fields of ``QSAState`` (see :data:`STATE_DOC`); adapters subclass it.
+
+    A subclass sets ``_zeros(shape, dtype, device)``, its framework's
+    allocation of a zero array.
+    """
+
+    key_cache: Any
+    value_cache: Any
+    compressor_state_cache: Any
+    compressed_key_cache: Any
+
+    @classmethod
+    def zeros(cls, geometry, *, kv_heads, head_dim, index_head_dim, dtype, index_dtype=None, device=None):
+        """Zero caches of ``geometry``'s sizes: K/V in ``dtype``, the index caches in ``index_dtype``."""
+        shapes = geometry.state_shapes(kv_heads, head_dim, index_head_dim)
+        index_dtype = dtype if index_dtype is None else index_dtype
+        dtypes = dict(key_cache=dtype, value_cache=dtype, compressor_state_cache=index_dtype,
+                      compressed_key_cache=index_dtype)
+        return cls(**{name: cls._zeros(shape, dtypes[name], device) for name, shape in shapes.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class MetadataFields:
+    """The fields of ``StepMetadata`` (see :data:`METADATA_DOC`); adapters subclass it.
+
+    A subclass sets ``_to_device(numpy_array, device)``.
+    """
+
+    slot_mapping: Any
+    positions: Any
+    raw_positions: Any
+    token_to_req: Any
+    query_start_loc: Any
+    sequence_lengths: Any
+    block_table: Any
+    compressed_block_table: Any
+    compressed_slots: Any
+    compressor_state_block_table: Any
+    compressor_state_slots: Any
+
+    @classmethod
+    def from_host(cls, host, device=None):
+        """The arrays of a :class:`qsa_kernels.paging.HostStepMetadata`, on ``device``."""
+        return cls(**{name: cls._to_device(np.asarray(getattr(host, name)), device) for name in METADATA_FIELDS})
+
+
+assert tuple(f.name for f in dataclasses.fields(StateFields)) == STATE_FIELDS
+assert tuple(f.name for f in dataclasses.fields(MetadataFields)) == METADATA_FIELDS
 
 
 class Backend(NamedTuple):

@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from qsa_kernels import runtime
-from qsa_kernels.launch import ArrayInfo, Program
+from qsa_kernels.launch import ArrayInfo, Program, split_arguments
 from qsa_kernels.validate import device_error, type_error
 
 _BITS_VIEW = {  # dtypes torch.from_numpy cannot take: move them as raw bits
@@ -149,3 +149,11 @@ def run(program: Program, arrays: Mapping[str, jax.Array | None]) -> tuple[jax.A
         raise NotImplementedError(f"{function} is not differentiable (jax.grad / jax.jvp): it is an inference kernel")
 
     return guarded(*values)
+
+
+def call(plan, arguments: Mapping[str, object]):
+    """Run the public function ``plan`` serves, given its arguments by name."""
+    arrays, options = split_arguments(plan, arguments)
+    arrays, infos = metadata(plan.function, arrays)
+    program = plan(**infos, **options)
+    return program.returned(run(program, arrays))

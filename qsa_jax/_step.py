@@ -6,7 +6,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from qsa_kernels import step as _step
 from qsa_kernels.docs import jax_doc
@@ -17,45 +16,16 @@ from ._compress import compress_groups, store_cache_rows
 from ._rope_cache import rope_reshape_and_cache
 from ._select import select_paged_tokens
 
-Array = jax.Array
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QSAState(_step.StateFields):
+    _zeros = staticmethod(lambda shape, dtype, device: jnp.zeros(shape, dtype, device=device))
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class QSAState:
-    key_cache: Array
-    value_cache: Array
-    compressor_state_cache: Array
-    compressed_key_cache: Array
-
-    @classmethod
-    def zeros(cls, geometry, *, kv_heads, head_dim, index_head_dim, dtype, index_dtype=None, device=None):
-        shapes = geometry.state_shapes(kv_heads, head_dim, index_head_dim)
-        index_dtype = dtype if index_dtype is None else index_dtype
-        dtypes = dict(key_cache=dtype, value_cache=dtype, compressor_state_cache=index_dtype,
-                      compressed_key_cache=index_dtype)
-        return cls(**{name: jnp.zeros(shape, dtypes[name], device=device) for name, shape in shapes.items()})
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class StepMetadata:
-    slot_mapping: Array
-    positions: Array
-    raw_positions: Array
-    token_to_req: Array
-    query_start_loc: Array
-    sequence_lengths: Array
-    block_table: Array
-    compressed_block_table: Array
-    compressed_slots: Array
-    compressor_state_block_table: Array
-    compressor_state_slots: Array
-
-    @classmethod
-    def from_host(cls, host, device=None):
-        return cls(**{name: jax.device_put(np.asarray(getattr(host, name)), device)
-                      for name in _step.METADATA_FIELDS})
+class StepMetadata(_step.MetadataFields):
+    _to_device = staticmethod(jax.device_put)
 
 
 _BACKEND = _step.Backend(

@@ -1,4 +1,4 @@
-"""Stage 4 for torch: split-K sparse paged GQA attention."""
+"""Stage 4: split-K sparse paged GQA attention (torch adapter: binds the shared plans; see qsa_kernels)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,7 @@ from . import _launch
 
 def sparse_paged_attention(q, k_cache, v_cache, token_indices, block_table, token_to_req,
                            softmax_scale=None):
-    arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, token_indices=token_indices,
-                  block_table=block_table, token_to_req=token_to_req)
-    infos = _launch.metadata("sparse_paged_attention", arrays)
-    program = plan_sparse_paged_attention(**infos, softmax_scale=softmax_scale)
-    (out,) = _launch.run(program, arrays, q.device)
-    return out
+    return _launch.call(plan_sparse_paged_attention, locals())  # every argument, by name
 
 
 sparse_paged_attention.__doc__ = torch_doc(DOC)

@@ -1,4 +1,4 @@
-"""Stage 2 for torch: key compression and row store."""
+"""Stage 2: key compression and row store (torch adapter: binds the shared plans; see qsa_kernels)."""
 
 from __future__ import annotations
 
@@ -12,22 +12,11 @@ from . import _launch
 def compress_groups(raw_keys, raw_positions, compressor_state_cache, compressor_state_block_table,
                     token_to_req, query_start_loc, logical_positions, compressed_slots,
                     compress_ratio, rope_cache=None):
-    arrays = dict(raw_keys=raw_keys, raw_positions=raw_positions,
-                  compressor_state_cache=compressor_state_cache,
-                  compressor_state_block_table=compressor_state_block_table,
-                  token_to_req=token_to_req, query_start_loc=query_start_loc,
-                  logical_positions=logical_positions, compressed_slots=compressed_slots,
-                  rope_cache=rope_cache)
-    infos = _launch.metadata("compress_groups", arrays)
-    program = plan_compress_groups(**infos, compress_ratio=compress_ratio)
-    return _launch.run(program, arrays, raw_keys.device)
+    return _launch.call(plan_compress_groups, locals())  # every argument, by name
 
 
 def store_cache_rows(cache, slot_mapping, rows):
-    arrays = dict(cache=cache, slot_mapping=slot_mapping, rows=rows)
-    infos = _launch.metadata("store_cache_rows", arrays)
-    (cache,) = _launch.run(plan_store_cache_rows(**infos), arrays, cache.device)
-    return cache
+    return _launch.call(plan_store_cache_rows, locals())  # every argument, by name
 
 
 compress_groups.__doc__ = torch_doc(COMPRESS_GROUPS_DOC)

@@ -8,7 +8,7 @@ from typing import Mapping
 import torch
 
 from qsa_kernels import runtime
-from qsa_kernels.launch import ArrayInfo, Program
+from qsa_kernels.launch import ArrayInfo, Program, split_arguments
 from qsa_kernels.validate import device_error, type_error
 
 DTYPES = {
@@ -79,3 +79,12 @@ def run(program: Program, arrays: Mapping[str, torch.Tensor | None], device: tor
                     num_stages=launch.num_stages,
                 )
     return tuple(env[name] for name in program.results)
+
+
+def call(plan, arguments: Mapping[str, object]):
+    """Run the public function ``plan`` serves, given its arguments by name."""
+    arrays, options = split_arguments(plan, arguments)
+    infos = metadata(plan.function, arrays)
+    program = plan(**infos, **options)
+    device = next(value.device for value in arrays.values() if value is not None)
+    return program.returned(run(program, arrays, device))

@@ -1,47 +1,31 @@
-"""Stage 3 for torch: block scoring, top-k, expansion and the fused selection."""
+"""Stage 3: block scoring, top-k, expansion and the fused selection (torch adapter: binds the shared plans; see qsa_kernels)."""
 
 from __future__ import annotations
 
-from qsa_kernels.docs import torch_doc
 from qsa_kernels.select import (EXPAND_DOC, SCORES_DOC, SELECT_DOC, TOPK_DOC, plan_expand_block_indices,
                                 plan_mqa_paged_scores, plan_select_paged_tokens, plan_topk_blocks)
+from qsa_kernels.docs import torch_doc
 
 from . import _launch
 
 
 def mqa_paged_scores(q, k_cache, page_table, token_to_req, query_positions, sequence_lengths,
                      compress_ratio, num_columns=None, score_divisor=None):
-    arrays = dict(q=q, k_cache=k_cache, page_table=page_table, token_to_req=token_to_req,
-                  query_positions=query_positions, sequence_lengths=sequence_lengths)
-    infos = _launch.metadata("mqa_paged_scores", arrays)
-    program = plan_mqa_paged_scores(**infos, compress_ratio=compress_ratio, num_columns=num_columns,
-                                    score_divisor=score_divisor)
-    return _launch.run(program, arrays, q.device)
+    return _launch.call(plan_mqa_paged_scores, locals())  # every argument, by name
 
 
 def topk_blocks(logits, visible_blocks, k):
-    arrays = dict(logits=logits, visible_blocks=visible_blocks)
-    infos = _launch.metadata("topk_blocks", arrays)
-    program = plan_topk_blocks(**infos, k=k)
-    return _launch.run(program, arrays, logits.device)[0]
+    return _launch.call(plan_topk_blocks, locals())  # every argument, by name
 
 
 def expand_block_indices(block_indices, query_positions, sequence_lengths, token_to_req,
                          compress_ratio, token_topk):
-    arrays = dict(block_indices=block_indices, query_positions=query_positions,
-                  sequence_lengths=sequence_lengths, token_to_req=token_to_req)
-    infos = _launch.metadata("expand_block_indices", arrays)
-    program = plan_expand_block_indices(**infos, compress_ratio=compress_ratio, token_topk=token_topk)
-    return _launch.run(program, arrays, block_indices.device)[0]
+    return _launch.call(plan_expand_block_indices, locals())  # every argument, by name
 
 
 def select_paged_tokens(q, k_cache, page_table, token_to_req, query_positions, sequence_lengths,
                         token_topk, compress_ratio):
-    arrays = dict(q=q, k_cache=k_cache, page_table=page_table, token_to_req=token_to_req,
-                  query_positions=query_positions, sequence_lengths=sequence_lengths)
-    infos = _launch.metadata("select_paged_tokens", arrays)
-    program = plan_select_paged_tokens(**infos, token_topk=token_topk, compress_ratio=compress_ratio)
-    return _launch.run(program, arrays, q.device)[0]
+    return _launch.call(plan_select_paged_tokens, locals())  # every argument, by name
 
 
 mqa_paged_scores.__doc__ = torch_doc(SCORES_DOC)

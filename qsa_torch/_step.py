@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import torch
 
 from qsa_kernels import step as _step
@@ -16,43 +15,15 @@ from ._compress import compress_groups, store_cache_rows
 from ._rope_cache import rope_reshape_and_cache
 from ._select import select_paged_tokens
 
-Array = torch.Tensor
+
+@dataclasses.dataclass(frozen=True)
+class QSAState(_step.StateFields):
+    _zeros = staticmethod(lambda shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device))
 
 
 @dataclasses.dataclass(frozen=True)
-class QSAState:
-    key_cache: Array
-    value_cache: Array
-    compressor_state_cache: Array
-    compressed_key_cache: Array
-
-    @classmethod
-    def zeros(cls, geometry, *, kv_heads, head_dim, index_head_dim, dtype, index_dtype=None, device=None):
-        shapes = geometry.state_shapes(kv_heads, head_dim, index_head_dim)
-        index_dtype = dtype if index_dtype is None else index_dtype
-        dtypes = dict(key_cache=dtype, value_cache=dtype, compressor_state_cache=index_dtype,
-                      compressed_key_cache=index_dtype)
-        return cls(**{name: torch.zeros(shape, dtype=dtypes[name], device=device) for name, shape in shapes.items()})
-
-
-@dataclasses.dataclass(frozen=True)
-class StepMetadata:
-    slot_mapping: Array
-    positions: Array
-    raw_positions: Array
-    token_to_req: Array
-    query_start_loc: Array
-    sequence_lengths: Array
-    block_table: Array
-    compressed_block_table: Array
-    compressed_slots: Array
-    compressor_state_block_table: Array
-    compressor_state_slots: Array
-
-    @classmethod
-    def from_host(cls, host, device=None):
-        return cls(**{name: torch.as_tensor(np.asarray(getattr(host, name)), device=device)
-                      for name in _step.METADATA_FIELDS})
+class StepMetadata(_step.MetadataFields):
+    _to_device = staticmethod(lambda array, device: torch.as_tensor(array, device=device))
 
 
 _BACKEND = _step.Backend(
