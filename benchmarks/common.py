@@ -94,18 +94,22 @@ def jax_wall_us(fn, args, calls: int = 20, smoke: bool = False) -> float:
                            sync=jax.block_until_ready)
 
 
-def jax_loop_us(step, carry, calls: int = 20, smoke: bool = False) -> float:
+def jax_loop_us(step, carry, calls: int = 20, smoke: bool = False, consts=()) -> float:
     """Device-time estimate: one jitted ``fori_loop`` of ``calls`` steps, µs per step.
 
-    ``step(carry) -> carry``; the carry is threaded so XLA cannot hoist or
-    drop the calls.  Unrolled: a rolled XLA while loop on the GPU reads its
-    predicate back to the host every iteration, which would dominate.
+    ``step(carry, *consts) -> carry``; the carry is threaded so XLA cannot
+    hoist or drop the calls.  Large read-only inputs (caches) go in ``consts``:
+    a jitted function must copy a non-donated input it returns, so carrying
+    them would time a copy of the cache.  Unrolled: a rolled XLA while loop on
+    the GPU reads its predicate back to the host every iteration, which would
+    dominate.
     """
     import jax
 
-    looped = jax.jit(lambda c: jax.lax.fori_loop(0, calls, lambda i, c: step(c), c, unroll=True))
-    jax.block_until_ready(looped(carry))
-    return _wall_median_us(lambda: looped(carry), 3 if smoke else 10, sync=jax.block_until_ready) / calls
+    looped = jax.jit(lambda c, k: jax.lax.fori_loop(0, calls, lambda i, c: step(c, *k), c, unroll=True))
+    jax.block_until_ready(looped(carry, tuple(consts)))
+    return _wall_median_us(lambda: looped(carry, tuple(consts)), 3 if smoke else 10,
+                           sync=jax.block_until_ready) / calls
 
 
 def gbps(nbytes: int, microseconds: float | None) -> float | None:

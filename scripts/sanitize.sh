@@ -85,7 +85,9 @@ for name in runs:
     tool_log = read(os.path.join(out_dir, name + ".sanitizer.log"))
     program_log = read(os.path.join(out_dir, name + ".log"))
     summaries = re.findall(r"^=+ (?:ERROR|RACECHECK) SUMMARY:.*$", tool_log, re.M)
-    errors = re.search(r"ERROR SUMMARY: (\d+) error", tool_log)
+    # memcheck: "ERROR SUMMARY: N errors"; racecheck: "RACECHECK SUMMARY: H hazards displayed (N errors, W warnings)"
+    errors = (re.search(r"ERROR SUMMARY: (\d+) error", tool_log)
+              or re.search(r"RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) errors?", tool_log))
     errors = int(errors.group(1)) if errors else None
     result = re.search(r"^SANITIZE RESULT (\{.*\})$", program_log, re.M)
     if result:
