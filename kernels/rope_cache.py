@@ -137,9 +137,14 @@ def rope_cache_kernel(
 
         rope_row = t < T
         position = tl.load(positions_ptr + t, mask=rope_row, other=0).to(tl.int64)
+        position_ok = True
         if HAS_OFFSETS:
-            position += tl.load(offsets_ptr + t, mask=rope_row, other=0).to(tl.int64)
-        position_ok = (position >= 0) & (position < max_position)
+            offset = tl.load(offsets_ptr + t, mask=rope_row, other=0).to(tl.int64)
+            total = position + offset
+            # An int64 sum that wrapped has the opposite sign of both terms.
+            position_ok = ~((position < 0) == (offset < 0)) | ((total < 0) == (position < 0))
+            position = total
+        position_ok = position_ok & (position >= 0) & (position < max_position)
         # A position outside the table is never read: its rows come out NaN.
         table_row = cos_sin_ptr + tl.where(position_ok, position, 0) * cs_st
         read = (i < HALF) & rope_row & position_ok

@@ -153,9 +153,16 @@ Returns:
 @triton.jit
 def _visible_blocks(query_position, sequence_length, RATIO: tl.constexpr):
     """Complete blocks a query sees: causal and within its sequence (>= 0)."""
-    by_position = tl.maximum(query_position + 1, 0) // RATIO
+    by_position = _groups_through(query_position, RATIO)
     by_length = tl.maximum(sequence_length, 0) // RATIO
     return tl.minimum(by_position, by_length)
+
+
+@triton.jit
+def _groups_through(position, RATIO: tl.constexpr):
+    """``(position + 1) // RATIO`` for position >= 0, else 0, without forming
+    ``position + 1`` (it wraps at INT64_MAX)."""
+    return tl.where(position < 0, 0, position // RATIO + ((position % RATIO) == RATIO - 1))
 
 
 @triton.jit
@@ -553,13 +560,18 @@ def expand_kernel(
     _request, _request_ok, length = _row_request(token_to_req_ptr, sequence_lengths_ptr, row, True, num_requests)
     position = tl.load(query_positions_ptr + row).to(tl.int64)
     expanded = tl.minimum(_visible_blocks(position, length, RATIO), BLOCK_TOPK) * RATIO
-    # The open group: positions from the last group boundary up to the query.
-    tail_start = (tl.maximum(position + 1, 0) // RATIO) * RATIO
-    tail_count = tl.maximum(position + 1, 0) - tail_start
+    # The open group: the tail_count positions up to and including the query.
+    # (Written so that nothing wraps, even at INT64_MAX.)
+    tail_count = tl.where(position < 0, 0, (position % RATIO + 1) % RATIO)
     in_blocks = cols < expanded
+    in_tail = ~in_blocks & (cols - expanded < tail_count)
     block = tl.load(block_indices_ptr + local * bi_sr + cols // RATIO, mask=in_blocks, other=-1).to(tl.int64)
-    token = tl.where(in_blocks, block * RATIO + cols % RATIO, tail_start + (cols - expanded))
-    keep = (in_blocks | (cols - expanded < tail_count)) & (token >= 0) & (token < length)
+    # A block past the sequence is skipped before block * RATIO can wrap.
+    block_ok = (block >= 0) & (block <= (length - 1) // RATIO)
+    block_token = tl.where(block_ok, block, 0) * RATIO + cols % RATIO
+    tail_token = position - tl.where(in_tail, tail_count - 1 - (cols - expanded), 0)
+    token = tl.where(in_blocks, block_token, tail_token)
+    keep = ((in_blocks & block_ok) | in_tail) & (token >= 0) & (token < length)
     tl.store(out_ptr + row * out_sr + cols, tl.where(keep, token, -1).to(tl.int32), mask=cols < WIDTH)
 
 

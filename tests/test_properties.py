@@ -96,13 +96,9 @@ LIMITS = {"int32": (-2**31, 2**31 - 1), "int64": (-2**63, 2**63 - 1)}
 
 # Known bugs (see tests/test_regressions.py): while they stand, the strategies
 # keep out of the values that trigger them, so that CI stays green and the
-# fuzzing keeps looking for new ones.
-#: ``query_position + 1`` overflows int64 at INT64_MAX (visible blocks, tail).
-POSITION_BOUNDS = {"int64": (-2**63, 2**63 - 2)}
-#: ``block * compress_ratio`` wraps in int64 for |block| >= 2**61 (ratio <= 4).
-BLOCK_BOUNDS = {"int64": (-2**60, 2**60)}
-#: ``positions + offsets`` wraps in int64 when both are near -2**63.
-OFFSET_BOUNDS = {"int64": LIMITS["int32"]}
+# fuzzing keeps looking for new ones.  (Fixed, bounds lifted: query_position + 1
+# and block * ratio wrapping in int64, positions + offsets wrapping.)
+POSITION_BOUNDS = BLOCK_BOUNDS = OFFSET_BOUNDS = None
 #: Subnormal logits: XLA:CPU host callbacks flush them to zero (JAX on the CPU only).
 SUBNORMAL_LOGITS = False
 

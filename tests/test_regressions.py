@@ -53,9 +53,8 @@ def test_rope_with_zero_query_heads():
 # Open
 # --------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="open bug: query_position + 1 overflows int64 (stage 3, select.py)")
 def test_scores_query_position_int64_max():
-    """Bug (stage 3, open): ``_visible_blocks`` computes ``query_position + 1``, which
+    """Bug (stage 3, fixed): ``_visible_blocks`` computes ``query_position + 1``, which
     wraps at INT64_MAX: the row sees 0 blocks instead of sequence_length // ratio.
     Shrunk by hypothesis from test_properties.py::test_mqa_paged_scores."""
     q = torch.ones(1, 1, 16, device=DEVICE)
@@ -68,18 +67,16 @@ def test_scores_query_position_int64_max():
     assert host(visible).tolist() == expected.tolist() == [2]
 
 
-@pytest.mark.xfail(strict=True, reason="open bug: query_position + 1 overflows int64 (stage 3, expand_kernel)")
 def test_expand_query_position_int64_max():
-    """Bug (stage 3, open): as above in ``expand_kernel``: at INT64_MAX no block is expanded."""
+    """Bug (stage 3, fixed): as above in ``expand_kernel``: at INT64_MAX no block is expanded."""
     args = (_i64([[0, 1]]), _i64([2**63 - 1]), _i64([200]), _i32([0]))
     out = qsa_torch.expand_block_indices(*args, 4, 8)
     expected = R.expand_block_indices(*(host(a) for a in args), 4, 8)
     assert host(out).tolist() == expected.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, -1, -1, -1]]
 
 
-@pytest.mark.xfail(strict=True, reason="open bug: block * compress_ratio wraps in int64 (stage 3, expand_kernel)")
 def test_expand_block_index_times_ratio_wraps():
-    """Bug (stage 3, open): an int64 block index far out of range (-2**63, 2**62)
+    """Bug (stage 3, fixed): an int64 block index far out of range (-2**63, 2**62)
     times compress_ratio wraps to 0, so ``expand_block_indices`` emits the valid
     tokens 0..3 instead of -1 (API.md: out-of-range values are treated like -1)."""
     args = (_i64([[-(2**63), 2**62, 5]]), _i64([100]), _i64([200]), _i32([0]))
@@ -89,9 +86,8 @@ def test_expand_block_index_times_ratio_wraps():
     assert host(out).tolist() == expected.tolist()
 
 
-@pytest.mark.xfail(strict=True, reason="open bug: positions + offsets wraps in int64 (stage 1, rope_cache_kernel)")
 def test_rope_position_plus_offset_wraps():
-    """Bug (stage 1, open): ``positions + offsets`` of -2**63 each wraps to 0, a
+    """Bug (stage 1, fixed): ``positions + offsets`` of -2**63 each wraps to 0, a
     valid rotary row: q_out/k_out are finite and the cache is written, where the
     true position (-2**64) is outside cos_sin (NaN rows, no write)."""
     case = RopeCase(T=1, T_kv=1, QH=2, KH=1, D=8, layout="flash", X=1, P=4, blocks=2, dtype="float32",
@@ -101,9 +97,8 @@ def test_rope_position_plus_offset_wraps():
     check_rope(case)
 
 
-@pytest.mark.xfail(strict=True, reason="open bug: zero-size tensors are checked for a unit last stride (validate.py)")
 def test_zero_size_tensor_with_odd_strides_is_accepted():
-    """Bug (kernels/validate.py, open): ``last_dim_contiguous`` rejects an empty tensor
+    """Bug (kernels/validate.py, fixed): ``last_dim_contiguous`` rejects an empty tensor
     whose strides are not row-major, e.g. ``torch.from_numpy`` of an empty NumPy
     array (NumPy gives empty arrays all-zero strides): "k_cache must have a
     contiguous last dimension (stride 1), got strides (0, 0, 0, 0)".  An empty
