@@ -93,18 +93,6 @@ def graph_us(fn, smoke, estimate_us=None):
     return common.torch_graph_us(fn, calls=calls, smoke=smoke)
 
 
-def to_jax(tensor):
-    import jax
-    import jax.numpy as jnp
-    import torch
-
-    if tensor.is_cuda:
-        return jax.dlpack.from_dlpack(tensor)  # zero-copy: the pool is not duplicated
-    if tensor.dtype == torch.bfloat16:
-        return jnp.asarray(tensor.float().numpy()).astype(jnp.bfloat16)
-    return jnp.asarray(tensor.numpy())
-
-
 def jax_topk_us(jax, qsa_jax, logits, visible, k, smoke):
     """Ours (jax) and lax.top_k: wall µs per call and fori_loop µs per step.
 
@@ -134,7 +122,7 @@ def jax_topk_us(jax, qsa_jax, logits, visible, k, smoke):
 def jax_select_us(jax, qsa_jax, arrays, topk, smoke):
     jnp = jax.numpy
     calls = 2 if smoke else 20
-    args = tuple(to_jax(a) for a in arrays.values())
+    args = tuple(common.to_jax(a) for a in arrays.values())
     select = jax.jit(qsa_jax.select_paged_tokens, static_argnums=(6, 7))
     wall = common.jax_wall_us(select, args + (topk, RATIO), calls=calls, smoke=smoke)
 
@@ -225,7 +213,7 @@ def main():
         elif shape in g["LAX_TOPK_SHAPES"] | g["JAX_SHAPES"]:
             if device == "cuda":
                 torch.cuda.synchronize()
-            row.update(jax_topk_us(jax, qsa_jax, to_jax(logits), to_jax(visible), k, args.smoke))
+            row.update(jax_topk_us(jax, qsa_jax, common.to_jax(logits), common.to_jax(visible), k, args.smoke))
             if shape in g["JAX_SHAPES"]:
                 row["jax_select_wall_us"], row["jax_select_loop_us"] = jax_select_us(
                     jax, qsa_jax, arrays, g["TOKEN_TOPK"], args.smoke)

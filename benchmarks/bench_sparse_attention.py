@@ -176,18 +176,6 @@ def sweep(qsa_torch, attention, arrays, smoke):
     return results
 
 
-def to_jax(tensor):
-    import jax
-    import jax.numpy as jnp
-    import torch
-
-    if tensor.is_cuda:
-        return jax.dlpack.from_dlpack(tensor)  # zero-copy: the pool is not duplicated
-    if tensor.dtype == torch.bfloat16:
-        return jnp.asarray(tensor.float().numpy()).astype(jnp.bfloat16)
-    return jnp.asarray(tensor.numpy())
-
-
 def main():
     parser = common.parser(__doc__, "sparse_attention.json")
     parser.add_argument("--sweep", action="store_true", help="tune: sweep launch configurations instead")
@@ -276,7 +264,7 @@ def main():
         if (mode, rows, context) in g["JAX_SHAPES"]:
             if device == "cuda":
                 torch.cuda.synchronize()
-            jax_arrays = tuple(to_jax(a) for a in arrays.values())
+            jax_arrays = tuple(common.to_jax(a) for a in arrays.values())
             jitted = jax.jit(qsa_jax.sparse_paged_attention)
             calls = 2 if args.smoke else 20
             row["jax_wall_us"] = common.jax_wall_us(jitted, jax_arrays, calls=calls, smoke=args.smoke)

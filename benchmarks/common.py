@@ -112,6 +112,19 @@ def jax_loop_us(step, carry, calls: int = 20, smoke: bool = False, consts=()) ->
                            sync=jax.block_until_ready) / calls
 
 
+def to_jax(tensor):
+    """A torch tensor as a JAX array: zero-copy through DLPack on the GPU."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    if tensor.is_cuda:
+        return jax.dlpack.from_dlpack(tensor)
+    if tensor.dtype == torch.bfloat16:
+        return jnp.asarray(tensor.float().numpy()).astype(jnp.bfloat16)
+    return jnp.asarray(tensor.numpy())
+
+
 def gbps(nbytes: int, microseconds: float | None) -> float | None:
     if not microseconds:
         return None
