@@ -13,7 +13,9 @@ naming the public function, not an internal error.
 
 from __future__ import annotations
 
-from typing import Mapping
+import queue
+import threading
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -91,6 +93,41 @@ def _to_numpy(tensor) -> np.ndarray:
     return tensor.numpy()
 
 
+class _InterpreterThread:
+    """One thread, started at import, that runs every host-callback launch.
+
+    XLA:CPU runs host callbacks with subnormals flushed to zero (FTZ/DAZ),
+    which the interpreter's NumPy arithmetic would inherit: torch and JAX
+    would then disagree on subnormal inputs.  A thread started here keeps the
+    importing thread's default floating-point environment.
+    """
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="qsa-interpreter", daemon=True).start()
+
+    def _serve(self):
+        while True:
+            job, outcome, done = self._jobs.get()
+            try:
+                outcome.append((True, job()))
+            except BaseException as error:  # handed back to the callback's thread
+                outcome.append((False, error))
+            done.set()
+
+    def __call__(self, job: Callable):
+        outcome, done = [], threading.Event()
+        self._jobs.put((job, outcome, done))
+        done.wait()
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
+
+
+_interpreter_thread = _InterpreterThread() if runtime.INTERPRETED else None
+
+
 def _run_on_host(program: Program, names, arrays):
     from qsa_torch import _launch as torch_launch  # the interpreter executor
 
@@ -113,7 +150,7 @@ def _run_on_host(program: Program, names, arrays):
             if not array.flags.writeable:
                 array = array.copy()
             tensors[name] = _to_torch(array)
-        outputs = torch_launch.run(program, tensors, torch.device("cpu"))
+        outputs = _interpreter_thread(lambda: torch_launch.run(program, tensors, torch.device("cpu")))
         return tuple(_to_numpy(out) for out in outputs)
 
     return jax.pure_callback(host, tuple(result_types), *arrays)

@@ -115,9 +115,8 @@ def test_zero_size_tensor_with_odd_strides_is_accepted():
 
 
 @pytest.mark.skipif(not runtime.INTERPRETED, reason="JAX runs the interpreter from an XLA:CPU host callback only on the CPU")
-@pytest.mark.xfail(strict=True, reason="open bug: XLA:CPU runs host callbacks with denormals flushed (qsa_jax/_launch.py)")
 def test_jax_cpu_host_callback_keeps_subnormals():
-    """Bug (qsa_jax CPU path, open): XLA:CPU runs ``pure_callback`` with flush-to-zero /
+    """Bug (qsa_jax CPU path, fixed: the interpreter runs on a thread of its own): XLA:CPU runs ``pure_callback`` with flush-to-zero /
     denormals-are-zero set, so the interpreter inside sees subnormal floats as 0:
     top-k ranks 1e-45 equal to 0.0 under JAX but above it under torch (the
     reference agrees with torch).  Any kernel's float arithmetic is affected;
