@@ -50,6 +50,13 @@ class Checker:
         if tuple(info.shape) != tuple(expected):
             self.fail(name, f"must be {layout} = {tuple(expected)}", f"shape {info.shape}")
 
+    def index_vector(self, name: str, info: ArrayInfo, length: int, what: str) -> None:
+        """A ``[what]`` int32/int64 vector of ``length`` entries."""
+        self.rank(name, info, 1, f"[{what}]")
+        self.dtype(name, info, INDEX_DTYPES)
+        if info.shape[0] != length:
+            self.fail(name, f"must have {what} = {length} entries", f"shape {info.shape}")
+
     def last_dim_contiguous(self, name: str, info: ArrayInfo) -> None:
         # An empty array has no layout to get wrong (NumPy gives it zero strides).
         if info.ndim and info.shape[-1] > 1 and info.size and info.strides[-1] != 1:
@@ -67,6 +74,10 @@ class Checker:
     def positive(self, name: str, value, what: str = "positive") -> None:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
             self.fail(name, f"must be {what}", repr(value))
+
+    def positive_int(self, name: str, value) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            self.fail(name, "must be a positive int", repr(value))
 
     def nonnegative_int(self, name: str, value) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:

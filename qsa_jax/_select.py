@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from qsa_kernels.select import (EXPAND_DOC, SCORES_DOC, SELECT_DOC, TOPK_DOC, plan_expand_block_indices,
-                                plan_mqa_paged_scores, plan_select_paged_tokens, plan_topk_blocks)
+from qsa_kernels.expand import EXPAND_DOC, plan_expand_block_indices
+from qsa_kernels.score import SCORES_DOC, plan_mqa_paged_scores
+from qsa_kernels.select import SELECT_DOC, plan_select_paged_tokens
+from qsa_kernels.topk import TOPK_DOC, plan_topk_blocks
 from qsa_kernels.docs import jax_doc
 
 from . import _launch

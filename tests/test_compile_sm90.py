@@ -33,8 +33,10 @@ from qsa_kernels.attention import plan_sparse_paged_attention
 from qsa_kernels.compress import plan_compress_groups, plan_store_cache_rows
 from qsa_kernels.launch import ArrayInfo, Launch
 from qsa_kernels.rope_cache import plan_rope_reshape_and_cache
-from qsa_kernels.select import (plan_expand_block_indices, plan_mqa_paged_scores, plan_select_paged_tokens,
-                                plan_topk_blocks)
+from qsa_kernels.expand import plan_expand_block_indices
+from qsa_kernels.score import plan_mqa_paged_scores
+from qsa_kernels.select import plan_select_paged_tokens
+from qsa_kernels.topk import plan_topk_blocks
 
 ROOT = Path(__file__).resolve().parent.parent
 a = ArrayInfo.contiguous

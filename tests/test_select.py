@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import qsa_jax
+import qsa_kernels.score as score_plans
 import qsa_kernels.select as select_plans
+import qsa_kernels.topk as topk_plans
 import qsa_torch
 from qsa_kernels.launch import clear_plan_caches
 
@@ -172,8 +174,8 @@ def test_topk_split_rows(monkeypatch, kind):
     """Small tiles force rows split over slices, and the three finishing paths:
     T equal to the group bound (sorted), candidates (random), candidates
     overflowing the buffer (periodic: the large keys share one group)."""
-    monkeypatch.setattr(select_plans, "TOPK_TILE", 16)
-    monkeypatch.setattr(select_plans, "TOPK_MIN_CANDIDATES", 8)
+    monkeypatch.setattr(topk_plans, "TOPK_TILE", 16)
+    monkeypatch.setattr(topk_plans, "TOPK_MIN_CANDIDATES", 8)
     rows, columns, k = 3, 200, 5
     if kind == "sorted":
         logits = torch.arange(rows * columns, dtype=torch.float32).reshape(rows, columns)
@@ -184,8 +186,8 @@ def test_topk_split_rows(monkeypatch, kind):
     else:
         logits = topk_logits(4, rows, columns, special=kind == "special")
     visible = torch.tensor([columns, 150, 77], dtype=torch.int32)
-    program = select_plans.plan_topk_blocks(qsa_torch._launch.info(logits),
-                                            qsa_torch._launch.info(visible), k)
+    program = topk_plans.plan_topk_blocks(qsa_torch._launch.info(logits),
+                                          qsa_torch._launch.info(visible), k)
     assert program.launches[0].scalars["slices"] > 1
     check_topk(logits, visible, k)
 
@@ -257,7 +259,7 @@ def test_select_chunked_matches_unchunked(monkeypatch, prefill):
     clear_plan_caches()  # plans are memoised: forget the unchunked one
     infos = {name: qsa_torch._launch.info(value) for name, value in case.items()}
     program = select_plans.plan_select_paged_tokens(**infos, token_topk=12, compress_ratio=4)
-    chunks = sum(launch.kernel is select_plans.scores_kernel for launch in program.launches)
+    chunks = sum(launch.kernel is score_plans.scores_kernel for launch in program.launches)
     assert chunks == (2 if prefill else 3)
     chunked = qsa_torch.select_paged_tokens(**case, token_topk=12, compress_ratio=4)
     assert_bitwise_equal(whole, chunked, "chunked vs whole")

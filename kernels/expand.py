@@ -1,0 +1,123 @@
+"""Stage 3c: expand selected compressed blocks into token indices (``expand_block_indices``).
+
+Follows the seed: each selected block becomes its ``compress_ratio`` tokens,
+then the tokens of the still-open group up to the query.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .launch import ArrayInfo, Buffer, Launch, Program, cached_plan
+from .rows import count_visible_blocks, row_request
+from .validate import INDEX_DTYPES, Checker
+
+EXPAND_DOC = """\
+Expand selected compressed blocks into token indices, then the causal tail.
+
+For each row, its first ``min(visible_blocks, token_topk // compress_ratio)``
+block indices (as written by ``topk_blocks``) become ``compress_ratio``
+tokens each (``block * compress_ratio + i``), followed by the tokens of the
+still-open group (positions ``((p + 1) // compress_ratio) * compress_ratio``
+.. ``p``).  Tokens that are negative or at/after the request's sequence
+length, and unused slots, are ``-1``.
+
+Args:
+    block_indices: ``[R, token_topk // compress_ratio]`` int32/int64.
+    query_positions: ``[R]`` token position of each row.
+    sequence_lengths: ``[B]`` tokens of each request.
+    token_to_req: ``[R]`` request of each row; ``-1`` / out of range: none.
+    compress_ratio: tokens per compressed block (positive int).
+    token_topk: selected tokens, a multiple of ``compress_ratio``.
+
+Returns:
+    ``[R, token_topk + compress_ratio - 1]`` int32 token indices.
+"""
+
+
+@triton.jit
+def expand_kernel(
+    block_indices_ptr, query_positions_ptr, sequence_lengths_ptr, token_to_req_ptr, previous_ptr,
+    out_ptr,
+    row_begin, num_requests, bi_sr, out_sr,
+    BLOCK_TOPK: tl.constexpr, RATIO: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """Row ``row_begin + program_id(0)``; its block indices are row ``program_id(0)``."""
+    local = tl.program_id(0).to(tl.int64)
+    row = row_begin + local
+    cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    _request, _request_ok, length = row_request(token_to_req_ptr, sequence_lengths_ptr, row, True, num_requests)
+    position = tl.load(query_positions_ptr + row).to(tl.int64)
+    expanded = tl.minimum(count_visible_blocks(position, length, RATIO), BLOCK_TOPK) * RATIO
+    # The open group: the tail_count positions up to and including the query.
+    # (Written so that nothing wraps, even at INT64_MAX.)
+    tail_count = tl.where(position < 0, 0, (position % RATIO + 1) % RATIO)
+    in_blocks = cols < expanded
+    in_tail = ~in_blocks & (cols - expanded < tail_count)
+    block = tl.load(block_indices_ptr + local * bi_sr + cols // RATIO, mask=in_blocks, other=-1).to(tl.int64)
+    # A block past the sequence is skipped before block * RATIO can wrap.
+    block_ok = (block >= 0) & (block <= (length - 1) // RATIO)
+    block_token = tl.where(block_ok, block, 0) * RATIO + cols % RATIO
+    tail_token = position - tl.where(in_tail, tail_count - 1 - (cols - expanded), 0)
+    token = tl.where(in_blocks, block_token, tail_token)
+    keep = ((in_blocks & block_ok) | in_tail) & (token >= 0) & (token < length)
+    tl.store(out_ptr + row * out_sr + cols, tl.where(keep, token, -1).to(tl.int32), mask=cols < WIDTH)
+
+
+def check_token_topk(check: Checker, token_topk, compress_ratio: int) -> None:
+    check.nonnegative_int("token_topk", token_topk)
+    if token_topk % compress_ratio:
+        check.fail("token_topk", f"must be a multiple of compress_ratio = {compress_ratio}", token_topk)
+
+
+def expand_launches(block_topk: int, compress_ratio: int, block_stride: int, out_stride: int,
+                    requests: int, row_ranges, block_indices: str):
+    width = block_topk * compress_ratio + compress_ratio - 1
+    block_w = min(1024, triton.next_power_of_2(max(width, 1)))
+    # With no blocks to expand, any input stands in for the (unread) indices.
+    block_indices = block_indices if block_topk else "token_to_req"
+    launches = []
+    for i, (first, count) in enumerate(row_ranges):
+        # Later chunks update `out` in place (aliased in JAX); the first
+        # chunk's stand-in is never read.
+        previous = "out" if i else block_indices
+        launches.append(Launch(
+            kernel=expand_kernel,
+            grid=(count, triton.cdiv(width, block_w)),
+            inputs=(block_indices, "query_positions", "sequence_lengths", "token_to_req", previous),
+            outputs=("out",),
+            scalars=dict(row_begin=first, num_requests=requests, bi_sr=block_stride, out_sr=out_stride),
+            constexprs=dict(BLOCK_TOPK=block_topk, RATIO=compress_ratio, WIDTH=width, BLOCK_W=block_w),
+            num_warps=4,
+            num_stages=1,
+        ))
+    return launches
+
+
+@cached_plan
+def plan_expand_block_indices(block_indices: ArrayInfo, query_positions: ArrayInfo,
+                              sequence_lengths: ArrayInfo, token_to_req: ArrayInfo,
+                              compress_ratio, token_topk) -> Program:
+    """Validate ``expand_block_indices`` arguments and describe its launch (see API.md)."""
+    check = Checker("expand_block_indices")
+    check.positive_int("compress_ratio", compress_ratio)
+    check_token_topk(check, token_topk, compress_ratio)
+    block_topk = token_topk // compress_ratio
+    check.rank("block_indices", block_indices, 2, "[R, token_topk // compress_ratio]")
+    check.dtype("block_indices", block_indices, INDEX_DTYPES)
+    rows = block_indices.shape[0]
+    if block_indices.shape[1] != block_topk:
+        check.fail("block_indices", f"must have token_topk // compress_ratio = {block_topk} columns",
+                   f"shape {block_indices.shape}")
+    check.index_vector("query_positions", query_positions, rows, "R")
+    check.rank("sequence_lengths", sequence_lengths, 1, "[B]")
+    check.dtype("sequence_lengths", sequence_lengths, INDEX_DTYPES)
+    check.index_vector("token_to_req", token_to_req, rows, "R")
+    for name, info in (("block_indices", block_indices), ("query_positions", query_positions),
+                       ("sequence_lengths", sequence_lengths), ("token_to_req", token_to_req)):
+        check.last_dim_contiguous(name, info)
+    out = Buffer("out", (rows, token_topk + compress_ratio - 1), "int32")
+    launches = expand_launches(block_topk, compress_ratio, block_indices.strides[0], out.shape[1],
+                               sequence_lengths.shape[0], [(0, rows)], "block_indices")
+    return Program("expand_block_indices", (out,), tuple(launches), ("out",))

@@ -1,0 +1,266 @@
+"""Stage 3a: score every compressed block of each row's request (``mqa_paged_scores``).
+
+A program scores a tile of BLOCK_R consecutive
+rows against BLOCK_N columns (compressed blocks) of the paged key cache.  When
+every row of the tile belongs to one request (a prefill chunk), the tile's
+keys are gathered once and every head is one tensor-core dot
+``[BLOCK_R, D] x [D, BLOCK_N]``; otherwise (decode, or a tile straddling two
+requests) each row is scored alone with its heads padded to a dot of at least
+16 rows.  Keys past the tile's visible columns are never loaded.
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+from . import runtime
+from .launch import ArrayInfo, Buffer, Launch, Program, cached_plan
+from .rows import count_visible_blocks, row_request
+from .validate import FLOAT_DTYPES, INDEX_DTYPES, Checker
+
+SCORES_DOC_ARGS = """\
+    q: ``[R, H, D]`` bf16, fp16 or fp32 indexer queries.
+    k_cache: ``[num_pages, P, 1, D]`` compressed keys (bf16, fp16 or fp32).
+    page_table: ``[B, W]`` int32/int64 physical pages of each request's
+        compressed blocks (block ``c`` is page ``c // P``, offset ``c % P``);
+        ``-1`` and out-of-range pages are skipped.
+    token_to_req: ``[R]`` request of each row; ``-1`` / out of range: none.
+    query_positions: ``[R]`` token position of each row.
+    sequence_lengths: ``[B]`` tokens of each request."""
+
+SCORES_DOC = f"""\
+Score every compressed block of each row's request (QSA indexer).
+
+score = sum over heads of ``relu(q_h . k)`` / ``score_divisor``.  A row sees
+``visible_blocks = min((query_position + 1) // compress_ratio,
+sequence_length // compress_ratio)`` blocks (0 for a row without a valid
+request; negative values count as 0); columns at or past it, and columns
+whose page is missing, are ``-inf``.
+
+Args:
+{SCORES_DOC_ARGS}
+    compress_ratio: tokens per compressed block (positive int).
+    num_columns: logits width ``C``; default ``W * P``.
+    score_divisor: positive divisor of the scores; default ``sqrt(D)``.
+
+Returns:
+    ``(logits [R, C] float32, visible_blocks [R] int32)``.
+"""
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr):
+    # fp32 operands (and every dot under the interpreter, where bf16 dots are
+    # wrong) are multiplied exactly; 16-bit operands use tensor cores.
+    # (One return: the compiler also visits statements after a constexpr-if return.)
+    if UPCAST:
+        product = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        product = tl.dot(a, b)
+    return product
+
+
+@triton.jit
+def _gather_keys(k_cache_ptr, page_table_ptr, request, request_ok, cols, limit,
+                 num_pages, table_width, kc_sb, kc_st, pt_sr,
+                 D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr):
+    """Keys ``[BLOCK_N, BLOCK_D]`` of a request's columns below ``limit`` (0 elsewhere)."""
+    dims = tl.arange(0, BLOCK_D)
+    logical_page = cols // PAGE
+    in_table = request_ok & (cols < limit) & (logical_page < table_width)
+    page = tl.load(page_table_ptr + request * pt_sr + logical_page, mask=in_table, other=-1).to(tl.int64)
+    present = in_table & (page >= 0) & (page < num_pages)
+    # page * stride overflows int32 for large caches: page is int64.
+    keys = tl.load(k_cache_ptr + page[:, None] * kc_sb + (cols % PAGE)[:, None] * kc_st + dims[None, :],
+                   mask=present[:, None] & (dims[None, :] < D), other=0.0)
+    return keys, present
+
+
+@triton.jit
+def _score_row(q_ptr, k_cache_ptr, page_table_ptr, token_to_req_ptr, query_positions_ptr,
+               sequence_lengths_ptr, logits_ptr, local_row, col_start,
+               row_begin, num_columns, num_pages, num_requests, table_width,
+               q_sr, q_sh, kc_sb, kc_st, pt_sr, lg_sr, score_divisor,
+               HEADS: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+               PAGE: tl.constexpr, RATIO: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+    """One row against a column tile: its heads padded to a dot of HEADS_P >= 16 rows."""
+    row = row_begin + local_row.to(tl.int64)
+    request, request_ok, length = row_request(token_to_req_ptr, sequence_lengths_ptr, row, True, num_requests)
+    visible = count_visible_blocks(tl.load(query_positions_ptr + row).to(tl.int64), length, RATIO)
+    cols = col_start + tl.arange(0, BLOCK_N)
+    scores = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    if request_ok & (col_start < visible):
+        keys, present = _gather_keys(k_cache_ptr, page_table_ptr, request, request_ok, cols, visible,
+                                     num_pages, table_width, kc_sb, kc_st, pt_sr, D, BLOCK_D, PAGE)
+        heads = tl.arange(0, HEADS_P)
+        dims = tl.arange(0, BLOCK_D)
+        q = tl.load(q_ptr + row * q_sr + heads[:, None] * q_sh + dims[None, :],
+                    mask=(heads[:, None] < HEADS) & (dims[None, :] < D), other=0.0)
+        # Padded heads are zero rows: relu(0) adds nothing.
+        total = tl.sum(tl.maximum(_dot(q, tl.trans(keys), UPCAST), 0.0), axis=0)
+        scores = tl.where(present, total / score_divisor, float("-inf"))
+    tl.store(logits_ptr + local_row.to(tl.int64) * lg_sr + cols, scores, mask=cols < num_columns)
+
+
+@triton.jit
+def scores_kernel(
+    # inputs
+    q_ptr, k_cache_ptr, page_table_ptr, token_to_req_ptr, query_positions_ptr, sequence_lengths_ptr,
+    # outputs
+    logits_ptr, visible_ptr,
+    # sizes, strides, options
+    row_begin, num_rows, num_columns, num_pages, num_requests, table_width,
+    q_sr, q_sh, kc_sb, kc_st, pt_sr, lg_sr, score_divisor,
+    # constexprs
+    HEADS: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, RATIO: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Rows ``row_begin + [0, num_rows)``; their logits and visible rows are local (0-based)."""
+    first = tl.program_id(0) * BLOCK_R
+    local = first + tl.arange(0, BLOCK_R)
+    row_ok = local < num_rows
+    rows = row_begin + local.to(tl.int64)
+    request, request_ok, length = row_request(token_to_req_ptr, sequence_lengths_ptr, rows, row_ok, num_requests)
+    position = tl.load(query_positions_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    visible = count_visible_blocks(position, length, RATIO)
+    if tl.program_id(1) == 0:
+        tl.store(visible_ptr + local, tl.minimum(visible, 2147483647).to(tl.int32), mask=row_ok)
+    col_start = tl.program_id(1) * BLOCK_N
+
+    if BLOCK_R == 1:
+        _score_row(q_ptr, k_cache_ptr, page_table_ptr, token_to_req_ptr, query_positions_ptr,
+                   sequence_lengths_ptr, logits_ptr, first, col_start,
+                   row_begin, num_columns, num_pages, num_requests, table_width,
+                   q_sr, q_sh, kc_sb, kc_st, pt_sr, lg_sr, score_divisor,
+                   HEADS, HEADS_P, D, BLOCK_D, PAGE, RATIO, BLOCK_N, UPCAST)
+    else:
+        # A tile whose valid rows share one request (a prefill chunk) loads
+        # the keys once for all its rows; any other tile is scored row by row.
+        shared_request = tl.max(tl.where(request_ok, request, -1))
+        if tl.min(tl.where(request_ok, request, shared_request)) == shared_request:
+            cols = col_start + tl.arange(0, BLOCK_N)
+            limit = tl.max(tl.where(request_ok, visible, 0))
+            total = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)
+            keys, present = _gather_keys(k_cache_ptr, page_table_ptr, shared_request, shared_request >= 0,
+                                         cols, limit, num_pages, table_width, kc_sb, kc_st, pt_sr,
+                                         D, BLOCK_D, PAGE)
+            if col_start < limit:
+                keys_t = tl.trans(keys)
+                dims = tl.arange(0, BLOCK_D)
+                q_rows = q_ptr + rows[:, None] * q_sr + dims[None, :]
+                q_mask = row_ok[:, None] & (dims[None, :] < D)
+                for h in tl.static_range(HEADS):
+                    q = tl.load(q_rows + h * q_sh, mask=q_mask, other=0.0)
+                    total += tl.maximum(_dot(q, keys_t, UPCAST), 0.0)
+            valid = request_ok[:, None] & present[None, :] & (cols[None, :] < visible[:, None])
+            tl.store(logits_ptr + local[:, None].to(tl.int64) * lg_sr + cols[None, :],
+                     tl.where(valid, total / score_divisor, float("-inf")),
+                     mask=row_ok[:, None] & (cols[None, :] < num_columns))
+        else:
+            for i in range(BLOCK_R):
+                if first + i < num_rows:
+                    _score_row(q_ptr, k_cache_ptr, page_table_ptr, token_to_req_ptr, query_positions_ptr,
+                               sequence_lengths_ptr, logits_ptr, first + i, col_start,
+                               row_begin, num_columns, num_pages, num_requests, table_width,
+                               q_sr, q_sh, kc_sb, kc_st, pt_sr, lg_sr, score_divisor,
+                               HEADS, HEADS_P, D, BLOCK_D, PAGE, RATIO, BLOCK_N, UPCAST)
+
+
+def check_scoring(check: Checker, q, k_cache, page_table, token_to_req, query_positions,
+                  sequence_lengths, compress_ratio) -> None:
+    check.rank("q", q, 3, "[R, H, D]")
+    check.dtype("q", q, FLOAT_DTYPES)
+    rows, heads, dim = q.shape
+    if heads < 1 or dim < 1:
+        check.fail("q", "must have at least one head and a head dim D >= 1", f"shape {q.shape}")
+    check.rank("k_cache", k_cache, 4, "[num_pages, P, 1, D]")
+    check.dtype("k_cache", k_cache, FLOAT_DTYPES)
+    if k_cache.shape[2] != 1:
+        check.fail("k_cache", "must have one key head (dimension 2 of size 1)", f"shape {k_cache.shape}")
+    if k_cache.shape[3] != dim:
+        check.fail("k_cache", f"must have q's head dim D = {dim}", f"shape {k_cache.shape}")
+    if k_cache.shape[1] < 1:
+        check.fail("k_cache", "must have a page size P >= 1", f"shape {k_cache.shape}")
+    check.rank("page_table", page_table, 2, "[B, W]")
+    check.dtype("page_table", page_table, INDEX_DTYPES)
+    check.index_vector("token_to_req", token_to_req, rows, "R")
+    check.index_vector("query_positions", query_positions, rows, "R")
+    check.index_vector("sequence_lengths", sequence_lengths, page_table.shape[0], "B")
+    check.positive_int("compress_ratio", compress_ratio)
+    for name, info in (("q", q), ("k_cache", k_cache), ("page_table", page_table),
+                       ("token_to_req", token_to_req), ("query_positions", query_positions),
+                       ("sequence_lengths", sequence_lengths)):
+        check.last_dim_contiguous(name, info)
+
+
+def score_tiling(q: ArrayInfo, k_cache: ArrayInfo, page_table: ArrayInfo, num_columns: int):
+    """(rows per tile, columns per tile, upcast operands) of the scorer.
+
+    Rows outnumber requests only when some request has several rows (a
+    prefill chunk): then tiles of 16-64 rows share key loads.  fp32 or mixed
+    operands take an exact fp32 dot (no tensor cores): scored row by row.
+    Register use of these tiles was checked offline for sm_90 (no spills).
+    """
+    rows, dim = q.shape[0], q.shape[2]
+    exact = q.dtype != k_cache.dtype or q.dtype == "float32"
+    if exact or rows <= page_table.shape[0]:
+        block_r = 1
+    else:
+        block_r = 64 if rows >= 1024 else 16
+    block_n = 32 if exact else (128 if block_r == 1 else 64)
+    block_d = max(16, triton.next_power_of_2(dim))
+    block_n = max(16, min(block_n, 16384 // block_d, triton.next_power_of_2(max(num_columns, 1))))
+    # The interpreter's bf16 dots are wrong: it always multiplies in fp32.
+    return block_r, block_n, exact or runtime.INTERPRETED
+
+
+def score_launches(q, k_cache, page_table, compress_ratio, num_columns, score_divisor,
+                   row_ranges, logits_stride):
+    """Scorer launches over ``row_ranges`` [(first row, rows)], writing local logits/visible rows."""
+    heads, dim = q.shape[1], q.shape[2]
+    pages, page = k_cache.shape[0], k_cache.shape[1]
+    requests, table_width = page_table.shape
+    block_r, block_n, upcast = score_tiling(q, k_cache, page_table, num_columns)
+    return [Launch(
+        kernel=scores_kernel,
+        grid=(triton.cdiv(count, block_r), max(1, triton.cdiv(num_columns, block_n))),
+        inputs=("q", "k_cache", "page_table", "token_to_req", "query_positions", "sequence_lengths"),
+        outputs=("logits", "visible_blocks"),
+        scalars=dict(row_begin=first, num_rows=count, num_columns=num_columns, num_pages=pages,
+                     num_requests=requests, table_width=table_width,
+                     q_sr=q.strides[0], q_sh=q.strides[1], kc_sb=k_cache.strides[0],
+                     kc_st=k_cache.strides[1], pt_sr=page_table.strides[0], lg_sr=logits_stride,
+                     score_divisor=float(score_divisor)),
+        constexprs=dict(HEADS=heads, HEADS_P=max(16, triton.next_power_of_2(heads)), D=dim,
+                        BLOCK_D=max(16, triton.next_power_of_2(dim)), PAGE=page, RATIO=compress_ratio,
+                        BLOCK_R=block_r, BLOCK_N=block_n, UPCAST=upcast),
+        num_warps=8,
+        num_stages=1,
+    ) for first, count in row_ranges]
+
+
+@cached_plan
+def plan_mqa_paged_scores(q: ArrayInfo, k_cache: ArrayInfo, page_table: ArrayInfo,
+                          token_to_req: ArrayInfo, query_positions: ArrayInfo,
+                          sequence_lengths: ArrayInfo, compress_ratio, num_columns=None,
+                          score_divisor=None) -> Program:
+    """Validate ``mqa_paged_scores`` arguments and describe its launch (see API.md)."""
+    check = Checker("mqa_paged_scores")
+    check_scoring(check, q, k_cache, page_table, token_to_req, query_positions, sequence_lengths,
+                  compress_ratio)
+    if num_columns is None:
+        num_columns = page_table.shape[1] * k_cache.shape[1]
+    check.nonnegative_int("num_columns", num_columns)
+    if score_divisor is None:
+        score_divisor = math.sqrt(q.shape[2])
+    check.positive("score_divisor", score_divisor, "a positive number")
+    rows = q.shape[0]
+    logits = Buffer("logits", (rows, num_columns), "float32")
+    visible = Buffer("visible_blocks", (rows,), "int32")
+    launches = score_launches(q, k_cache, page_table, compress_ratio, num_columns, score_divisor,
+                              [(0, rows)], logits.info.strides[0])
+    return Program("mqa_paged_scores", (logits, visible), tuple(launches), ("logits", "visible_blocks"))

@@ -1,0 +1,373 @@
+"""Stage 3b: exact top-k blocks of each row (``topk_blocks``).
+
+An exact radix select on order-preserving uint32 keys
+(``-0.0 == +0.0``; NaN below ``-inf``), in four phases, each a launch over
+``(row, slice)`` programs so that one long row still spreads over many SMs:
+
+1. group maxima: every slice reduces its columns to the maxima of G strided
+   groups (column ``c`` is in group ``c % G``);
+2. bound: the k-th largest group maximum ``L`` is a lower bound of the k-th
+   largest key ``T`` (k groups have a maximum >= L), found by a 4-pass
+   radix select over the G maxima; each slice counts its keys ``> L`` and
+   ``== L``;
+3. place: if fewer than k keys exceed ``L`` then ``T == L`` and every slice
+   writes its selected columns straight to the output; otherwise each slice
+   compacts its keys ``> L`` (typically ~k of them) into a candidate buffer;
+4. finish: a radix select over the candidates (or, if they overflowed the
+   buffer, over the whole row) finds ``T`` and writes the selection; then
+   ``-1`` padding.
+
+Selected columns are written in ascending column order with ties taken by
+lower column (prefix sums over column order), so the result is exact and
+deterministic: integer counts only, no atomics, no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .launch import ArrayInfo, Buffer, Launch, Program, cached_plan
+from .validate import FLOAT_DTYPES, Checker
+
+# Columns a top-k program handles per step (raised to G where needed).
+TOPK_TILE = 4096
+# Top-k candidate buffer per row: at least this many, or 4k.
+TOPK_MIN_CANDIDATES = 4096
+# Enough (row, slice) programs to fill an H200 (132 SMs) about twice.
+TOPK_TARGET_PROGRAMS = 256
+TOPK_MAX_SLICES = 64
+TOPK_MAX_GROUPS = 4096
+RADIX_BITS = 8
+
+TOPK_DOC = """\
+Exact top-k blocks of each row, in ascending column order.
+
+Row ``r`` considers its first ``V = min(max(visible_blocks[r], 0), C)``
+columns and holds the ``min(k, V)`` highest-scoring ones in ascending column
+order, then ``-1`` padding (``k > C`` is allowed).  Ranking: larger values
+first, ``-0.0 == +0.0``, ``-inf`` below every finite value, NaN below
+``-inf``; equal values go to the lower column.  Deterministic and bitwise
+identical in torch and JAX, with no host synchronisation.
+
+Args:
+    logits: ``[R, C]`` scores (float32; bf16/fp16 also accepted).
+    visible_blocks: ``[R]`` int32/int64 visible columns per row.
+    k: blocks to keep (non-negative int).
+
+Returns:
+    ``[R, k]`` int32 column indices.
+"""
+
+
+@triton.jit
+def _order_key(x):
+    """float32 -> uint32 whose unsigned order is the ranking (NaN lowest, -0.0 == +0.0)."""
+    x = tl.where(x == 0.0, 0.0, x)
+    bits = x.to(tl.uint32, bitcast=True)
+    key = tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+    return tl.where(x != x, 0, key)
+
+
+@triton.jit
+def _source(key_ptr, col_ptr, idx, n, FROM_LOGITS: tl.constexpr):
+    """(keys, columns, valid) of entries ``idx < n``: a logits row or a candidate list."""
+    valid = idx < n
+    if FROM_LOGITS:
+        # Entries outside the source get key 0, the lowest: they can only
+        # lower a group maximum, never raise it.
+        keys = tl.where(valid, _order_key(tl.load(key_ptr + idx, mask=valid, other=0.0).to(tl.float32)), 0)
+        cols = idx
+    else:
+        keys = tl.load(key_ptr + idx, mask=valid, other=0).to(tl.uint32, bitcast=True)
+        cols = tl.load(col_ptr + idx, mask=valid, other=-1)
+    return keys, cols, valid
+
+
+@triton.jit
+def _digit_histogram(keys, valid, prefix, PASS: tl.constexpr, BITS: tl.constexpr):
+    """Histogram of digit PASS (most significant first) of the keys matching ``prefix``'s higher digits."""
+    SHIFT: tl.constexpr = 32 - (PASS + 1) * BITS
+    match = valid
+    if PASS > 0:
+        match = match & ((keys >> (SHIFT + BITS)) == (prefix >> (SHIFT + BITS)))
+    digits = ((keys >> SHIFT) & ((1 << BITS) - 1)).to(tl.int32)
+    return tl.histogram(digits, 1 << BITS, mask=match)
+
+
+@triton.jit
+def _choose_digit(histogram, prefix, remaining, PASS: tl.constexpr, BITS: tl.constexpr):
+    """Digit of the ``remaining``-th largest key; returns the extended prefix and what remains to take."""
+    SHIFT: tl.constexpr = 32 - (PASS + 1) * BITS
+    at_or_above = tl.sum(histogram, 0) - tl.cumsum(histogram, 0) + histogram
+    # Fewer than ``remaining`` keys in all: digit 0 (the key ends up 0 and
+    # every key equal to it is taken).
+    digit = tl.maximum(tl.sum((at_or_above >= remaining).to(tl.int32), 0) - 1, 0)
+    above = tl.sum(tl.where(tl.arange(0, 1 << BITS) > digit, histogram, 0), 0)
+    return prefix | (digit.to(tl.uint32) << SHIFT), remaining - above
+
+
+@triton.jit
+def _kth_largest_resident(keys, valid, k, BITS: tl.constexpr):
+    """(k-th largest key, how many keys equal to it are among the top k) of a register tensor."""
+    prefix = tl.full((), 0, tl.uint32)
+    remaining = tl.full((), 0, tl.int32) + k
+    for p in tl.static_range(32 // BITS):
+        histogram = _digit_histogram(keys, valid, prefix, p, BITS)
+        prefix, remaining = _choose_digit(histogram, prefix, remaining, p, BITS)
+    return prefix, remaining
+
+
+@triton.jit
+def _kth_largest_streamed(key_ptr, col_ptr, n, k, FROM_LOGITS: tl.constexpr,
+                          TILE: tl.constexpr, BITS: tl.constexpr):
+    """As :func:`_kth_largest_resident` over source entries ``[0, n)``, a tile at a time."""
+    prefix = tl.full((), 0, tl.uint32)
+    remaining = tl.full((), 0, tl.int32) + k
+    for p in tl.static_range(32 // BITS):
+        histogram = tl.zeros((1 << BITS,), tl.int32)
+        start = tl.full((), 0, tl.int32)
+        while start < n:
+            keys, _cols, valid = _source(key_ptr, col_ptr, start + tl.arange(0, TILE), n, FROM_LOGITS)
+            histogram += _digit_histogram(keys, valid, prefix, p, BITS)
+            start += TILE
+        prefix, remaining = _choose_digit(histogram, prefix, remaining, p, BITS)
+    return prefix, remaining
+
+
+@triton.jit
+def _place(key_ptr, col_ptr, start, end, threshold, take_equal, equal_before, position,
+           out_ptr, key_out_ptr, TILE: tl.constexpr, FROM_LOGITS: tl.constexpr,
+           WRITE_KEYS: tl.constexpr):
+    """Writes, in source order from ``position`` on, the columns of entries in
+    ``[start, end)`` with key > threshold, and of those equal to it whose rank
+    among equal keys (counting ``equal_before`` earlier ones) is below
+    ``take_equal``."""
+    while start < end:
+        keys, cols, valid = _source(key_ptr, col_ptr, start + tl.arange(0, TILE), end, FROM_LOGITS)
+        equal = (valid & (keys == threshold)).to(tl.int32)
+        equal_rank = equal_before + tl.cumsum(equal, 0) - equal
+        take = ((valid & (keys > threshold)) | ((equal != 0) & (equal_rank < take_equal))).to(tl.int32)
+        slot = position + tl.cumsum(take, 0) - take
+        tl.store(out_ptr + slot, cols, mask=take != 0)
+        if WRITE_KEYS:
+            tl.store(key_out_ptr + slot, keys.to(tl.int32, bitcast=True), mask=take != 0)
+        position += tl.sum(take, 0)
+        equal_before += tl.sum(equal, 0)
+        start += TILE
+
+
+@triton.jit
+def _row_width(visible_ptr, row, num_columns):
+    return tl.minimum(tl.maximum(tl.load(visible_ptr + row).to(tl.int64), 0), num_columns).to(tl.int32)
+
+
+@triton.jit
+def _slice_range(slice_id, tiles_per_slice, width, TILE: tl.constexpr):
+    """Columns [start, end) of a row's slice that are visible."""
+    start = slice_id * tiles_per_slice * TILE
+    return start, tl.minimum(start + tiles_per_slice * TILE, width)
+
+
+@triton.jit
+def _slice_counts(counts_ptr, row, slice_id, slices, MAX_SLICES: tl.constexpr):
+    """(keys > L in all slices, == L in all slices, > L before this slice, == L before this slice)."""
+    s = tl.arange(0, MAX_SLICES)
+    base = counts_ptr + row * (2 * slices)
+    above = tl.load(base + s, mask=s < slices, other=0)
+    equal = tl.load(base + slices + s, mask=s < slices, other=0)
+    before = s < slice_id
+    return (tl.sum(above, 0), tl.sum(equal, 0),
+            tl.sum(tl.where(before, above, 0), 0), tl.sum(tl.where(before, equal, 0), 0))
+
+
+@triton.jit
+def topk_group_max_kernel(
+    logits_ptr, visible_ptr,
+    maxima_ptr,
+    num_columns, lg_sr, slices, tiles_per_slice,
+    GROUPS: tl.constexpr, TILE: tl.constexpr,
+):
+    """Phase 1: maxima of the G strided groups over one slice of a row."""
+    row = tl.program_id(0).to(tl.int64)
+    slice_id = tl.program_id(1)
+    width = _row_width(visible_ptr, row, num_columns)
+    logits_row = logits_ptr + row * lg_sr
+    # A tile viewed as [TILE // G, G]: column c lands in group c % G.
+    offsets = tl.arange(0, TILE // GROUPS)[:, None] * GROUPS + tl.arange(0, GROUPS)[None, :]
+    maxima = tl.zeros((GROUPS,), tl.uint32)
+    start, end = _slice_range(slice_id, tiles_per_slice, width, TILE)
+    while start < end:
+        keys, _cols, _valid = _source(logits_row, logits_row, start + offsets, end, True)
+        maxima = tl.maximum(maxima, tl.max(keys, 0))
+        start += TILE
+    tl.store(maxima_ptr + (row * slices + slice_id) * GROUPS + tl.arange(0, GROUPS),
+             maxima.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def topk_bound_kernel(
+    logits_ptr, visible_ptr, maxima_ptr,
+    bound_ptr, counts_ptr,
+    num_columns, lg_sr, slices, tiles_per_slice,
+    K: tl.constexpr, GROUPS: tl.constexpr, TILE: tl.constexpr, BITS: tl.constexpr,
+):
+    """Phase 2: L = k-th largest group maximum; this slice's counts of keys > L and == L."""
+    row = tl.program_id(0).to(tl.int64)
+    slice_id = tl.program_id(1)
+    width = _row_width(visible_ptr, row, num_columns)
+    groups = tl.arange(0, GROUPS)
+    maxima = tl.zeros((GROUPS,), tl.uint32)
+    s = tl.full((), 0, tl.int32)
+    while s < slices:
+        partial = tl.load(maxima_ptr + (row * slices + s) * GROUPS + groups)
+        maxima = tl.maximum(maxima, partial.to(tl.uint32, bitcast=True))
+        s += 1
+    # Every slice derives the same bound; empty groups (max 0) only lower it.
+    bound, _taken = _kth_largest_resident(maxima, groups < GROUPS, K, BITS)
+
+    logits_row = logits_ptr + row * lg_sr
+    above = tl.full((), 0, tl.int32)
+    equal = tl.full((), 0, tl.int32)
+    start, end = _slice_range(slice_id, tiles_per_slice, width, TILE)
+    while start < end:
+        keys, _cols, valid = _source(logits_row, logits_row, start + tl.arange(0, TILE), end, True)
+        above += tl.sum((valid & (keys > bound)).to(tl.int32), 0)
+        equal += tl.sum((valid & (keys == bound)).to(tl.int32), 0)
+        start += TILE
+    tl.store(counts_ptr + row * (2 * slices) + slice_id, above)
+    tl.store(counts_ptr + row * (2 * slices) + slices + slice_id, equal)
+    if slice_id == 0:
+        tl.store(bound_ptr + row, bound.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def topk_place_kernel(
+    logits_ptr, visible_ptr, bound_ptr, counts_ptr,
+    out_ptr, cand_key_ptr, cand_col_ptr,
+    num_columns, lg_sr, slices, tiles_per_slice, capacity,
+    K: tl.constexpr, TILE: tl.constexpr, MAX_SLICES: tl.constexpr,
+):
+    """Phase 3: write the selection if T == L, else compact keys > L into the candidates."""
+    row = tl.program_id(0).to(tl.int64)
+    slice_id = tl.program_id(1)
+    width = _row_width(visible_ptr, row, num_columns)
+    bound = tl.load(bound_ptr + row).to(tl.uint32, bitcast=True)
+    above, equal, above_before, equal_before = _slice_counts(counts_ptr, row, slice_id, slices, MAX_SLICES)
+    logits_row = logits_ptr + row * lg_sr
+    start, end = _slice_range(slice_id, tiles_per_slice, width, TILE)
+    if above < K:
+        # T == L: all keys above L, then the first K - above keys equal to L.
+        take_equal = K - above
+        _place(logits_row, logits_row, start, end, bound, take_equal, equal_before,
+               above_before + tl.minimum(equal_before, take_equal),
+               out_ptr + row * K, out_ptr, TILE, True, False)
+    elif above <= capacity:
+        _place(logits_row, logits_row, start, end, bound, 0, equal_before, above_before,
+               cand_col_ptr + row * capacity, cand_key_ptr + row * capacity, TILE, True, True)
+
+
+@triton.jit
+def topk_finish_kernel(
+    logits_ptr, visible_ptr, counts_ptr, cand_key_ptr, cand_col_ptr, previous_ptr,
+    out_ptr,
+    num_columns, lg_sr, slices, capacity,
+    K: tl.constexpr, TILE: tl.constexpr, CAND_TILE: tl.constexpr, MAX_SLICES: tl.constexpr,
+    BITS: tl.constexpr, PAD_TILE: tl.constexpr,
+):
+    """Phase 4: when T > L, select among the candidates (or the whole row if
+    they overflowed); then pad with -1."""
+    row = tl.program_id(0).to(tl.int64)
+    width = _row_width(visible_ptr, row, num_columns)
+    above, _equal, _above_before, _equal_before = _slice_counts(counts_ptr, row, 0, slices, MAX_SLICES)
+    out_row = out_ptr + row * K
+    zero = tl.full((), 0, tl.int32)
+    if above >= K:
+        if above <= capacity:
+            keys_row = cand_key_ptr + row * capacity
+            cols_row = cand_col_ptr + row * capacity
+            threshold, take_equal = _kth_largest_streamed(keys_row, cols_row, above, K, False, CAND_TILE, BITS)
+            _place(keys_row, cols_row, zero, above, threshold, take_equal, zero, zero,
+                   out_row, out_row, CAND_TILE, False, False)
+        else:
+            logits_row = logits_ptr + row * lg_sr
+            threshold, take_equal = _kth_largest_streamed(logits_row, logits_row, width, K, True, TILE, BITS)
+            _place(logits_row, logits_row, zero, width, threshold, take_equal, zero, zero,
+                   out_row, out_row, TILE, True, False)
+    selected = tl.minimum(width, K)
+    for t in range((K + PAD_TILE - 1) // PAD_TILE):
+        cols = t * PAD_TILE + tl.arange(0, PAD_TILE)
+        tl.store(out_row + cols, tl.full((PAD_TILE,), -1, tl.int32), mask=(cols >= selected) & (cols < K))
+
+
+def topk_parts(rows: int, columns: int, k: int, logits_stride: int, row_counts,
+               logits: str, visible: str, out: str):
+    """Workspaces and launches of an exact top-k over ``logits`` ``[rows, columns]``.
+
+    The tiling is chosen for ``rows``; ``row_counts`` are the rows of each
+    run of the four launches (several runs reuse the workspaces).
+    """
+    if rows == 0 or k == 0:
+        return (), ()
+    width = max(columns, 1)
+    # G >= 2k strided groups keep the candidates (keys above the k-th
+    # largest group maximum) near k; G >= C makes single-column groups.
+    groups = min(triton.next_power_of_2(2 * k), triton.next_power_of_2(width), TOPK_MAX_GROUPS)
+    tile = max(groups, min(TOPK_TILE, max(16, triton.next_power_of_2(width))))
+    row_tiles = triton.cdiv(width, tile)
+    # Split rows into slices until there are enough programs for the GPU.
+    slices = max(1, min(row_tiles, TOPK_MAX_SLICES, triton.cdiv(TOPK_TARGET_PROGRAMS, rows)))
+    tiles_per_slice = triton.cdiv(row_tiles, slices)
+    slices = triton.cdiv(row_tiles, tiles_per_slice)
+    capacity = min(row_tiles * tile, max(TOPK_MIN_CANDIDATES, 4 * k))
+    # Typically about 1-3k keys exceed the bound: stream them in tiles of ~2k.
+    cand_tile = min(tile, max(16, triton.next_power_of_2(2 * k)))
+    maxima, bound, counts, cand_key, cand_col = (
+        "topk_maxima", "topk_bound", "topk_counts", "topk_cand_key", "topk_cand_col")
+    buffers = (
+        Buffer(maxima, (rows, slices, groups), "int32"),
+        Buffer(bound, (rows,), "int32"),
+        Buffer(counts, (rows, 2, slices), "int32"),
+        Buffer(cand_key, (rows, capacity), "int32"),
+        Buffer(cand_col, (rows, capacity), "int32"),
+    )
+    # Trip counts are runtime scalars: torch compiles one kernel set per (k, tile).
+    sizes = dict(num_columns=columns, lg_sr=logits_stride, slices=slices)
+    per_slice = dict(sizes, tiles_per_slice=tiles_per_slice)
+    max_slices = triton.next_power_of_2(TOPK_MAX_SLICES)
+    options = dict(num_warps=8 if tile >= 2048 else 4, num_stages=1)
+    launches = []
+    for count in row_counts:
+        launches += [
+            Launch(topk_group_max_kernel, (count, slices), (logits, visible), (maxima,), per_slice,
+                   dict(GROUPS=groups, TILE=tile), **options),
+            Launch(topk_bound_kernel, (count, slices), (logits, visible, maxima), (bound, counts), per_slice,
+                   dict(K=k, GROUPS=groups, TILE=tile, BITS=RADIX_BITS), **options),
+            Launch(topk_place_kernel, (count, slices), (logits, visible, bound, counts),
+                   (out, cand_key, cand_col), dict(per_slice, capacity=capacity),
+                   dict(K=k, TILE=tile, MAX_SLICES=max_slices), **options),
+            # `out` is updated in place: phase 3 wrote the rows where T == L.
+            Launch(topk_finish_kernel, (count,), (logits, visible, counts, cand_key, cand_col, out), (out,),
+                   dict(sizes, capacity=capacity),
+                   dict(K=k, TILE=tile, CAND_TILE=cand_tile, MAX_SLICES=max_slices, BITS=RADIX_BITS,
+                        PAD_TILE=min(1024, triton.next_power_of_2(k))),
+                   **options),
+        ]
+    return buffers, tuple(launches)
+
+
+@cached_plan
+def plan_topk_blocks(logits: ArrayInfo, visible_blocks: ArrayInfo, k) -> Program:
+    """Validate ``topk_blocks`` arguments and describe its launches (see API.md)."""
+    check = Checker("topk_blocks")
+    check.rank("logits", logits, 2, "[R, C]")
+    check.dtype("logits", logits, FLOAT_DTYPES)
+    rows, columns = logits.shape
+    check.index_vector("visible_blocks", visible_blocks, rows, "R")
+    check.nonnegative_int("k", k)
+    check.last_dim_contiguous("logits", logits)
+    check.last_dim_contiguous("visible_blocks", visible_blocks)
+    out = Buffer("out", (rows, k), "int32")
+    buffers, launches = topk_parts(rows, columns, k, logits.strides[0], [rows],
+                                   "logits", "visible_blocks", "out")
+    return Program("topk_blocks", (out,) + buffers, launches, ("out",))
