@@ -1,0 +1,321 @@
+"""Eager fast path for Triton launches: bind once per specialization, then call the launcher.
+
+``kernel[grid](*args, **kwargs)`` costs 27-100 µs of host time per call in
+Triton 3.6 (``JITFunction.run``: the generated binder, ``compute_cache_key``,
+``str(options)``, a ``LazyDict`` of launch metadata, the global-value check).
+Our launches repeat with steady shapes, so :func:`launch` computes a cheap key
+of everything Triton specializes a compiled kernel on, and on a hit calls that
+compiled kernel's launcher directly, exactly as ``JITFunction.run`` would::
+
+    compiled.run(grid_0, grid_1, grid_2, stream, compiled.function,
+                 compiled.packed_metadata, launch_metadata, enter_hook, exit_hook,
+                 *bound_arguments)
+
+The first call of each key (a miss) goes through ``kernel[grid](...)``, which
+compiles (or finds) and launches the kernel and returns it; the key's claim of
+what Triton specializes on is then checked against Triton's own binder, and a
+mismatch raises :class:`SpecializationDriftError` instead of caching a binding
+that could later launch the wrong kernel.
+
+What the key holds, per call (``triton/runtime/jit.py`` and
+``python/src/specialize.cc`` of Triton 3.6 are the reference):
+
+* the device (``JITFunction.device_caches[device]``: one compiled kernel, and
+  one loaded CUfunction, per device);
+* ``num_warps``, ``num_stages``, the debug flag and the instrumentation mode
+  (``run`` puts them in ``options``, part of ``compute_cache_key``);
+* per kernel parameter, in signature order:
+  - tensor: its dtype (the pointer type ``*bf16``, ``*fp8e4nv``...) and whether
+    ``data_ptr() % 16 == 0`` (``handle_tensor``: attribute ``D``,
+    ``tt.divisibility = 16``);
+  - int: ``== 1`` (then Triton makes it a constexpr), else its width class
+    (``i32`` / ``i64`` / ``u64`` by range) and ``% 16 == 0`` (``handle_long_type``);
+  - float: ``fp32``; bool: ``u1``; None: a constexpr None;
+  - constexpr parameter: its value and the value's type (``True``, ``1`` and
+    ``1.0`` hash alike in Python but compile differently).
+
+The stream is not in the key: Triton does not specialize on it; it is read on
+every call (the current stream of the current device) and passed to the
+launcher.  Anything this module does not model (launch hooks, pre-run hooks,
+callable grids, argument types other than the above, Triton's interpreter)
+takes the ordinary ``kernel[grid](...)`` path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+from triton import knobs as _knobs
+
+from qsa_kernels import runtime
+
+__all__ = ["launch", "FastLauncher", "SpecializationDriftError", "argument_token", "claimed_specialization"]
+
+
+class SpecializationDriftError(AssertionError):
+    """Our specialization key disagrees with Triton's own binder (a bug here, or a new Triton)."""
+
+
+class _Unsupported(Exception):
+    """An argument this module does not model: use the ordinary launch path."""
+
+
+_MISSING = object()
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_UINT64_MAX = 2**64 - 1
+
+# Tokens for non-tensor runtime arguments.  (handle_long_type: an int equal
+# to 1 becomes ("constexpr", 1); otherwise its type is i32 if it fits, else i64,
+# else u64, and "D" marks a multiple of 16.  handle_float_type: "fp32";
+# handle_bool_type: "u1"; None: ("constexpr", None).)
+_ONE = "1"
+_INT_TOKENS = {("i32", True): "i32D", ("i32", False): "i32", ("i64", True): "i64D",
+               ("i64", False): "i64", ("u64", True): "u64D", ("u64", False): "u64"}
+_TOKEN_INT = {token: width_divisible for width_divisible, token in _INT_TOKENS.items()}
+_FP32, _U1, _NONE = "fp32", "u1", "None"
+
+
+def argument_token(value: Any) -> Any:
+    """What Triton specializes on in a runtime (non-constexpr) argument, as a hashable token.
+
+    Raises ``_Unsupported`` for anything Triton would not take or this module
+    does not model (so the caller falls back to ``kernel[grid]``).
+    """
+    kind = type(value)
+    if kind is torch.Tensor:
+        return (value.dtype, value.data_ptr() & 15 == 0)
+    if kind is int:
+        if value == 1:
+            return _ONE
+        divisible = value & 15 == 0
+        if _INT32_MIN <= value <= _INT32_MAX:
+            return "i32D" if divisible else "i32"
+        if _INT64_MIN <= value <= _INT64_MAX:
+            return "i64D" if divisible else "i64"
+        if 0 <= value <= _UINT64_MAX:
+            return "u64D" if divisible else "u64"
+        raise _Unsupported  # Triton raises OverflowError: let it
+    if kind is float:
+        return _FP32
+    if kind is bool:
+        return _U1
+    if value is None:
+        return _NONE
+    if isinstance(value, torch.Tensor):  # subclasses (nn.Parameter): Triton reads data_ptr too
+        return (value.dtype, value.data_ptr() & 15 == 0)
+    raise _Unsupported
+
+
+def _constexpr_token(value: Any) -> tuple:
+    return (type(value), value)
+
+
+def _native_claim(token: Any, value: Any, is_const: bool, specialize: bool, align: bool) -> tuple:
+    """``native_specialize_impl(backend, value, is_const, specialize, align)`` as the token predicts it."""
+    from triton._utils import canonicalize_ptr_dtype
+
+    if type(token) is tuple:  # a tensor: (dtype, 16-byte aligned)
+        dtype, aligned = token
+        key = None if not specialize else ("D" if align and aligned else "")
+        return (canonicalize_ptr_dtype(dtype, is_const), key)
+    if token == _ONE:
+        if specialize:
+            return ("constexpr", value)
+        return ("i32", None)
+    if token in _TOKEN_INT:
+        width, divisible = _TOKEN_INT[token]
+        key = None if not specialize else ("D" if align and divisible else "")
+        return (width, key)
+    if token == _FP32:
+        return ("fp32", None)
+    if token == _U1:
+        return ("u1", None)
+    if token == _NONE:
+        return ("constexpr", None)
+    raise AssertionError(f"unknown token {token!r}")
+
+
+def claimed_specialization(params, tokens, values) -> list:
+    """The list Triton's binder returns as ``specialization``, as our tokens predict it.
+
+    ``params`` are the kernel's ``KernelParam`` s, ``tokens`` our key's per-parameter
+    tokens and ``values`` the bound arguments (used only for values the token
+    says Triton embeds: constexprs and ints equal to 1).  Mirrors
+    ``create_function_from_signature`` (including annotated parameters).
+    """
+    claims = []
+    for param, token, value in zip(params, tokens, values):
+        if param.is_constexpr:
+            claims.append(("constexpr", token[1]))
+            continue
+        specialize = not param.do_not_specialize
+        base = _native_claim(token, value, param.is_const, specialize, not param.do_not_specialize_on_alignment)
+        annotation = param.annotation_type
+        if annotation:
+            if annotation == "u1" or annotation[:2] in ("fp", "bf"):
+                claims.append((annotation, None))
+            else:
+                # the binder's `specialize` is a string there, always true: it
+                # prepends the annotation to whatever specialize_impl returned
+                claims.append((annotation,) + base[1:])
+        else:
+            claims.append(base)
+    return claims
+
+
+class _KernelBinding:
+    """What one kernel launched with ``positional`` positional arguments needs, computed once."""
+
+    __slots__ = ("kernel", "params", "named", "named_set", "constexpr_positions", "bindings")
+
+    def __init__(self, kernel, positional: int):
+        self.kernel = kernel  # held so that id(kernel) stays this kernel's
+        self.params = tuple(kernel.params)
+        if positional > len(self.params):
+            raise _Unsupported
+        sig = list(kernel.signature.parameters.values())
+        self.named = tuple(
+            (p.name, _MISSING if p.default is p.empty else p.default) for p in sig[positional:])
+        self.named_set = frozenset(name for name, _ in self.named)
+        self.constexpr_positions = frozenset(i for i, p in enumerate(self.params) if p.is_constexpr)
+        # key -> (launcher, function, packed_metadata)
+        self.bindings: dict = {}
+
+    def bind(self, args: tuple, scalars: Mapping, constexprs: Mapping) -> list:
+        """The arguments in signature order with defaults applied (``bound_args.values()``)."""
+        if constexprs:
+            if scalars:
+                named = {**scalars, **constexprs}
+                if len(named) != len(scalars) + len(constexprs):
+                    raise _Unsupported  # a name given twice: let Python raise
+            else:
+                named = constexprs
+        else:
+            named = scalars
+        if not named.keys() <= self.named_set:
+            raise _Unsupported  # unknown keyword: let Triton raise
+        values = list(args)
+        for name, default in self.named:
+            value = named.get(name, default)
+            if value is _MISSING:
+                raise _Unsupported  # missing argument: let Triton raise
+            values.append(value)
+        return values
+
+    def tokens(self, values: list) -> list:
+        constexpr_positions = self.constexpr_positions
+        return [
+            (type(value), value) if i in constexpr_positions else argument_token(value)
+            for i, value in enumerate(values)
+        ]
+
+
+class FastLauncher:
+    """Launches Triton kernels through cached bindings (see the module docstring).
+
+    ``interpreted``, ``get_device`` and ``get_stream`` default to this
+    process's choice (``qsa_kernels.runtime.INTERPRETED``) and Triton's own
+    driver functions; tests inject them to exercise the compiled path on CPU.
+    """
+
+    def __init__(self, interpreted: bool | None = None,
+                 get_device: Callable[[], int] | None = None,
+                 get_stream: Callable[[int], int] | None = None):
+        self.interpreted = runtime.INTERPRETED if interpreted is None else interpreted
+        self._get_device = get_device
+        self._get_stream = get_stream
+        self._kernels: dict = {}  # (id(kernel), positional count) -> _KernelBinding
+        self.misses = 0  # first calls of a specialization (tests and benchmarks read it)
+
+    def _driver_functions(self):
+        # Resolved at the first compiled launch, not at import: no CUDA
+        # initialisation at import time.  These are the functions
+        # JITFunction.run uses (GPUDriver.__init__).
+        from triton.runtime.driver import driver
+
+        active = driver.active
+        if self._get_device is None:
+            self._get_device = active.get_current_device
+        if self._get_stream is None:
+            self._get_stream = active.get_current_stream
+        return self._get_device, self._get_stream
+
+    def __call__(self, kernel, grid: tuple, args: tuple, scalars: Mapping[str, Any],
+                 constexprs: Mapping[str, Any], num_warps: int, num_stages: int) -> None:
+        """Launch ``kernel[grid](*args, **scalars, **constexprs, num_warps=, num_stages=)``."""
+        if self.interpreted:
+            kernel[grid](*args, **scalars, **constexprs, num_warps=num_warps, num_stages=num_stages)
+            return
+        get_device, get_stream = self._get_device, self._get_stream
+        if get_device is None or get_stream is None:
+            get_device, get_stream = self._driver_functions()
+        knobs = _knobs
+        runtime_knobs = knobs.runtime
+        enter, leave = runtime_knobs.launch_enter_hook, runtime_knobs.launch_exit_hook
+        # Triton 3.6 keeps empty HookChains there; anything else is a hook to honour.
+        if (enter is not None and (type(enter) is not knobs.HookChain or enter.calls)) or \
+           (leave is not None and (type(leave) is not knobs.HookChain or leave.calls)) or \
+           kernel.pre_run_hooks or callable(grid):
+            return self._slow(kernel, grid, args, scalars, constexprs, num_warps, num_stages)
+        device = get_device()
+        try:
+            state = self._kernels.get((id(kernel), len(args)))
+            if state is None:
+                state = self._kernels[id(kernel), len(args)] = _KernelBinding(kernel, len(args))
+            values = state.bind(args, scalars, constexprs)
+            tokens = state.tokens(values)
+            key = (device, num_warps, num_stages, kernel.debug or runtime_knobs.debug,
+                   knobs.compilation.instrumentation_mode, *tokens)
+            binding = state.bindings.get(key)
+        except (_Unsupported, TypeError):  # TypeError: an unhashable constexpr value
+            return self._slow(kernel, grid, args, scalars, constexprs, num_warps, num_stages)
+        if binding is None:
+            return self._miss(state, key, tokens, values, device, kernel, grid, args, scalars,
+                              constexprs, num_warps, num_stages)
+        # JITFunction.run raises when a global the kernel reads has changed: let it.
+        used = kernel.used_global_vals
+        if used:
+            for (name, _), (value, globals_dict) in used.items():
+                if globals_dict.get(name, _MISSING) != value:
+                    return self._slow(kernel, grid, args, scalars, constexprs, num_warps, num_stages)
+        size = len(grid)
+        launcher, function, packed_metadata = binding
+        # launch_metadata is only read by launch hooks, and there are none.
+        launcher(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, get_stream(device),
+                 function, packed_metadata, None, None, None, *values)
+
+    @staticmethod
+    def _slow(kernel, grid, args, scalars, constexprs, num_warps, num_stages):
+        return kernel[grid](*args, **scalars, **constexprs, num_warps=num_warps, num_stages=num_stages)
+
+    def _miss(self, state, key, tokens, values, device, kernel, grid, args, scalars, constexprs,
+              num_warps, num_stages):
+        """First call of a specialization: launch the ordinary way, check our key, bind."""
+        compiled = self._slow(kernel, grid, args, scalars, constexprs, num_warps, num_stages)
+        self.misses += 1
+        if compiled is None or not hasattr(compiled, "packed_metadata"):
+            return  # a jit_cache_hook skipped compilation: nothing to bind
+        binder = kernel.device_caches[device][4]
+        bound, specialization, _ = binder(*args, **scalars, **constexprs)
+        triton_values = list(bound.values())
+        if len(triton_values) != len(values) or any(a is not b for a, b in zip(triton_values, values)):
+            raise SpecializationDriftError(
+                f"{kernel}: arguments bound in a different order than Triton binds them")
+        claims = claimed_specialization(state.params, tokens, values)
+        if claims != list(specialization):
+            diff = [(p.name, ours, theirs) for p, ours, theirs in zip(state.params, claims, specialization)
+                    if ours != theirs]
+            raise SpecializationDriftError(
+                f"{kernel}: our specialization key disagrees with Triton's (parameter, ours, Triton's): {diff}")
+        launcher = compiled.run  # loads the module on first use (already done by the launch above)
+        state.bindings[key] = (launcher, compiled.function, compiled.packed_metadata)
+
+    def clear(self) -> None:
+        """Forget every binding (the compiled kernels stay in Triton's caches)."""
+        self._kernels.clear()
+
+
+#: The process's launcher: ``launch(kernel, grid, args, scalars, constexprs, num_warps, num_stages)``.
+launch = FastLauncher()
