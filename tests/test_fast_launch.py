@@ -401,90 +401,37 @@ def test_interpreted_launch_is_kernel_grid():
 # ----------------------------------------------------------------------- GPU
 
 def _stage_programs(device):
-    """(name, program, env) for one launch set of every stage, from a tiny decode step.
+    """(name, program, arrays) for every public function's launches at tiny shapes, plus attention with 2 splits."""
+    from benchmarks.bench_host import program_of, public_calls
 
-    The step is run once with a backend that records each public function's
-    arguments; each call is then planned like the adapter plans it.
-    """
-    import dataclasses
-
-    import qsa_torch
-    from qsa_kernels import attention, compress, rope_cache, select
-    from qsa_kernels.paging import CacheGeometry, PagedRequests
-    from qsa_torch import _step
-
-    geometry = CacheGeometry(page_size=8, num_pages=24, compress_ratio=4, compressed_page_size=8,
-                             num_compressed_pages=12, max_context=64, max_requests=3)
-    pager = PagedRequests(geometry)
-    for request, length in enumerate((37, 50, 20)):
-        pager.admit(request, length)
-    host = pager.step({0: 1, 1: 3, 2: 1})
-    meta = qsa_torch.StepMetadata.from_host(host, device)
-    gen = torch.Generator(device).manual_seed(1)
-    state = qsa_torch.QSAState(**{name: torch.randn(shape, generator=gen, device=device).to(torch.bfloat16)
-                                  for name, shape in geometry.state_shapes(2, 32, 32).items()})
-    rows = host.positions.shape[0]
-    rnd = lambda *s: torch.randn(*s, generator=gen, device=device).to(torch.bfloat16)  # noqa: E731
-
-    def table(d):
-        angles = torch.arange(64, device=device)[:, None] * torch.rand(d // 2, generator=gen, device=device)
-        return torch.cat([angles.cos(), angles.sin()], 1)
-
-    calls = []
-
-    def recording(name, fn):
-        def wrapped(*args, **kwargs):
-            calls.append((name, inspect.signature(fn).bind(*args, **kwargs).arguments))
-            return fn(*args, **kwargs)
-        return wrapped
-
-    names = ("rope_reshape_and_cache", "compress_groups", "store_cache_rows", "select_paged_tokens",
-             "sparse_paged_attention")
-    backend = dataclasses.replace(_step._BACKEND, **{n: recording(n, getattr(qsa_torch, n)) for n in names})
-    from qsa_kernels import step
-
-    step.attention_step(backend, rnd(rows, 4, 32), rnd(rows, 2, 32), rnd(rows, 2, 32), rnd(rows, 2, 32),
-                        rnd(rows, 1, 32), state, meta, table(32), table(32), compress_ratio=4, token_topk=16)
-    plans = dict(rope_reshape_and_cache=rope_cache.plan_rope_reshape_and_cache,
-                 compress_groups=compress.plan_compress_groups, store_cache_rows=compress.plan_store_cache_rows,
-                 select_paged_tokens=select.plan_select_paged_tokens,
-                 sparse_paged_attention=attention.plan_sparse_paged_attention,
-                 mqa_paged_scores=select.plan_mqa_paged_scores, topk_blocks=select.plan_topk_blocks,
-                 expand_block_indices=select.plan_expand_block_indices)
-    recorded = {name: dict(arguments) for name, arguments in calls}
-    sel = recorded["select_paged_tokens"]
-    scores = dict((k, sel[k]) for k in ("q", "k_cache", "page_table", "token_to_req", "query_positions",
-                                        "sequence_lengths", "compress_ratio"))
-    logits, visible = qsa_torch.mqa_paged_scores(**scores)
-    blocks = qsa_torch.topk_blocks(logits, visible, sel["token_topk"] // sel["compress_ratio"])
-    recorded["mqa_paged_scores"] = scores
-    recorded["topk_blocks"] = dict(logits=logits, visible_blocks=visible, k=sel["token_topk"] // sel["compress_ratio"])
-    recorded["expand_block_indices"] = dict(block_indices=blocks, **{
-        k: sel[k] for k in ("query_positions", "sequence_lengths", "token_to_req", "compress_ratio", "token_topk")})
-    split = dict(recorded["sparse_paged_attention"], num_splits=2)
-    cases = [(name, plans[name], arguments) for name, arguments in recorded.items()]
-    cases.append(("sparse_paged_attention (2 splits)", plans["sparse_paged_attention"], split))
-    dtype_names = {v: k for k, v in {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-                                     "float8_e4m3fn": torch.float8_e4m3fn, "int32": torch.int32,
-                                     "int64": torch.int64, "uint8": torch.uint8}.items()}
-    dtypes = {v: k for k, v in dtype_names.items()}
+    calls = public_calls(device)
+    del calls["qsa_attention_step"]  # its stages are covered one by one
+    cases = list(calls.items())
+    attention = calls["sparse_paged_attention"]
+    # Wide enough for several key tiles (a token listed twice is attended twice), so two splits exist.
+    cases.append(("sparse_paged_attention", dict(attention, token_indices=torch.cat([attention["token_indices"]] * 16, 1),
+                                                 num_splits=2)))
     out = []
-    for name, plan, arguments in cases:
-        arrays, options = split_arguments(plan, arguments)
-        infos = {k: None if v is None else ArrayInfo(tuple(v.shape), dtype_names[v.dtype], v.stride())
-                 for k, v in arrays.items()}
-        program = plan(**infos, **options)
-        env = {k: v for k, v in arrays.items() if v is not None}
-        for buffer in program.buffers:
-            env[buffer.name] = torch.randn(buffer.shape, generator=gen, device=device).to(dtypes[buffer.dtype]) \
-                if dtypes[buffer.dtype].is_floating_point else torch.randint(0, 3, buffer.shape, device=device,
-                                                                             dtype=dtypes[buffer.dtype])
-        out.append((name, program, env))
+    for name, arguments in cases:
+        program, env = program_of(name, arguments)
+        gen = torch.Generator(device).manual_seed(len(out))
+        for buffer in program.buffers:  # random contents, so that a launch that skips a write shows
+            t = env[buffer.name]
+            if t.dtype.is_floating_point:
+                t.copy_(torch.randn(t.shape, generator=gen, device=device))
+            else:
+                t.copy_(torch.randint(-1, 3, t.shape, generator=gen, device=device))
+        out.append((name + (" (2 splits)" if "num_splits" in arguments else ""), program, env))
     return out
 
 
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy with ``t``'s strides (the plan's scalars are strides)."""
+    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+
 def _run_program(program, env, launcher):
-    env = {k: v.clone() for k, v in env.items()}
+    env = {k: _copy(v) for k, v in env.items()}
     for launch in program.runnable_launches:
         args = tuple(env[n] for n in launch.inputs + launch.outputs)
         if launcher is None:
@@ -493,7 +440,8 @@ def _run_program(program, env, launcher):
         else:
             launcher(launch.kernel, launch.grid, args, launch.scalars, launch.constexprs, launch.num_warps,
                      launch.num_stages)
-    torch.cuda.synchronize()
+    if env and next(iter(env.values())).is_cuda:
+        torch.cuda.synchronize()
     return env
 
 
