@@ -43,10 +43,14 @@ takes the ordinary ``kernel[grid](...)`` path.
 
 from __future__ import annotations
 
+import operator
+from functools import reduce
+from operator import or_
 from typing import Any, Callable, Mapping
 
 import torch
 from triton import knobs as _knobs
+from triton.knobs import HookChain as _HookChain
 
 from qsa_kernels import runtime
 
@@ -165,51 +169,102 @@ def claimed_specialization(params, tokens, values) -> list:
     return claims
 
 
+class _Named:
+    """The keyword part of one launch site, bound once: the two dicts (held, so their ids stay
+    theirs), snapshots of their keys and values, and the resulting values and tokens in signature order."""
+
+    __slots__ = ("scalars", "constexprs", "snapshot", "values", "tokens", "token_id")
+
+
 class _KernelBinding:
-    """What one kernel launched with ``positional`` positional arguments needs, computed once."""
+    """What one kernel's launches need, computed once: its parameters, and its bindings."""
 
-    __slots__ = ("kernel", "params", "named", "named_set", "constexpr_positions", "bindings")
+    __slots__ = ("kernel", "params", "parameters", "constexpr_names", "named", "token_ids", "bindings")
 
-    def __init__(self, kernel, positional: int):
+    def __init__(self, kernel):
         self.kernel = kernel  # held so that id(kernel) stays this kernel's
         self.params = tuple(kernel.params)
-        if positional > len(self.params):
-            raise _Unsupported
-        sig = list(kernel.signature.parameters.values())
-        self.named = tuple(
-            (p.name, _MISSING if p.default is p.empty else p.default) for p in sig[positional:])
-        self.named_set = frozenset(name for name, _ in self.named)
-        self.constexpr_positions = frozenset(i for i, p in enumerate(self.params) if p.is_constexpr)
-        # key -> (launcher, function, packed_metadata)
+        self.parameters = tuple(kernel.signature.parameters.values())
+        self.constexpr_names = frozenset(p.name for p in self.params if p.is_constexpr)
+        self.named: dict = {}  # (id(scalars), id(constexprs), positional count) -> _Named
+        self.token_ids: dict = {}  # keyword tokens -> a small int standing for them in keys
+        # key -> (launch function, its leading arguments, packed_metadata)
         self.bindings: dict = {}
 
-    def bind(self, args: tuple, scalars: Mapping, constexprs: Mapping) -> list:
-        """The arguments in signature order with defaults applied (``bound_args.values()``)."""
-        if constexprs:
-            if scalars:
-                named = {**scalars, **constexprs}
-                if len(named) != len(scalars) + len(constexprs):
-                    raise _Unsupported  # a name given twice: let Python raise
-            else:
-                named = constexprs
+    def named_part(self, positional: int, scalars: Mapping, constexprs: Mapping) -> _Named:
+        """Bind the keyword arguments: values and tokens of parameters ``positional`` on, defaults applied."""
+        if positional > len(self.parameters):
+            raise _Unsupported
+        if constexprs and scalars:
+            named = {**scalars, **constexprs}
+            if len(named) != len(scalars) + len(constexprs):
+                raise _Unsupported  # a name given twice: let Python raise
         else:
-            named = scalars
-        if not named.keys() <= self.named_set:
-            raise _Unsupported  # unknown keyword: let Triton raise
-        values = list(args)
-        for name, default in self.named:
-            value = named.get(name, default)
-            if value is _MISSING:
+            named = constexprs or scalars
+        later = self.parameters[positional:]
+        if not named.keys() <= {p.name for p in later}:
+            raise _Unsupported  # unknown keyword, or a positional one given again: let Triton raise
+        values, tokens = [], []
+        for p in later:
+            value = named.get(p.name, p.default)
+            if value is p.empty:
                 raise _Unsupported  # missing argument: let Triton raise
             values.append(value)
-        return values
+            tokens.append(_constexpr_token(value) if p.name in self.constexpr_names else argument_token(value))
+        part = _Named()
+        part.scalars, part.constexprs = scalars, constexprs
+        part.snapshot = _snapshot(scalars, constexprs)
+        part.values, part.tokens = tuple(values), tuple(tokens)
+        hash(part.tokens)  # TypeError (unhashable constexpr) here, not at every call
+        part.token_id = self.token_ids.setdefault(part.tokens, len(self.token_ids))
+        return part
+
+    def bind(self, args: tuple, scalars: Mapping, constexprs: Mapping) -> list:
+        """All arguments in signature order, defaults applied (JITFunction.run's ``bound_args.values()``)."""
+        return [*args, *self.named_part(len(args), scalars, constexprs).values]
 
     def tokens(self, values: list) -> list:
-        constexpr_positions = self.constexpr_positions
-        return [
-            (type(value), value) if i in constexpr_positions else argument_token(value)
-            for i, value in enumerate(values)
-        ]
+        """Per-parameter tokens of arguments in signature order (the key's content, uncompressed);
+        ``values`` may be the leading (positional) ones only."""
+        return [_constexpr_token(value) if p.is_constexpr else argument_token(value)
+                for p, value in zip(self.params, values)]
+
+
+def _snapshot(scalars: Mapping, constexprs: Mapping) -> tuple:
+    # Keys and values, as C-level tuples: cheap to rebuild and compare on every call.
+    return (tuple(scalars), tuple(scalars.values()), tuple(constexprs), tuple(constexprs.values()))
+
+
+_data_ptr = torch.Tensor.data_ptr  # raises TypeError on anything but a tensor
+_dtype_of = operator.attrgetter("dtype")
+_ALL_ALIGNED = "all 16-byte aligned"
+_NAMED_LIMIT = 4096  # launch sites remembered per kernel (plans are memoised with the same bound)
+
+
+def _positional_tokens(dtypes, alignment, args) -> list:
+    """Per-argument tokens of the positional part of a key (for the check on a miss)."""
+    if dtypes is None:
+        return list(alignment)
+    if alignment is _ALL_ALIGNED:
+        return [(dtype, True) for dtype in dtypes]
+    return list(zip(dtypes, alignment))
+
+
+def _launch_function(compiled):
+    """``(function, leading arguments)`` that launch ``compiled``, as ``CompiledKernel.run`` would.
+
+    Triton 3.6's ``CudaLauncher.__call__(gx, gy, gz, stream, function, *args)``
+    allocates the global and profile scratch buffers (when the kernel needs
+    them) and calls ``self.launch(gx, gy, gz, stream, function,
+    launch_cooperative_grid, launch_pdl, global_scratch, profile_scratch,
+    *args)`` (backends/nvidia/driver.py).  When the kernel needs no scratch,
+    we call ``launch`` directly and skip that Python frame.
+    """
+    launcher = compiled.run  # loads the module on first use (already done by the launch that bound it)
+    if (type(launcher).__name__ == "CudaLauncher" and getattr(launcher, "global_scratch_size", 1) == 0
+            and getattr(launcher, "profile_scratch_size", 1) == 0 and hasattr(launcher, "launch")):
+        return launcher.launch, (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None)
+    return launcher, ()
 
 
 class FastLauncher:
@@ -226,7 +281,7 @@ class FastLauncher:
         self.interpreted = runtime.INTERPRETED if interpreted is None else interpreted
         self._get_device = get_device
         self._get_stream = get_stream
-        self._kernels: dict = {}  # (id(kernel), positional count) -> _KernelBinding
+        self._kernels: dict = {}  # id(kernel) -> _KernelBinding
         self.misses = 0  # first calls of a specialization (tests and benchmarks read it)
 
     def _driver_functions(self):
@@ -244,47 +299,67 @@ class FastLauncher:
 
     def __call__(self, kernel, grid: tuple, args: tuple, scalars: Mapping[str, Any],
                  constexprs: Mapping[str, Any], num_warps: int, num_stages: int) -> None:
-        """Launch ``kernel[grid](*args, **scalars, **constexprs, num_warps=, num_stages=)``."""
+        """Launch ``kernel[grid](*args, **scalars, **constexprs, num_warps=, num_stages=)``.
+
+        On the current device and its current stream.  ``scalars`` and
+        ``constexprs`` are best the same dict objects from call to call (a
+        memoised plan's): their binding is then reused after a check that
+        their keys and values are unchanged.
+        """
         if self.interpreted:
             kernel[grid](*args, **scalars, **constexprs, num_warps=num_warps, num_stages=num_stages)
             return
         get_device, get_stream = self._get_device, self._get_stream
         if get_device is None or get_stream is None:
             get_device, get_stream = self._driver_functions()
-        knobs = _knobs
-        runtime_knobs = knobs.runtime
+        runtime_knobs = _knobs.runtime
         enter, leave = runtime_knobs.launch_enter_hook, runtime_knobs.launch_exit_hook
         # Triton 3.6 keeps empty HookChains there; anything else is a hook to honour.
-        if (enter is not None and (type(enter) is not knobs.HookChain or enter.calls)) or \
-           (leave is not None and (type(leave) is not knobs.HookChain or leave.calls)) or \
+        if (enter is not None and (type(enter) is not _HookChain or enter.calls)) or \
+           (leave is not None and (type(leave) is not _HookChain or leave.calls)) or \
            kernel.pre_run_hooks or callable(grid):
             return self._slow(kernel, grid, args, scalars, constexprs, num_warps, num_stages)
         device = get_device()
+        state = self._kernels.get(id(kernel))
+        if state is None:
+            state = self._kernels[id(kernel)] = _KernelBinding(kernel)
         try:
-            state = self._kernels.get((id(kernel), len(args)))
-            if state is None:
-                state = self._kernels[id(kernel), len(args)] = _KernelBinding(kernel, len(args))
-            values = state.bind(args, scalars, constexprs)
-            tokens = state.tokens(values)
-            key = (device, num_warps, num_stages, kernel.debug or runtime_knobs.debug,
-                   knobs.compilation.instrumentation_mode, *tokens)
+            site = (id(scalars), id(constexprs), len(args))
+            named = state.named.get(site)
+            if named is None or named.scalars is not scalars or named.constexprs is not constexprs or \
+               named.snapshot != _snapshot(scalars, constexprs):
+                named = state.named_part(len(args), scalars, constexprs)
+                if len(state.named) >= _NAMED_LIMIT:
+                    state.named.clear()
+                state.named[site] = named
+            try:
+                pointers = tuple(map(_data_ptr, args))
+                dtypes = tuple(map(_dtype_of, args))
+                alignment = _ALL_ALIGNED if not reduce(or_, pointers, 0) & 15 else \
+                    tuple([pointer & 15 == 0 for pointer in pointers])
+            except (TypeError, AttributeError):  # not all tensors
+                dtypes, alignment = None, tuple(state.tokens(args))
+            key = (named.token_id, dtypes, alignment, device, num_warps, num_stages,
+                   kernel.debug or runtime_knobs.debug, _knobs.compilation.instrumentation_mode)
             binding = state.bindings.get(key)
         except (_Unsupported, TypeError):  # TypeError: an unhashable constexpr value
             return self._slow(kernel, grid, args, scalars, constexprs, num_warps, num_stages)
         if binding is None:
-            return self._miss(state, key, tokens, values, device, kernel, grid, args, scalars,
+            tokens = _positional_tokens(dtypes, alignment, args) + list(named.tokens)
+            return self._miss(state, key, tokens, [*args, *named.values], device, kernel, grid, args, scalars,
                               constexprs, num_warps, num_stages)
         # JITFunction.run raises when a global the kernel reads has changed: let it.
         used = kernel.used_global_vals
         if used:
             for (name, _), (value, globals_dict) in used.items():
-                if globals_dict.get(name, _MISSING) != value:
+                now = globals_dict.get(name, _MISSING)
+                if now is not value and now != value:
                     return self._slow(kernel, grid, args, scalars, constexprs, num_warps, num_stages)
+        launch, leading, packed_metadata = binding
         size = len(grid)
-        launcher, function, packed_metadata = binding
-        # launch_metadata is only read by launch hooks, and there are none.
-        launcher(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, get_stream(device),
-                 function, packed_metadata, None, None, None, *values)
+        # launch_metadata and the hooks: None, as there are no hooks (checked above).
+        launch(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, get_stream(device), *leading,
+               packed_metadata, None, None, None, *args, *named.values)
 
     @staticmethod
     def _slow(kernel, grid, args, scalars, constexprs, num_warps, num_stages):
@@ -300,21 +375,24 @@ class FastLauncher:
         binder = kernel.device_caches[device][4]
         bound, specialization, _ = binder(*args, **scalars, **constexprs)
         triton_values = list(bound.values())
-        if len(triton_values) != len(values) or any(a is not b for a, b in zip(triton_values, values)):
-            raise SpecializationDriftError(
-                f"{kernel}: arguments bound in a different order than Triton binds them")
+        if len(triton_values) != len(values) or not all(map(_same_argument, triton_values, values)):
+            raise SpecializationDriftError(f"{kernel}: arguments bound unlike Triton binds them")
         claims = claimed_specialization(state.params, tokens, values)
-        if claims != list(specialization):
+        if claims != list(specialization) or str(claims) != str(list(specialization)):
             diff = [(p.name, ours, theirs) for p, ours, theirs in zip(state.params, claims, specialization)
-                    if ours != theirs]
+                    if ours != theirs or str(ours) != str(theirs)]
             raise SpecializationDriftError(
                 f"{kernel}: our specialization key disagrees with Triton's (parameter, ours, Triton's): {diff}")
-        launcher = compiled.run  # loads the module on first use (already done by the launch above)
-        state.bindings[key] = (launcher, compiled.function, compiled.packed_metadata)
+        launch, leading = _launch_function(compiled)
+        state.bindings[key] = (launch, (compiled.function, *leading), compiled.packed_metadata)
 
     def clear(self) -> None:
         """Forget every binding (the compiled kernels stay in Triton's caches)."""
         self._kernels.clear()
+
+
+def _same_argument(a, b) -> bool:
+    return a is b or (type(a) is type(b) and not isinstance(a, torch.Tensor) and a == b)
 
 
 #: The process's launcher: ``launch(kernel, grid, args, scalars, constexprs, num_warps, num_stages)``.

@@ -246,7 +246,7 @@ def test_key_claims_triton_specialization_on_random_arguments(kernel):
     for _ in range(400):
         args = random_call(rng, kernel)
         bound, specialization, _ = binder(*args)
-        state = _fast_launch._KernelBinding(kernel, len(args))
+        state = _fast_launch._KernelBinding(kernel)
         values = state.bind(tuple(args), {}, {})
         assert all(a is b for a, b in zip(values, bound.values())) and len(values) == len(bound)
         tokens = state.tokens(values)
@@ -277,15 +277,17 @@ def test_key_claims_and_launch_for_every_argument_kind_by_keyword(monkeypatch):
 def test_drift_between_key_and_triton_is_caught(monkeypatch):
     """A key that forgot alignment must fail loudly on its first miss, not launch a wrong kernel later."""
     h = Harness(kernels.EVERY_KIND, monkeypatch)
-    true_token = _fast_launch.argument_token
-
-    def forgetful(value):
-        token = true_token(value)
-        return (token[0], True) if type(token) is tuple else token
-
-    monkeypatch.setattr(_fast_launch, "argument_token", forgetful)
+    monkeypatch.setattr(_fast_launch, "_data_ptr", lambda t: t.data_ptr() & ~15)  # a key blind to alignment
     with pytest.raises(SpecializationDriftError, match="a_ptr"):
         h((1,), *every_kind_call(a_ptr=tensor(torch.bfloat16, offset=1)))
+
+
+def test_drift_in_a_keyword_token_is_caught(monkeypatch):
+    h = Harness(kernels.EVERY_KIND, monkeypatch)
+    true_token = _fast_launch.argument_token
+    monkeypatch.setattr(_fast_launch, "argument_token", lambda v: "i32" if v == 1 else true_token(v))  # blind to == 1
+    with pytest.raises(SpecializationDriftError, match="'n'"):
+        h((1,), *every_kind_call(n=1))
 
 
 def test_launch_hooks_take_the_ordinary_path(monkeypatch):
@@ -359,6 +361,69 @@ def test_changed_global_takes_the_ordinary_path(monkeypatch):
     scope["BLOCK"] = tl.constexpr(32)
     h((1,), *call)
     assert h.counts() == (2, 2)
+
+
+def test_same_dicts_mutated_in_place_are_rebound(monkeypatch):
+    """A launch site's dicts are bound once; changing them in place (keys or values) is seen."""
+    h = Harness(kernels.EVERY_KIND, monkeypatch)
+    args, scalars, constexprs = every_kind_call()
+    h((1,), args, scalars, constexprs)
+    h((1,), args, scalars, constexprs)
+    assert h.counts() == (1, 1)
+    scalars["n"] = 1  # now a constexpr for Triton
+    h((1,), args, scalars, constexprs)
+    h((1,), args, scalars, constexprs)
+    assert h.counts() == (2, 2) and h.fast[-1]["values"][2] == 1
+    scalars["n"] = 19  # same class as 17: the first binding, with the new value
+    h((1,), args, scalars, constexprs)
+    assert h.counts() == (2, 3) and h.fast[-1]["values"][2] == 19
+    constexprs["W"] = 32
+    h((1,), args, scalars, constexprs)
+    assert h.counts() == (3, 3)
+    del scalars["x"]
+    scalars["x"] = 0.5  # same values, another key order
+    h((1,), args, scalars, constexprs)
+    assert h.counts() == (3, 4) and h.fast[-1]["values"][4] == 0.5
+
+
+class CudaLauncher:
+    """Stands for triton.backends.nvidia.driver.CudaLauncher (same name and attributes)."""
+
+    def __init__(self, scratch):
+        self.global_scratch_size = scratch
+        self.profile_scratch_size = 0
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+        self.calls, self.launches = [], []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+    def launch(self, *args):
+        self.launches.append(args)
+
+
+@pytest.mark.parametrize("scratch", [0, 256])
+def test_launcher_called_directly_when_no_scratch_is_needed(monkeypatch, scratch):
+    h = Harness(kernels.EVERY_KIND, monkeypatch)
+    launcher = CudaLauncher(scratch)
+    compiled = FakeCompiled(h, None, dict(num_warps=4))
+    compiled.run = launcher
+    monkeypatch.setattr(kernels.EVERY_KIND, "run", lambda *a, grid, warmup, **k: compiled)
+    args, scalars, constexprs = every_kind_call()
+    h((2, 3), args, scalars, constexprs)
+    h((2, 3), args, scalars, constexprs)
+    values = tuple(h.binder(*args, **scalars, **constexprs)[0].values())
+    if scratch:  # CudaLauncher.__call__ allocates the scratch buffer
+        (call,) = launcher.calls
+        assert not launcher.launches
+        assert call[:9] == (2, 3, 1, 7000, compiled.function, compiled.packed_metadata, None, None, None)
+        assert call[9:] == values
+    else:  # CudaLauncher.launch(gx, gy, gz, stream, function, cooperative, pdl, scratch, scratch, ...)
+        (call,) = launcher.launches
+        assert not launcher.calls
+        assert call[:13] == (2, 3, 1, 7000, compiled.function, False, True, None, None, compiled.packed_metadata,
+                             None, None, None)
+        assert call[13:] == values
 
 
 # ----------------------------------------------------------------- interpreter
