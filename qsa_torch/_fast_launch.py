@@ -170,8 +170,12 @@ def claimed_specialization(params, tokens, values) -> list:
 
 
 class _Named:
-    """The keyword part of one launch site, bound once: the two dicts (held, so their ids stay
-    theirs), snapshots of their keys and values, and the resulting values and tokens in signature order."""
+    """The keyword part of one launch site, bound once: the two dicts (held, so that their ids
+    stay theirs), copies of them, and the values and tokens they bind to, in signature order.
+
+    A dict changed in place since is rebound.  (A value replaced by an equal one
+    of another type, ``1`` by ``True``, is not seen: the launch then passes the
+    bound value, consistently with the binding's kernel.)"""
 
     __slots__ = ("scalars", "constexprs", "snapshot", "values", "tokens", "token_id")
 
@@ -213,7 +217,8 @@ class _KernelBinding:
             tokens.append(_constexpr_token(value) if p.name in self.constexpr_names else argument_token(value))
         part = _Named()
         part.scalars, part.constexprs = scalars, constexprs
-        part.snapshot = _snapshot(scalars, constexprs)
+        # Private copies: a dict changed in place later compares unequal (one C-level comparison per call).
+        part.snapshot = (dict(scalars), dict(constexprs))
         part.values, part.tokens = tuple(values), tuple(tokens)
         hash(part.tokens)  # TypeError (unhashable constexpr) here, not at every call
         part.token_id = self.token_ids.setdefault(part.tokens, len(self.token_ids))
@@ -230,9 +235,6 @@ class _KernelBinding:
                 for p, value in zip(self.params, values)]
 
 
-def _snapshot(scalars: Mapping, constexprs: Mapping) -> tuple:
-    # Keys and values, as C-level tuples: cheap to rebuild and compare on every call.
-    return (tuple(scalars), tuple(scalars.values()), tuple(constexprs), tuple(constexprs.values()))
 
 
 _data_ptr = torch.Tensor.data_ptr  # raises TypeError on anything but a tensor
@@ -327,7 +329,7 @@ class FastLauncher:
             site = (id(scalars), id(constexprs), len(args))
             named = state.named.get(site)
             if named is None or named.scalars is not scalars or named.constexprs is not constexprs or \
-               named.snapshot != _snapshot(scalars, constexprs):
+               scalars != named.snapshot[0] or constexprs != named.snapshot[1]:
                 named = state.named_part(len(args), scalars, constexprs)
                 if len(state.named) >= _NAMED_LIMIT:
                     state.named.clear()
