@@ -34,11 +34,22 @@ What the key holds, per call (``triton/runtime/jit.py`` and
   - constexpr parameter: its value and the value's type (``True``, ``1`` and
     ``1.0`` hash alike in Python but compile differently).
 
-The stream is not in the key: Triton does not specialize on it; it is read on
-every call (the current stream of the current device) and passed to the
-launcher.  Anything this module does not model (launch hooks, pre-run hooks,
-callable grids, argument types other than the above, Triton's interpreter)
-takes the ordinary ``kernel[grid](...)`` path.
+Shapes and strides are not in it: Triton passes them as the int arguments
+they are.  The stream is not in it either: Triton does not specialize on it;
+it is read on every call (the current stream of the current device) and
+passed to the launcher.  Anything this module does not model (launch hooks,
+pre-run hooks, callable grids, argument types other than the above, Triton's
+interpreter) takes the ordinary ``kernel[grid](...)`` path.
+
+Cost per call.  The keyword part of a launch (``scalars``, ``constexprs``:
+sizes, strides, tile constants) comes from a memoised plan, so the same dict
+objects recur: their tokens and values are bound once per launch site and
+reused after one dict comparison with a private copy (a dict changed in place
+is rebound).  The positional part (tensors) is read every call, in C-level
+passes: ``data_ptr`` and ``dtype`` of each.  The key is then one small tuple;
+on a hit the launch goes to ``CudaLauncher.launch`` directly when the kernel
+needs no scratch memory (else through ``CudaLauncher.__call__``, which
+allocates it).
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ from operator import or_
 from typing import Any, Callable, Mapping
 
 import torch
+import triton
 from triton import knobs as _knobs
 from triton.knobs import HookChain as _HookChain
 
@@ -66,6 +78,9 @@ class _Unsupported(Exception):
 
 
 _MISSING = object()
+# The argument order of CudaLauncher.launch is Triton 3.6's; other versions go
+# through CudaLauncher.__call__ (still the compiled kernel's own launcher).
+_TRITON_3_6 = triton.__version__.startswith("3.6.")
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _UINT64_MAX = 2**64 - 1
@@ -263,7 +278,7 @@ def _launch_function(compiled):
     we call ``launch`` directly and skip that Python frame.
     """
     launcher = compiled.run  # loads the module on first use (already done by the launch that bound it)
-    if (type(launcher).__name__ == "CudaLauncher" and getattr(launcher, "global_scratch_size", 1) == 0
+    if (_TRITON_3_6 and type(launcher).__name__ == "CudaLauncher" and getattr(launcher, "global_scratch_size", 1) == 0
             and getattr(launcher, "profile_scratch_size", 1) == 0 and hasattr(launcher, "launch")):
         return launcher.launch, (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None)
     return launcher, ()

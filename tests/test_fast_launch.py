@@ -253,14 +253,32 @@ def test_key_claims_triton_specialization_on_random_arguments(kernel):
         assert claimed_specialization(state.params, tokens, values) == specialization, args
 
 
+def split_call(kernel, values, positional):
+    """``values`` (in signature order) as (args, scalars, constexprs) with ``positional`` leading ones positional."""
+    names = [p.name for p in kernel.params]
+    scalars = {n: v for p, n, v in zip(kernel.params[positional:], names[positional:], values[positional:])
+               if not p.is_constexpr}
+    constexprs = {n: v for p, n, v in zip(kernel.params[positional:], names[positional:], values[positional:])
+                  if p.is_constexpr}
+    return tuple(values[:positional]), scalars, constexprs
+
+
 @pytest.mark.parametrize("kernel", [kernels.EVERY_KIND, kernels.ANNOTATED], ids=["every_kind", "annotated"])
-def test_random_launch_sequence_never_reuses_a_wrong_binding(monkeypatch, kernel):
-    """Random calls through the launcher: every fast launch's kernel fits its arguments (FakeCompiled.run checks)."""
+@pytest.mark.parametrize("positional", ["all", "pointers"])
+def test_random_launch_sequence_never_reuses_a_wrong_binding(monkeypatch, kernel, positional):
+    """Random calls through the launcher: every fast launch's kernel fits its arguments (FakeCompiled.run checks).
+
+    The pool's dicts recur, as a memoised plan's do, so launch sites are reused too.
+    """
     rng = random.Random(3)
     h = Harness(kernel, monkeypatch)
-    pool = [random_call(rng, kernel) for _ in range(25)]
+    leading = 2 if kernel is kernels.EVERY_KIND else 1
+    pool = []
+    for _ in range(25):
+        values = random_call(rng, kernel)
+        pool.append(split_call(kernel, values, len(values) if positional == "all" else leading))
     for _ in range(300):
-        h((1,), tuple(rng.choice(pool)), {}, {}, num_warps=rng.choice([4, 8]))
+        h((1,), *rng.choice(pool), num_warps=rng.choice([4, 8]))
     slow, fast = h.counts()
     assert slow + fast == 300 and fast > 150  # bindings were reused
     assert slow <= 2 * len(pool)  # at most one binding per (arguments, num_warps)
