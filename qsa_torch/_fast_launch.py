@@ -359,7 +359,10 @@ class FastLauncher:
             key = (named.token_id, dtypes, alignment, device, num_warps, num_stages,
                    kernel.debug or runtime_knobs.debug, _knobs.compilation.instrumentation_mode)
             binding = state.bindings.get(key)
-        except (_Unsupported, TypeError):  # TypeError: an unhashable constexpr value
+        except Exception:  # _Unsupported, an unhashable constexpr...: the ordinary path
+            # does whatever Triton does with such arguments.  (Meta and fake tensors report
+            # data_ptr() == 0 and would launch like kernel[grid] launches them: callers must
+            # not launch on them.)
             return self._slow(kernel, grid, args, scalars, constexprs, num_warps, num_stages)
         if binding is None:
             tokens = _positional_tokens(dtypes, alignment, args) + list(named.tokens)
