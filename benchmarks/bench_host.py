@@ -34,10 +34,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FUNCTIONS = ("rope_reshape_and_cache", "compress_groups", "store_cache_rows", "mqa_paged_scores", "topk_blocks",
              "expand_block_indices", "select_paged_tokens", "sparse_paged_attention", "qsa_attention_step")
-# Where each function's plan lives (qsa_kernels.<module>.plan_<function>).
-PLAN_MODULES = dict(rope_reshape_and_cache="rope_cache", compress_groups="compress", store_cache_rows="compress",
-                    mqa_paged_scores="select", topk_blocks="select", expand_block_indices="select",
-                    select_paged_tokens="select", sparse_paged_attention="attention")
+# Modules that may hold a function's plan (qsa_kernels.<module>.plan_<function>), across layouts.
+PLAN_MODULES = ("rope_cache", "compress", "score", "topk", "expand", "select", "attention")
 STEPPED = ("rope_reshape_and_cache", "compress_groups", "store_cache_rows", "select_paged_tokens",
            "sparse_paged_attention")
 
@@ -117,7 +115,15 @@ def stage_calls(step_arguments) -> list:
 
 
 def plan_of(function: str):
-    return getattr(importlib.import_module(f"qsa_kernels.{PLAN_MODULES[function]}"), f"plan_{function}")
+    """``qsa_kernels.<module>.plan_<function>``, wherever this checkout keeps it."""
+    for name in PLAN_MODULES:
+        try:
+            module = importlib.import_module(f"qsa_kernels.{name}")
+        except ImportError:
+            continue
+        if hasattr(module, f"plan_{function}"):
+            return getattr(module, f"plan_{function}")
+    raise LookupError(f"no plan_{function} in qsa_kernels")
 
 
 def program_of(function: str, arguments: dict):
@@ -176,7 +182,16 @@ def main(argv=None) -> None:
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import common
 
-    args = common.parser(__doc__.splitlines()[0], "host.json").parse_args(argv)
+    if os.environ.get("QSA_BENCH_BEFORE"):  # a --before child: the packages come from PYTHONPATH only
+        while ROOT in sys.path:  # (common puts this checkout first)
+            sys.path.remove(ROOT)
+
+    p = common.parser(__doc__.splitlines()[0], "host.json")
+    p.add_argument("--before", metavar="CHECKOUT",
+                   help="also run this script against another checkout (PYTHONPATH=CHECKOUT:CHECKOUT/.pypath) "
+                        "first, and put its public_us and kernel_grid_us beside ours as before_*")
+    args = p.parse_args(argv)
+    before = _run_before(args.before, args.smoke) if args.before else None
     import torch
 
     import qsa_torch
@@ -218,10 +233,37 @@ def main(argv=None) -> None:
                 row["device_us"] = common.torch_graph_us(lambda: fn(**arguments), calls=10, smoke=smoke)
             rows.append(row)
             print(f"  {function}: done", flush=True)
-    common.print_table(rows, ["function", "launches", "public_us", "kernel_grid_us", "fast_us", "device_us"])
+    columns = ["function", "launches", "public_us", "kernel_grid_us", "fast_us", "device_us"]
+    if before is not None:
+        by_name = {row["function"]: row for row in before["rows"]}
+        for row in rows:
+            old = by_name.get(row["function"], {})
+            row["before_public_us"] = old.get("public_us")
+            row["before_kernel_grid_us"] = old.get("kernel_grid_us")
+        notes.append(f"before_*: the same script against {os.path.abspath(args.before)}")
+        columns[2:2] = ["before_public_us"]
+    common.print_table(rows, columns)
     if interpreted:
         print("(interpreter numbers: the CPU runs every kernel through Triton's interpreter)")
     common.write_json(args.json, "host", rows, notes)
+
+
+def _run_before(checkout: str, smoke: bool) -> dict:
+    """This script's results against another checkout, from a child process."""
+    import json
+    import subprocess
+    import tempfile
+
+    checkout = os.path.abspath(checkout)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "before.json")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([checkout, os.path.join(checkout, ".pypath")]),
+                   QSA_BENCH_BEFORE="1")
+        command = [sys.executable, os.path.abspath(__file__), "--json", out] + (["--smoke"] if smoke else [])
+        print(f"before: {' '.join(command)} with PYTHONPATH={env['PYTHONPATH']}", flush=True)
+        subprocess.run(command, env=env, check=True)
+        with open(out) as f:
+            return json.load(f)
 
 
 if __name__ == "__main__":
