@@ -128,7 +128,9 @@ def argument_token(value: Any) -> Any:
 
 
 def _constexpr_token(value: Any) -> tuple:
-    return (type(value), value)
+    # The type: 1, True and 1.0 are equal in Python but compile differently;
+    # a float's hex: 0.0 == -0.0 as well.
+    return (float, value.hex()) if type(value) is float else (type(value), value)
 
 
 def _native_claim(token: Any, value: Any, is_const: bool, specialize: bool, align: bool) -> tuple:
@@ -167,7 +169,7 @@ def claimed_specialization(params, tokens, values) -> list:
     claims = []
     for param, token, value in zip(params, tokens, values):
         if param.is_constexpr:
-            claims.append(("constexpr", token[1]))
+            claims.append(("constexpr", value))  # the token is the value itself (with its type)
             continue
         specialize = not param.do_not_specialize
         base = _native_claim(token, value, param.is_const, specialize, not param.do_not_specialize_on_alignment)

@@ -150,6 +150,8 @@ KEY_CASES = [
     ("None -> tensor", {}, dict(maybe=tensor()), True),
     ("constexpr 64 -> 128", {}, dict(W=128), True),
     ("constexpr 1 -> True (equal and same hash in Python)", dict(W=1), dict(W=True), True),
+    ("constexpr 0.0 -> -0.0 (equal and same hash in Python)", dict(W=0.0), dict(W=-0.0), True),
+    ("constexpr 0.5 -> 0.5", dict(W=0.5), dict(W=0.5), False),
     ("constexpr dtype fp32 (default) -> bf16", {}, dict(DT=tl.bfloat16), True),
     ("constexpr dtype given as its default", {}, dict(DT=tl.float32), False),
 ]
