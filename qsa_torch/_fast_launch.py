@@ -63,6 +63,7 @@ import torch
 import triton
 from triton import knobs as _knobs
 from triton.knobs import HookChain as _HookChain
+from triton.runtime.jit import JITFunction
 
 from qsa_kernels import runtime
 
@@ -252,6 +253,13 @@ class _KernelBinding:
                 for p, value in zip(self.params, values)]
 
 
+class _Unbindable:
+    """A kernel object this module does not bind (always launched the ordinary way)."""
+
+    __slots__ = ("kernel",)
+
+    def __init__(self, kernel):
+        self.kernel = kernel  # held so that id(kernel) stays this kernel's
 
 
 _data_ptr = torch.Tensor.data_ptr  # raises TypeError on anything but a tensor
@@ -331,17 +339,19 @@ class FastLauncher:
         get_device, get_stream = self._get_device, self._get_stream
         if get_device is None or get_stream is None:
             get_device, get_stream = self._driver_functions()
+        state = self._kernels.get(id(kernel))
+        if state is None:
+            # Only plain JITFunctions (not autotuners, heuristics...): their run() is the one modelled here.
+            state = _KernelBinding(kernel) if isinstance(kernel, JITFunction) else _Unbindable(kernel)
+            self._kernels[id(kernel)] = state
         runtime_knobs = _knobs.runtime
         enter, leave = runtime_knobs.launch_enter_hook, runtime_knobs.launch_exit_hook
         # Triton 3.6 keeps empty HookChains there; anything else is a hook to honour.
         if (enter is not None and (type(enter) is not _HookChain or enter.calls)) or \
            (leave is not None and (type(leave) is not _HookChain or leave.calls)) or \
-           kernel.pre_run_hooks or callable(grid):
+           state.__class__ is _Unbindable or kernel.pre_run_hooks or callable(grid):
             return self._slow(kernel, grid, args, scalars, constexprs, num_warps, num_stages)
         device = get_device()
-        state = self._kernels.get(id(kernel))
-        if state is None:
-            state = self._kernels[id(kernel)] = _KernelBinding(kernel)
         try:
             site = (id(scalars), id(constexprs), len(args))
             named = state.named.get(site)

@@ -10,7 +10,6 @@ tests compare the fast path with ``kernel[grid]`` bitwise on every stage.
 
 from __future__ import annotations
 
-import inspect
 import random
 from collections import defaultdict
 
@@ -23,7 +22,7 @@ from triton.backends.compiler import BaseBackend
 from triton.runtime.jit import create_function_from_signature
 
 from qsa_kernels import runtime
-from qsa_kernels.launch import ArrayInfo, split_arguments
+from qsa_kernels.launch import ArrayInfo
 from qsa_torch import _fast_launch
 from qsa_torch._fast_launch import FastLauncher, SpecializationDriftError, claimed_specialization
 
@@ -365,6 +364,19 @@ def test_unknown_duplicate_or_missing_keywords_take_the_ordinary_path(monkeypatc
     with pytest.raises(TypeError):
         h((1,), args, missing, constexprs)
     assert h.counts()[1] == 0
+
+
+def test_kernels_other_than_jit_functions_take_the_ordinary_path():
+    calls = []
+
+    class Tuner:  # like triton.runtime.Autotuner: indexable by a grid, no JITFunction state
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((grid, args, kwargs))
+
+    launcher = FastLauncher(interpreted=False, get_device=lambda: 0, get_stream=lambda device: 0)
+    for _ in range(2):
+        launcher(Tuner(), (1,), (tensor(),), {"n": 3}, {"W": 4}, 4, 3)
+    assert len(calls) == 2 and calls[0][2] == dict(n=3, W=4, num_warps=4, num_stages=3)
 
 
 def test_changed_global_takes_the_ordinary_path(monkeypatch):
