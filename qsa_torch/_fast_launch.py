@@ -91,9 +91,8 @@ _UINT64_MAX = 2**64 - 1
 # else u64, and "D" marks a multiple of 16.  handle_float_type: "fp32";
 # handle_bool_type: "u1"; None: ("constexpr", None).)
 _ONE = "1"
-_INT_TOKENS = {("i32", True): "i32D", ("i32", False): "i32", ("i64", True): "i64D",
-               ("i64", False): "i64", ("u64", True): "u64D", ("u64", False): "u64"}
-_TOKEN_INT = {token: width_divisible for width_divisible, token in _INT_TOKENS.items()}
+_TOKEN_INT = {"i32D": ("i32", True), "i32": ("i32", False), "i64D": ("i64", True), "i64": ("i64", False),
+              "u64D": ("u64", True), "u64": ("u64", False)}  # token -> (type, multiple of 16)
 _FP32, _U1, _NONE = "fp32", "u1", "None"
 
 
