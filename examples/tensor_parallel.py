@@ -131,7 +131,7 @@ class Result:
     traces: int = 0
 
 
-def fill_contexts(scenario: Scenario, pager: PagedRequests, fill_step) -> None:
+def fill_contexts(scenario: Scenario, pager: PagedRequests, fill_step, quiet: bool = False) -> None:
     """Production: random K/V and index keys of every context token, written through the QSA step."""
     done, chunk = 0, scenario.fill_chunk
     start = time.perf_counter()
@@ -139,15 +139,16 @@ def fill_contexts(scenario: Scenario, pager: PagedRequests, fill_step) -> None:
         count = min(chunk, scenario.context - done)
         fill_step(done // chunk, pager.step({r: count for r in range(scenario.requests)}))
         done += count
-    print(f"  contexts: {scenario.context} random tokens per request written ({time.perf_counter() - start:.1f} s)",
-          flush=True)
+    if not quiet:
+        print(f"  contexts: {scenario.context} random tokens per request written "
+              f"({time.perf_counter() - start:.1f} s)", flush=True)
 
 
-def generate(scenario: Scenario, model_step, fill_step=None) -> Result:
+def generate(scenario: Scenario, model_step, fill_step=None, quiet: bool = False) -> Result:
     """The request loop of ``demo.py`` over ``model_step(tokens: list[int], host_meta) -> (logits, next)``."""
     pager = PagedRequests(scenario.geometry, seed=1)
     if scenario.context:
-        fill_contexts(scenario, pager, fill_step)
+        fill_contexts(scenario, pager, fill_step, quiet)
     requests = [Request(list(p), n) for p, n in zip(scenario.prompts, scenario.new_tokens)]
     result = Result([], [], [])
     while not all(r.done for r in requests):
@@ -419,7 +420,7 @@ def _torch_generate(scenario: Scenario, rank: int, parts: int, device, graphs: b
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    return generate(scenario, step, fill if scenario.context else None)
+    return generate(scenario, step, fill if scenario.context else None, quiet=rank != 0)
 
 
 def run_torch(scenario: Scenario, parts: int, graphs: bool = True, timeout: float | None = None,
