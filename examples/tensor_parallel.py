@@ -426,14 +426,17 @@ def _torch_generate(scenario: Scenario, rank: int, parts: int, device, graphs: b
 def run_torch(scenario: Scenario, parts: int, graphs: bool = True, timeout: float | None = None,
               inline: bool = False) -> Result:
     """The scenario over ``parts`` spawned processes (``parts == 1``: no process group; ``inline``: in
-    this process, CPU only)."""
+    this process, on its first device, eager)."""
     import socket
 
     if inline:
         import torch
 
+        from qsa_kernels import runtime
+
         assert parts == 1
-        return _torch_generate(scenario, 0, 1, torch.device("cpu"), graphs=False)
+        device = torch.device("cpu" if runtime.INTERPRETED else "cuda")
+        return _torch_generate(scenario, 0, 1, device, graphs=False)
 
     import torch.multiprocessing as mp
 

@@ -231,7 +231,10 @@ def _torch_step_shards(rank: int, parts: int, results: dict) -> None:
     import qsa_torch
     from qsa_kernels.paging import STATE_FIELDS
 
-    bf16 = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(torch.bfloat16)  # noqa: E731
+    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+    bf16 = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device, torch.bfloat16)  # noqa: E731
+    keep = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+    bits = lambda t: t.view(torch.uint16).cpu().numpy()  # noqa: E731
 
     def gathered(x: torch.Tensor, dim: int) -> torch.Tensor:
         pieces = [torch.empty_like(x) for _ in range(parts)]
@@ -244,11 +247,11 @@ def _torch_step_shards(rank: int, parts: int, results: dict) -> None:
 
     def step_split_by_kv_heads():
         state, steps, cos_sin = _numpy_case()
-        table = torch.from_numpy(cos_sin)
+        table = keep(cos_sin)
 
         def run(inputs, state, host_meta):
             return qsa_torch.qsa_attention_step(**inputs, state=state,
-                                                metadata=qsa_torch.StepMetadata.from_host(host_meta),
+                                                metadata=qsa_torch.StepMetadata.from_host(host_meta, device),
                                                 cos_sin=table, index_cos_sin=table, compress_ratio=RATIO,
                                                 token_topk=TOPK, return_token_indices=True)
 
@@ -264,22 +267,20 @@ def _torch_step_shards(rank: int, parts: int, results: dict) -> None:
                       else getattr(part, name) for name in STATE_FIELDS}
             if rank == 0:
                 out_one, one, picked_one = run({name: bf16(x) for name, x in inputs.items()}, one, host_meta)
-                _same(f"step {number}: out", out_one.view(torch.uint16).numpy(), out_all.view(torch.uint16).numpy())
-                _same(f"step {number}: token_indices", picked_one.numpy(), picked_part.numpy())
+                _same(f"step {number}: out", bits(out_one), bits(out_all))
+                _same(f"step {number}: token_indices", picked_one.cpu().numpy(), picked_part.cpu().numpy())
                 for name in STATE_FIELDS:
-                    _same(f"step {number}: state.{name}", getattr(one, name).view(torch.uint16).numpy(),
-                          caches[name].view(torch.uint16).numpy())
+                    _same(f"step {number}: state.{name}", bits(getattr(one, name)), bits(caches[name]))
 
     case = _attention_case()
 
     def attention(split: dict, out_dim: int):
-        arrays = {name: bf16(x) if x.dtype == np.float32 else torch.from_numpy(x) for name, x in case.items()}
-        local = {name: (bf16(mine(x, split[name])) if x.dtype == np.float32 else torch.from_numpy(mine(x, split[name])))
-                 if name in split else arrays[name] for name, x in case.items()}
+        convert = lambda x: bf16(x) if x.dtype == np.float32 else keep(x)  # noqa: E731
+        arrays = {name: convert(x) for name, x in case.items()}
+        local = {name: convert(mine(x, split[name])) if name in split else arrays[name] for name, x in case.items()}
         out = gathered(qsa_torch.sparse_paged_attention(**local), out_dim)
         if rank == 0:
-            single = qsa_torch.sparse_paged_attention(**arrays)
-            _same("out", single.view(torch.uint16).numpy(), out.view(torch.uint16).numpy())
+            _same("out", bits(qsa_torch.sparse_paged_attention(**arrays)), bits(out))
 
     def attention_split_by_kv_heads():
         attention(dict(q=1, k_cache=2, v_cache=2), 1)
@@ -297,9 +298,13 @@ def _torch_worker(rank: int, parts: int, port: int, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=parts)
+    if torch.cuda.is_available():  # the GPU run of the suite: one GPU per process, NCCL
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=parts, device_id=torch.device("cuda", rank))
+    else:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=parts)
     results: dict = {}
     try:
         _torch_step_shards(rank, parts, results)
@@ -389,13 +394,27 @@ _KNOWN = {
 }
 
 
+def _need_two_devices():
+    from qsa_kernels import runtime
+
+    if not runtime.INTERPRETED:
+        import torch
+
+        if torch.cuda.device_count() < PARTS:
+            pytest.skip(f"a compiled (GPU) process needs {PARTS} GPUs for these checks")
+
+
 @pytest.mark.parametrize("name", _KNOWN["jax"])
 def test_jax_two_host_devices(name):
+    """On the CPU 2 host devices; in the GPU run of the suite, 2 GPUs (jax-triton under shard_map)."""
+    _need_two_devices()
     _check("jax", name)
 
 
 @pytest.mark.parametrize("name", _KNOWN["torch"])
 def test_torch_two_gloo_processes(name):
+    """On the CPU 2 gloo processes; in the GPU run of the suite, 2 NCCL processes on 2 GPUs."""
+    _need_two_devices()
     _check("torch", name)
 
 
