@@ -9,6 +9,7 @@ for bit:
 * ``sparse_paged_attention`` split by KV heads, and split by rows;
 * the demo model (``examples/tensor_parallel.py``): heads split, the output
   projection's all-reduce, greedy tokens and logits;
+* the examples of ``docs/scaling-out.md`` run (and shard what they say);
 * JAX only: a call whose arrays span several devices under plain ``jax.jit``
   (``NamedSharding`` inputs) or eagerly raises the error that points to
   ``shard_map`` (``qsa_jax._sharding``), while the same call inside
@@ -102,6 +103,12 @@ def _same(name: str, a, b) -> None:
     mismatch = np.count_nonzero(_bits(a) != _bits(b))
     if mismatch:
         raise AssertionError(f"{name}: {mismatch} of {a.size} elements differ bitwise")
+
+
+def _docs_example(index: int) -> str:
+    """The ``index``-th Python block of docs/scaling-out.md (0: JAX, 1: torch)."""
+    text = open(os.path.join(ROOT, "docs", "scaling-out.md")).read()
+    return text.split("```python\n")[index + 1].split("```")[0]
 
 
 def _run_checks(checks: dict) -> dict:
@@ -210,7 +217,17 @@ def _jax_checks() -> dict:
         # The same arrays on one device, and the composed step under jit (every stage guarded), still work.
         jax.block_until_ready(jax.jit(lambda a: qsa_jax.sparse_paged_attention(**a))(arrays))
 
+    def docs_example():
+        namespace: dict = {}
+        exec(compile(_docs_example(0), "docs/scaling-out.md (JAX)", "exec"), namespace)
+        projected, state = namespace["projected"], namespace["state"]
+        assert projected.shape == (namespace["T"], namespace["HIDDEN"])
+        assert projected.sharding.is_fully_replicated  # after the psum
+        assert state.key_cache.sharding.is_equivalent_to(NamedSharding(namespace["mesh"], namespace["cache_heads"]), 4)
+        assert state.compressed_key_cache.sharding.is_fully_replicated
+
     return _run_checks(dict(
+        docs_example=docs_example,
         step_split_by_kv_heads=step_split_by_kv_heads,
         attention_split_by_kv_heads=attention_split_by_kv_heads,
         attention_split_by_rows=attention_split_by_rows,
@@ -288,9 +305,22 @@ def _torch_step_shards(rank: int, parts: int, results: dict) -> None:
     def attention_split_by_rows():
         attention(dict(q=0, token_indices=0, token_to_req=0), 0)
 
+    def model_split_by_kv_heads():
+        # examples/tensor_parallel.py's torch path, in this process group: rank 0 also runs one device.
+        tensor_parallel, scenario = _tiny_scenario()
+        one = tensor_parallel.run_torch(scenario, 1, inline=True) if rank == 0 else None
+        many = tensor_parallel._torch_generate(scenario, rank, parts, device, graphs=False)
+        if rank == 0:
+            assert one.generated == many.generated, (one.generated, many.generated)
+            assert all(len(g) == n for g, n in zip(many.generated, scenario.new_tokens))
+            assert len(one.logits) == len(many.logits)
+            for number, (a, b) in enumerate(zip(one.logits, many.logits)):
+                _same(f"step {number}: logits", a, b)
+
     outcome = _run_checks(dict(step_split_by_kv_heads=step_split_by_kv_heads,
                                attention_split_by_kv_heads=attention_split_by_kv_heads,
-                               attention_split_by_rows=attention_split_by_rows))
+                               attention_split_by_rows=attention_split_by_rows,
+                               model_split_by_kv_heads=model_split_by_kv_heads))
     results.update(outcome)
 
 
@@ -339,17 +369,20 @@ def _torch_checks() -> dict:
                     if outcome != "ok" or name not in results:
                         results[name] = outcome if outcome == "ok" else f"rank {rank}: {outcome}"
 
-    def model_split_by_kv_heads():
-        tensor_parallel, scenario = _tiny_scenario()
-        one = tensor_parallel.run_torch(scenario, 1, inline=True)
-        many = tensor_parallel.run_torch(scenario, PARTS, timeout=TIMEOUT_S / 2)
-        assert one.generated == many.generated, (one.generated, many.generated)
-        assert all(len(g) == n for g, n in zip(many.generated, scenario.new_tokens))
-        assert len(one.logits) == len(many.logits)
-        for number, (a, b) in enumerate(zip(one.logits, many.logits)):
-            _same(f"step {number}: logits", a, b)
+    def docs_example():
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "scaling_out_torch.py")
+            with open(path, "w") as f:
+                f.write(_docs_example(1))
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                env = dict(os.environ, MASTER_PORT=str(s.getsockname()[1]))
+            done = subprocess.run([sys.executable, path], capture_output=True, text=True, timeout=TIMEOUT_S / 3,
+                                  env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "torch.Size([8, 64]) torch.Size([8, 8, 1, 32])" in done.stdout, done.stdout
 
-    results.update(_run_checks(dict(model_split_by_kv_heads=model_split_by_kv_heads)))
+    results.update(_run_checks(dict(docs_example=docs_example)))
     return results
 
 
@@ -387,10 +420,10 @@ def _check(framework: str, name: str) -> None:
 
 
 _KNOWN = {
-    "jax": ("step_split_by_kv_heads", "attention_split_by_kv_heads", "attention_split_by_rows",
+    "jax": ("docs_example", "step_split_by_kv_heads", "attention_split_by_kv_heads", "attention_split_by_rows",
             "model_split_by_kv_heads", "jit_over_named_sharding_raises"),
     "torch": ("step_split_by_kv_heads", "attention_split_by_kv_heads", "attention_split_by_rows",
-              "model_split_by_kv_heads"),
+              "model_split_by_kv_heads", "docs_example"),
 }
 
 
