@@ -24,7 +24,7 @@ step: the slowest GPU's device time.
 Values are the largest over the GPUs.  Goal: at 64 and 256 requests the
 per-GPU attention time on 2 GPUs at most 0.55x the 1-GPU time.
 
-    NCCL_NVLS_ENABLE=0 python benchmarks/bench_tp.py --json tp.json           # 2 GPUs
+    NCCL_NVLS_ENABLE=0 python benchmarks/bench_tp.py --json tp.json           # 2 GPUs (--frameworks torch|jax)
     python benchmarks/bench_tp.py --smoke --json /tmp/tp.json                 # CPU: 2 gloo processes, 2 host devices
 """
 
@@ -248,28 +248,40 @@ def jax_loop_us(parts: int, batch: int, context: int, smoke: bool) -> float:
 def main():
     p = common.parser(__doc__, "tp.json")
     p.add_argument("--parts", type=int, default=2, help="GPUs of the tensor-parallel run (compared with 1)")
-    p.add_argument("--no-jax", action="store_true")
+    p.add_argument("--frameworks", default="torch,jax",
+                   help="comma-separated: torch (spawned processes, NCCL) and/or jax (shard_map in this process)")
     args = p.parse_args()
+    frameworks = set(args.frameworks.split(","))
     started = time.perf_counter()
     from qsa_kernels import runtime
 
     if runtime.INTERPRETED:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={args.parts}").strip()
+    batches, context = (SMOKE_BATCHES, SMOKE_CONTEXT) if args.smoke else (BATCHES, CONTEXT)
     rows, notes = [], []
-    for parts in (1, args.parts):
-        print(f"torch, {parts} GPU(s){' (CPU smoke: gloo processes)' if runtime.INTERPRETED else ''}:", flush=True)
-        part_rows, part_notes = run_torch(parts, args.smoke)
-        rows += part_rows
-        notes += part_notes
-    if not args.no_jax:  # after the torch processes have exited and freed the GPUs
-        for row in rows:
-            try:
-                row["jax_loop_us"] = jax_loop_us(row["gpus"], row["batch"], row["context"], args.smoke)
-            except Exception as error:  # keep the torch columns
-                notes.append(f"JAX, {row['gpus']} GPU(s), B={row['batch']}: failed: {type(error).__name__}: "
-                             f"{str(error)[:200]}")
-            print(f"  JAX {row['gpus']} GPU(s) B={row['batch']}: {row.get('jax_loop_us')}", flush=True)
+    if "torch" in frameworks:
+        for parts in (1, args.parts):
+            print(f"torch, {parts} GPU(s){' (CPU smoke: gloo processes)' if runtime.INTERPRETED else ''}:",
+                  flush=True)
+            part_rows, part_notes = run_torch(parts, args.smoke)
+            rows += part_rows
+            notes += part_notes
+    if "jax" in frameworks:  # after the torch processes have exited and freed the GPUs
+        by_shape = {(r["gpus"], r["batch"]): r for r in rows}
+        for parts in (1, args.parts):
+            for batch in batches:
+                row = by_shape.get((parts, batch))
+                if row is None:
+                    row = dict(gpus=parts, batch=batch, context=context)
+                    rows.append(row)
+                try:
+                    row["jax_loop_us"] = jax_loop_us(parts, batch, context, args.smoke)
+                except Exception as error:  # keep the other columns
+                    notes.append(f"JAX, {parts} GPU(s), B={batch}: failed: {type(error).__name__}: "
+                                 f"{str(error)[:200]}")
+                print(f"  JAX {parts} GPU(s) B={batch}: jax_loop_us {row.get('jax_loop_us')} "
+                      f"({time.perf_counter() - started:.0f} s)", flush=True)
 
     one = {r["batch"]: r for r in rows if r["gpus"] == 1}
     for row in rows:
@@ -284,14 +296,15 @@ def main():
     print()
     common.print_table(rows, columns)
     goals = []
-    ratios = {r["batch"]: r.get("attention_vs_1gpu") for r in rows if r["gpus"] == args.parts}
-    wanted = [b for b in (SMOKE_BATCHES if args.smoke else [64, 256])]
-    got = {b: ratios.get(b) for b in wanted}
-    met = all(v is not None and v <= 0.55 for v in got.values())
-    goals.append(f"goal: per-GPU attention time on {args.parts} GPUs <= 0.55x the 1-GPU time at "
-                 f"B={','.join(map(str, wanted))}: " +
-                 ", ".join(f"B={b}: {v:.3f}x" if v else f"B={b}: not measured" for b, v in got.items()) +
-                 f" -> {'met' if met else 'NOT met'}")
+    if "torch" in frameworks:
+        ratios = {r["batch"]: r.get("attention_vs_1gpu") for r in rows if r["gpus"] == args.parts}
+        wanted = SMOKE_BATCHES if args.smoke else [64, 256]
+        got = {b: ratios.get(b) for b in wanted}
+        met = all(v is not None and v <= 0.55 for v in got.values())
+        goals.append(f"goal: per-GPU attention time (torch, stage 4) on {args.parts} GPUs <= 0.55x the 1-GPU "
+                     f"time at B={','.join(map(str, wanted))}: " +
+                     ", ".join(f"B={b}: {v:.3f}x" if v else f"B={b}: not measured" for b, v in got.items()) +
+                     f" -> {'met' if met else 'NOT met'}")
     for line in goals + notes:
         print(line)
     common.write_json(args.json, "tensor_parallel_step", rows, [

@@ -7,7 +7,9 @@
 #   bash scripts/gpu_tp_run.sh demo-torch  #   KV heads over 2 GPUs vs 1 GPU: tokens compared -> tp_demo_*.log
 #   bash scripts/gpu_tp_run.sh bench       # benchmarks/bench_tp.py: per-GPU step at 1/8/64/256 requests,
 #                                          #   128K, 1 vs 2 GPUs, all-reduce apart -> tp_bench.log, tp.json
-#   bash scripts/gpu_tp_run.sh all         # all four in turn (may not fit one 10-minute command)
+#   bash scripts/gpu_tp_run.sh bench-jax   # the same step in JAX (shard_map, fori_loop) -> tp_bench_jax.log,
+#                                          #   tp_jax.json
+#   bash scripts/gpu_tp_run.sh all         # all five in turn (may not fit one 10-minute command)
 # Expects the jax-triton 0.3.1 wheel in .whl/ (pip download --no-deps jax-triton==0.3.1), as gpu_run.sh.
 # NCCL's NVLink multicast (NVLS) stays off, as the device tool requires.
 set -u
@@ -50,5 +52,8 @@ case "$STAGE" in demo-torch|all)
     examples/tensor_parallel.py --framework torch --tensor-parallel 2 --gpu-production --no-graphs $DEMO_ARGS ;;
 esac
 case "$STAGE" in bench|all)
-  stage bench tp_bench.log python3 benchmarks/bench_tp.py --json "$OUT/tp.json" ;;
+  stage bench tp_bench.log python3 benchmarks/bench_tp.py --frameworks torch --json "$OUT/tp.json" ;;
+esac
+case "$STAGE" in bench-jax|all)
+  stage bench-jax tp_bench_jax.log python3 benchmarks/bench_tp.py --frameworks jax --json "$OUT/tp_jax.json" ;;
 esac

@@ -6,6 +6,8 @@ for bit:
 * ``qsa_attention_step`` split by KV heads (their query heads with them; the
   index caches and the metadata replicated), two steps (prefill chunks, then
   decode rows) over random caches: output, every cache and the selected tokens;
+* JAX: ``qsa_attention_step`` split by requests, each device with its own
+  pager and caches (stacked on a leading device axis);
 * ``sparse_paged_attention`` split by KV heads, and split by rows;
 * the demo model (``examples/tensor_parallel.py``): heads split, the output
   projection's all-reduce, greedy tokens and logits;
@@ -34,7 +36,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
-TIMEOUT_S = 420  # per framework; the checks take well under a minute on 2 idle cores
+TIMEOUT_S = 900  # per framework, for hangs: the checks take about 30 s of CPU each (2 cores shared: minutes)
 PARTS = 2
 
 # One QSA layer: 4 Q / 2 KV heads x d32, indexer 2 heads x d32, ratio 4, top 8 tokens + tail.
@@ -49,17 +51,17 @@ def _geometry():
                          num_compressed_pages=8, max_context=16, max_requests=2)
 
 
-def _numpy_case(seed: int = 7):
-    """Random caches, per-step inputs and host metadata of the two steps (NumPy float32 / int32)."""
+def _numpy_case(seed: int = 7, schedules=SCHEDULE):
+    """Random caches, per-step inputs and host metadata of the steps (NumPy float32 / int32)."""
     from qsa_kernels.paging import PagedRequests
 
     rng = np.random.default_rng(seed)
     geometry = _geometry()
     shapes = geometry.state_shapes(KH, D, DI)
     state = {name: rng.normal(size=shape).astype(np.float32) for name, shape in shapes.items()}
-    pager = PagedRequests(geometry, seed=3)
+    pager = PagedRequests(geometry, seed=seed)
     steps = []
-    for schedule in SCHEDULE:
+    for schedule in schedules:
         meta = pager.step(schedule)
         rows = meta.num_rows
         inputs = dict(q=(rows, QH, D), k=(rows, KH, D), v=(rows, KH, D), index_q=(rows, IH, DI), index_k=(rows, 1, DI))
@@ -168,6 +170,38 @@ def _jax_checks() -> dict:
                 _same(f"step {number}: state.{name}", getattr(one, name), getattr(many, name))
             assert out_many.sharding.is_equivalent_to(NamedSharding(mesh, heads), 3), out_many.sharding  # no gather
 
+    def step_split_by_requests():
+        # Each device its own requests, pager and caches (stacked on a leading device axis): the same as
+        # running each device's batch alone.  Equal row and request counts keep the shapes equal.
+        cases = [_numpy_case(seed=20, schedules=[{0: 6, 1: 5}, {0: 1, 1: 1}]),
+                 _numpy_case(seed=21, schedules=[{0: 4, 1: 7}, {0: 1, 1: 1}])]
+        table = jnp.asarray(cases[0][2])
+
+        def step(inputs, state, meta):
+            return qsa_jax.qsa_attention_step(**inputs, state=state, metadata=meta, cos_sin=table,
+                                              index_cos_sin=table, compress_ratio=RATIO, token_topk=TOPK,
+                                              return_token_indices=True)
+
+        first, stack = (lambda tree: jax.tree_util.tree_map(lambda x: x[0], tree),  # noqa: E731
+                        lambda trees: jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *trees))
+        sharded = jax.jit(jax.shard_map(
+            lambda i, s, m: jax.tree_util.tree_map(lambda x: x[None], step(first(i), first(s), first(m))),
+            mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+        single = jax.jit(step)
+        alone = [qsa_jax.QSAState(**{name: bf16(state[name]) for name in STATE_FIELDS}) for state, _, _ in cases]
+        together = stack(alone)
+        for number in range(2):
+            inputs = [{name: bf16(x) for name, x in case[1][number][0].items()} for case in cases]
+            metas = [qsa_jax.StepMetadata.from_host(case[1][number][1]) for case in cases]
+            out, together, picked = sharded(stack(inputs), together, stack(metas))
+            for device in range(PARTS):
+                out_one, alone[device], picked_one = single(inputs[device], alone[device], metas[device])
+                _same(f"step {number}, device {device}: out", out_one, out[device])
+                _same(f"step {number}, device {device}: token_indices", picked_one, picked[device])
+                for name in STATE_FIELDS:
+                    _same(f"step {number}, device {device}: state.{name}", getattr(alone[device], name),
+                          getattr(together, name)[device])
+
     case = _attention_case()
 
     def attention(**split):
@@ -229,6 +263,7 @@ def _jax_checks() -> dict:
     return _run_checks(dict(
         docs_example=docs_example,
         step_split_by_kv_heads=step_split_by_kv_heads,
+        step_split_by_requests=step_split_by_requests,
         attention_split_by_kv_heads=attention_split_by_kv_heads,
         attention_split_by_rows=attention_split_by_rows,
         model_split_by_kv_heads=model_split_by_kv_heads,
@@ -420,7 +455,7 @@ def _check(framework: str, name: str) -> None:
 
 
 _KNOWN = {
-    "jax": ("docs_example", "step_split_by_kv_heads", "attention_split_by_kv_heads", "attention_split_by_rows",
+    "jax": ("docs_example", "step_split_by_kv_heads", "step_split_by_requests", "attention_split_by_kv_heads", "attention_split_by_rows",
             "model_split_by_kv_heads", "jit_over_named_sharding_raises"),
     "torch": ("step_split_by_kv_heads", "attention_split_by_kv_heads", "attention_split_by_rows",
               "model_split_by_kv_heads", "docs_example"),
