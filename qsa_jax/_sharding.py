@@ -10,9 +10,10 @@ Under plain ``jax.jit`` over arrays placed on several devices (a
 ``NamedSharding``), XLA's partitioner would have to split the call itself.
 It cannot do that right today, so such a call raises :data:`ERROR` instead:
 
-* a custom call without a sharding rule (the GPU path) is replicated by the
-  partitioner: every device gathers every head and runs the whole kernel --
-  right, but it does not scale and copies the caches;
+* a custom call without a sharding rule (the GPU path) is replicated by
+  Shardy's default (not checked here without GPUs): every device would
+  gather every head and run the whole kernel -- right, but it does not
+  scale and moves the caches every step;
 * a ``pure_callback`` (the CPU path) is pinned to the mesh's first device
   ({maximal device=0}); a jit whose result is such a value hands back an
   array that the next jit rejects (``TypeError: Cannot convert GSPMDSharding
@@ -20,9 +21,10 @@ It cannot do that right today, so such a call raises :data:`ERROR` instead:
 * a ``jax.experimental.custom_partitioning`` rule (Shardy ``sharding_rule``)
   with the per-shard call as its ``lower_fn`` crashed the process
   (segmentation fault, jax 0.10.2, 2 host devices) as soon as the per-shard
-  body held a ``pure_callback``; it could only serve the GPU path, which
-  cannot be checked without GPUs, and a split by requests needs one pager per
-  device, which no sharding rule can derive.
+  body held a ``pure_callback`` (host callbacks lowered inside the
+  partitioner are not kept alive: jax-ml/jax pull request 23620); it could
+  only serve the GPU path, which cannot be checked without GPUs, and a split
+  by requests needs one pager per device, which no sharding rule can derive.
 
 The check is made while lowering, from the lowering context alone (how many
 devices the computation spans and which mesh axes are manual): nothing is
