@@ -411,7 +411,8 @@ def _torch_checks() -> dict:
                 f.write(_docs_example(1))
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
-                env = dict(os.environ, MASTER_PORT=str(s.getsockname()[1]))
+                # The example is written for the CPU (gloo, CPU tensors): hide any GPU from it.
+                env = dict(os.environ, MASTER_PORT=str(s.getsockname()[1]), CUDA_VISIBLE_DEVICES="")
             done = subprocess.run([sys.executable, path], capture_output=True, text=True, timeout=TIMEOUT_S / 3,
                                   env=env)
         assert done.returncode == 0, done.stderr[-3000:]
