@@ -26,6 +26,8 @@ from qsa_kernels import runtime
 from qsa_kernels.launch import ArrayInfo, Program, split_arguments
 from qsa_kernels.validate import device_error, type_error
 
+from . import _sharding
+
 _BITS_VIEW = {  # dtypes torch.from_numpy cannot take: move them as raw bits
     np.dtype(ml_dtypes.bfloat16): ("uint16", "bfloat16"),
     np.dtype(ml_dtypes.float8_e4m3fn): ("uint8", "float8_e4m3fn"),
@@ -171,6 +173,7 @@ def run(program: Program, arrays: Mapping[str, jax.Array | None]) -> tuple[jax.A
 
     @jax.custom_batching.custom_vmap
     def call(*values):
+        values = _sharding.guard(function, values)  # one device's arrays only (shard_map): see _sharding
         return tuple(runner(program, names, list(values)))
 
     @call.def_vmap
