@@ -1,6 +1,6 @@
 """Stage 1: RoPE on q and k, and k/v written into a paged KV cache.
 
-One program handles one token row and either a block of query heads or all
+One program handles one token row and either a tile of query heads or all
 KV heads of that row, so every byte of q, k and v is read once and the row's
 cos/sin once per program.  The cache address of element ``d`` of a KV head
 at (page, offset) is, for every layout,
@@ -117,17 +117,17 @@ def rope_cache_kernel(
     vc_sb, vc_sh, vc_sd1, vc_sd2, vc_sp1, vc_sp2,
     # constexprs
     D: tl.constexpr, F: tl.constexpr, QH: tl.constexpr, KH: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, NUM_Q_BLOCKS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, NUM_Q_TILES: tl.constexpr,
     PAGE: tl.constexpr, IS_NEOX: tl.constexpr, HAS_OFFSETS: tl.constexpr,
     HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr, HAS_SWA: tl.constexpr,
     WRITE_ZEROS: tl.constexpr, SATURATE: tl.constexpr,
     K_DX: tl.constexpr, K_PX: tl.constexpr, V_DX: tl.constexpr, V_PX: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    head_block = tl.program_id(1)
-    is_query_block = head_block < NUM_Q_BLOCKS
-    # Query blocks of KV-only rows (t >= T) have nothing to do.
-    if (t < T) | (head_block == NUM_Q_BLOCKS):
+    head_tile = tl.program_id(1)
+    is_query_tile = head_tile < NUM_Q_TILES
+    # Query tiles of KV-only rows (t >= T) have nothing to do.
+    if (t < T) | (head_tile == NUM_Q_TILES):
         HALF: tl.constexpr = D // 2
         i = tl.arange(0, HALF)
         # Element d_a[i] rotates with d_b[i]; contiguous halves for NeoX.
@@ -163,8 +163,8 @@ def rope_cache_kernel(
         cos_b = tl.load(table_row + freq_b, mask=read, other=nan).to(tl.float32)[None, :]
         sin_b = tl.load(table_row + F + freq_b, mask=read, other=nan).to(tl.float32)[None, :]
 
-        if is_query_block:
-            _rope_query_heads(q_ptr, q_out_ptr, zeros_ptr, t, head_block, d_a, d_b,
+        if is_query_tile:
+            _rope_query_heads(q_ptr, q_out_ptr, zeros_ptr, t, head_tile, d_a, d_b,
                               cos_a, sin_a, cos_b, sin_b, q_sr, q_sh, qo_sr, qo_sh,
                               QH, BLOCK_H, WRITE_ZEROS)
         else:
@@ -180,10 +180,10 @@ def rope_cache_kernel(
 
 
 @triton.jit
-def _rope_query_heads(q_ptr, q_out_ptr, zeros_ptr, t, head_block, d_a, d_b,
+def _rope_query_heads(q_ptr, q_out_ptr, zeros_ptr, t, head_tile, d_a, d_b,
                       cos_a, sin_a, cos_b, sin_b, q_sr, q_sh, qo_sr, qo_sh,
                       QH: tl.constexpr, BLOCK_H: tl.constexpr, WRITE_ZEROS: tl.constexpr):
-    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    heads = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
     head_mask = (heads < QH)[:, None]
     q_row = q_ptr + t * q_sr + tl.minimum(heads, QH - 1)[:, None] * q_sh
     _, _, out_a, out_b = _rotate_pair(q_row, d_a, d_b, cos_a, sin_a, cos_b, sin_b)
@@ -351,8 +351,8 @@ def plan_rope_reshape_and_cache(
     q_out = Buffer("q_out", (t, qh, d), q.dtype)
     k_out = Buffer("k_out", (t_kv, kh, d), k.dtype)
     zeros = Buffer("zeros", (t, qh, d) if return_zeros else (1,), q.dtype)
-    block_h = min(triton.next_power_of_2(max(qh, 1)), max(1, tuning.tile_elements // d))  # QH = 0: no query blocks
-    num_q_blocks = triton.cdiv(qh, block_h)
+    block_h = min(triton.next_power_of_2(max(qh, 1)), max(1, tuning.tile_elements // d))  # QH = 0: no query tiles
+    num_q_tiles = triton.cdiv(qh, block_h)
     qo_sr, qo_sh, _ = q_out.info.strides
     ko_sr, ko_sh, _ = k_out.info.strides
     inputs = (
@@ -366,7 +366,7 @@ def plan_rope_reshape_and_cache(
     )
     launch = Launch(
         kernel=rope_cache_kernel,
-        grid=(t_kv, num_q_blocks + 1),
+        grid=(t_kv, num_q_tiles + 1),
         inputs=inputs,
         outputs=("q_out", "k_out", "key_cache", "value_cache", "zeros"),
         scalars=dict(
@@ -382,7 +382,7 @@ def plan_rope_reshape_and_cache(
         ),
         constexprs=dict(
             D=d, F=width // 2, QH=qh, KH=kh, BLOCK_H=block_h,
-            BLOCK_KH=triton.next_power_of_2(kh), NUM_Q_BLOCKS=num_q_blocks,
+            BLOCK_KH=triton.next_power_of_2(kh), NUM_Q_TILES=num_q_tiles,
             PAGE=page, IS_NEOX=is_neox, HAS_OFFSETS=offsets is not None,
             HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None,
             HAS_SWA=swa_slot_mapping is not None, WRITE_ZEROS=return_zeros,
