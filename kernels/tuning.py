@@ -25,6 +25,8 @@ import contextvars
 import dataclasses
 from typing import Iterator
 
+from .validate import POSITIVE_INT
+
 __all__ = ["AttentionTuning", "CompressTuning", "RopeCacheTuning", "SelectTuning", "TopkTuning",
            "Tuning", "current", "override"]
 
@@ -48,10 +50,9 @@ def _tuning_value(cls):
 
 
 def _positive_int(owner: str, name: str, value, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{owner}: {name} must be a positive int{' or None' if optional else ''}, got {value!r}")
+    """The plans' own positive-int rule (and message), for a tuning field."""
+    kind = POSITIVE_INT.or_none() if optional else POSITIVE_INT
+    kind.canonical(owner, name, value)
 
 
 @_tuning_value
