@@ -214,7 +214,8 @@ def override(**stages) -> Iterator[Tuning]:
             raise TypeError(f"tuning.override: unknown stage {name!r} (stages: {', '.join(STAGES)})")
         if not isinstance(value, STAGES[name]):
             raise TypeError(f"tuning.override: {name} must be a {STAGES[name].__name__}, got {type(value).__name__}")
-    token = _CURRENT.set(dataclasses.replace(_CURRENT.get(), **stages))
+    # No stages: the same value stays in force (and its plans stay memoised).
+    token = _CURRENT.set(dataclasses.replace(_CURRENT.get(), **stages) if stages else _CURRENT.get())
     try:
         yield _CURRENT.get()
     finally:

@@ -419,3 +419,23 @@ def test_a_launch_must_name_exactly_its_kernels_parameters():
         check_launch_signature("topk_blocks", misspelled)
     with pytest.raises(RuntimeError, match="does not match its parameters"):
         check_launch_signature("topk_blocks", dataclasses.replace(launch, outputs=()))
+
+
+@pytest.mark.parametrize("function, call", [
+    ("topk_blocks", lambda adapter, a: adapter.topk_blocks(a["logits"], a["visible_blocks"], 3.0)),
+    ("mqa_paged_scores", lambda adapter, a: adapter.mqa_paged_scores(*a.values(), 2, None, float("inf"))),
+    ("expand_block_indices", lambda adapter, a: adapter.expand_block_indices(*a.values(), True, 4)),
+    ("select_paged_tokens", lambda adapter, a: adapter.select_paged_tokens(*a.values(), 4, "2")),
+])
+def test_options_passed_by_position_are_checked_the_same_way(function, call):
+    arrays, _ = BASES[function]()
+    torch_error = _raised(lambda: call(qsa_torch, arrays))
+    with jax.enable_x64(True):
+        jax_error = _raised(lambda: call(qsa_jax, _jax_inputs(arrays, {})[0]))
+    assert type(torch_error) is ValueError and str(torch_error).startswith(f"{function}: "), torch_error
+    assert " must be " in str(torch_error) and str(jax_error) == str(torch_error)
+
+
+def test_an_empty_override_keeps_the_default_tuning():
+    with tuning.override() as current:
+        assert current is tuning.DEFAULT
