@@ -32,7 +32,7 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the card
 
 import common  # noqa: E402
-from qsa_kernels.launch import clear_plan_caches  # noqa: E402
+from qsa_kernels.tuning import AttentionTuning  # noqa: E402
 
 QH, KH, D, PAGE = 24, 2, 256, 64
 TOKEN_TOPK, COMPRESS_RATIO = 2048, 4
@@ -149,30 +149,25 @@ def sweep(qsa_torch, attention, arrays, smoke):
     configs = [(block_n, None, warps, stages)
                for block_n in SWEEP_BLOCK_N for warps in SWEEP_WARPS for stages in SWEEP_STAGES]
     configs += [(None, splits, None, None) for splits in sorted({max(1, planned // 2), 2 * planned} - {planned})]
-    table_tile_bytes = attention.TILE_BYTES
     results = []
-    try:
-        for block_n, splits, warps, stages in configs[:2] if smoke else configs:
-            attention.TILE_BYTES = block_n * 2 * d if block_n else table_tile_bytes
-            clear_plan_caches()  # plans are memoised; TILE_BYTES is not part of their key
-            program = attention.plan_sparse_paged_attention(**infos, num_splits=splits)
-            partial = program.launches[0]
-            partial = dataclasses.replace(partial, num_warps=warps or partial.num_warps,
-                                          num_stages=stages or partial.num_stages)
-            program = dataclasses.replace(program, launches=(partial, *program.launches[1:]))
-            result = dict(block_n=partial.constexprs["BLOCK_N"], splits=partial.grid[1],
-                          tiles_per_split=partial.constexprs["TILES_PER_SPLIT"],
-                          warps=partial.num_warps, stages=partial.num_stages)
-            call = lambda: qsa_torch._launch.run(program, arrays, arrays["q"].device)  # noqa: E731
-            try:
-                # Without CUDA (smoke): the wall clock, to check the path runs.
-                result["graph_us"] = common.torch_graph_us(call, smoke=smoke) or common.torch_median_us(call, smoke)
-            except Exception as error:  # e.g. out of shared memory
-                result["error"] = f"{type(error).__name__}: {str(error)[:120]}"
-            results.append(result)
-    finally:
-        attention.TILE_BYTES = table_tile_bytes
-        clear_plan_caches()
+    for block_n, splits, warps, stages in configs[:2] if smoke else configs:
+        # The tuning is part of the plan's memo key: nothing to restore or clear afterwards.
+        forced = AttentionTuning(tile_bytes=block_n * 2 * d if block_n else None, num_splits=splits)
+        program = attention.plan_sparse_paged_attention(**infos, tuning=forced)
+        partial = program.launches[0]
+        partial = dataclasses.replace(partial, num_warps=warps or partial.num_warps,
+                                      num_stages=stages or partial.num_stages)
+        program = dataclasses.replace(program, launches=(partial, *program.launches[1:]))
+        result = dict(block_n=partial.constexprs["BLOCK_N"], splits=partial.grid[1],
+                      tiles_per_split=partial.constexprs["TILES_PER_SPLIT"],
+                      warps=partial.num_warps, stages=partial.num_stages)
+        call = lambda: qsa_torch._launch.run(program, arrays, arrays["q"].device)  # noqa: E731
+        try:
+            # Without CUDA (smoke): the wall clock, to check the path runs.
+            result["graph_us"] = common.torch_graph_us(call, smoke=smoke) or common.torch_median_us(call, smoke)
+        except Exception as error:  # e.g. out of shared memory
+            result["error"] = f"{type(error).__name__}: {str(error)[:120]}"
+        results.append(result)
     return results
 
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from qsa_kernels import runtime
 from qsa_kernels.launch import ArrayInfo, Program, split_arguments
-from qsa_kernels.validate import device_error, type_error
+from qsa_kernels.validate import check_host_indices_fit_int32, device_error, type_error
 
 from . import _sharding
 
@@ -58,7 +58,9 @@ def metadata(function: str, arrays: Mapping[str, object]):
             converted[name] = infos[name] = None
             continue
         if isinstance(value, np.ndarray):
-            value = jnp.asarray(value)
+            value, host = jnp.asarray(value), value
+            if value.dtype != host.dtype:  # without x64, int64 narrows to int32: it must not wrap
+                check_host_indices_fit_int32(function, name, host)
         elif not isinstance(value, jax.Array):
             raise type_error(function, name, "a JAX array", value)
         device = _device_of(value)

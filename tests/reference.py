@@ -300,7 +300,7 @@ def expand_block_indices(block_indices, query_positions, sequence_lengths, token
         tail_start = (max(position + 1, 0) // compress_ratio) * compress_ratio
         tokens += list(range(tail_start, max(position + 1, 0)))
         for column, token in enumerate(tokens):
-            if 0 <= token < length:
+            if 0 <= token < length and token < 2**31:  # the output is int32: never wrapped
                 out[row, column] = token
     return out
 
