@@ -130,9 +130,8 @@ def test_jax_cpu_host_callback_keeps_subnormals():
     assert_bitwise_equal(out, jax_out, "torch vs JAX")
 
 
-@pytest.mark.xfail(strict=True, reason="open bug: a failing torch step has already updated some caches (kernels/step.py)")
 def test_failed_step_leaves_the_state_unchanged():
-    """Bug (composed step, open): ``qsa_attention_step`` validates only its own
+    """Bug (composed step, fixed: the step is one plan): ``qsa_attention_step`` validates only its own
     arguments up front and leaves the rest to each stage, so a call that fails
     in a late stage has already run the early ones: with a compressed-key cache
     of the wrong width, torch raises "store_cache_rows: rows must have one row
