@@ -74,7 +74,9 @@ Args:
         ``qsa_kernels.paging.PagedRequests.step``).
     cos_sin: ``[max_position, 2*F]`` RoPE table of the attention heads (see
         ``rope_reshape_and_cache``).
-    index_cos_sin: ``[max_position, 2*FI]`` RoPE table of the indexer heads.
+    index_cos_sin: ``[max_position_i, 2*FI]`` RoPE table of the indexer heads,
+        ``max_position_i >= max_position`` (cos_sin's rows).  A position past
+        cos_sin gives a NaN ``out`` row and writes no K/V (stage 1's signal).
     compress_ratio: tokens per compressed group; the ring holds at least that
         many slots.
     token_topk: tokens selected per row (a multiple of compress_ratio), plus
@@ -288,6 +290,14 @@ def _check_step(check: Checker, arrays: dict[str, ArrayInfo | None], compress_ra
     if arrays["index_k"].dtype != arrays["index_q"].dtype:
         check.fail("index_k", f"must have index_q's dtype {arrays['index_q'].dtype}", arrays["index_k"].dtype)
     _check_compressed_table_width(check, arrays, compress_ratio)
+    # A position past cos_sin gives NaN q rows and so NaN out rows (stage 1's
+    # documented signal).  One past index_cos_sin alone would give NaN index
+    # queries and pooled keys, which top-k ranks last: a wrong selection that
+    # no output shows.  So index_cos_sin covers every position cos_sin does.
+    cos_sin, index_cos_sin = arrays["cos_sin"], arrays["index_cos_sin"]
+    if cos_sin.ndim == 2 and index_cos_sin.ndim == 2 and index_cos_sin.shape[0] < cos_sin.shape[0]:
+        check.fail("index_cos_sin", f"must have at least cos_sin's {cos_sin.shape[0]} rows (positions): a position "
+                   "past it alone would give NaN index keys that no output shows", f"shape {index_cos_sin.shape}")
 
 
 def _check_compressed_table_width(check: Checker, arrays: dict[str, ArrayInfo], compress_ratio: int) -> None:

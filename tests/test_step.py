@@ -470,6 +470,8 @@ FAILED_STEPS = [
      "qsa_attention_step: index_q must have a contiguous last dimension (stride 1)", True),
     ("index_cos_sin_width", lambda a: dict(index_cos_sin=a["index_cos_sin"][:, :8]), ValueError,
      "qsa_attention_step: index_cos_sin must have width 2*F", False),
+    ("index_cos_sin_shorter_than_cos_sin", lambda a: dict(index_cos_sin=a["index_cos_sin"][:20]), ValueError,
+     "qsa_attention_step: index_cos_sin must have at least cos_sin's 32 rows (positions)", False),
     ("compress_ratio_past_ring", lambda a: dict(compress_ratio=4, token_topk=4), ValueError,
      "qsa_attention_step: state.compressor_state_cache must have a ring of at least compress_ratio = 4", False),
     ("token_to_req_int64", _meta(token_to_req=lambda m: m.token_to_req.long()), ValueError,
@@ -557,3 +559,24 @@ def test_compressed_table_width_check_accepts_every_geometry():
             narrow = dict(arrays, compressed_block_table=ArrayInfo.contiguous((2, least.compressed_table_width - 1), "int32"))
             with pytest.raises(ValueError, match="metadata.compressed_block_table must have at least"):
                 _check_compressed_table_width(check, narrow, ratio)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_position_past_cos_sin_gives_nan_out_rows():
+    """Stage 1's error signal (a position past cos_sin: NaN q row, no K/V write) reaches
+    ``out``: attention no longer turns a NaN query into zeros.  Only that row is NaN."""
+    arguments = _two_step_arguments()
+    positions = host(arguments["metadata"].positions)
+    assert positions.tolist() == [3, 4, 5, 2]
+    arguments["cos_sin"] = arguments["cos_sin"][:5]  # position 5 is past it; index_cos_sin covers it
+    jax_arguments = _jax_arguments(arguments)
+    key_cache = arguments["state"].key_cache.clone()
+    torch_out, state, _ = qsa_torch.qsa_attention_step(**arguments)
+    out = f64(torch_out)
+    assert np.isnan(out[2]).all(), "the row past cos_sin must be NaN"
+    assert np.isfinite(out[[0, 1, 3]]).all()
+    slot = int(host(arguments["metadata"].slot_mapping)[2])
+    page, offset = divmod(slot, key_cache.shape[1])
+    assert_bitwise_equal(state.key_cache[page, offset], key_cache[page, offset], "no K write for the NaN row")
+    jax_out, _, _ = qsa_jax.qsa_attention_step(**jax_arguments)
+    assert_bitwise_equal(jax_out, torch_out, "torch vs JAX")
