@@ -169,7 +169,11 @@ class MetadataFields:
 
     @classmethod
     def from_host(cls, host, device=None):
-        """The arrays of a :class:`qsa_kernels.paging.HostStepMetadata`, on ``device``."""
+        """Copies of the arrays of a :class:`qsa_kernels.paging.HostStepMetadata`, on ``device``.
+
+        Always copies (never aliases the host arrays, even on the CPU): the
+        pager updates a decode batch's tables in place at its next step.
+        """
         return cls(**{name: cls._to_device(np.asarray(getattr(host, name)), device) for name in METADATA_FIELDS})
 
 

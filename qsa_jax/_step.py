@@ -22,7 +22,7 @@ class QSAState(_step.StateFields):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepMetadata(_step.MetadataFields):
-    _to_device = staticmethod(jax.device_put)
+    _to_device = staticmethod(lambda array, device: jax.device_put(array, device, may_alias=False))  # a copy
 
 
 def qsa_attention_step(q, k, v, index_q, index_k, state, metadata, cos_sin, index_cos_sin, *,

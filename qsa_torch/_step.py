@@ -19,7 +19,7 @@ class QSAState(_step.StateFields):
 
 @dataclasses.dataclass(frozen=True)
 class StepMetadata(_step.MetadataFields):
-    _to_device = staticmethod(lambda array, device: torch.as_tensor(array, device=device))
+    _to_device = staticmethod(lambda array, device: torch.tensor(array, device=device))  # a copy (see from_host)
 
 
 def qsa_attention_step(q, k, v, index_q, index_k, state, metadata, cos_sin, index_cos_sin, *,
