@@ -22,7 +22,8 @@ class QSAState(_step.StateFields):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepMetadata(_step.MetadataFields):
-    _to_device = staticmethod(lambda array, device: jax.device_put(array, device, may_alias=False))  # a copy
+    # A copy: device_put(may_alias=False) was seen aliasing a NumPy array on the CPU.
+    _to_device = staticmethod(lambda array, device: jnp.array(array, copy=True, device=device))
 
 
 def qsa_attention_step(q, k, v, index_q, index_k, state, metadata, cos_sin, index_cos_sin, *,
