@@ -186,8 +186,8 @@ class PagedRequests:
         return new_pages, new_compressed
 
     def _check_context(self, requests, lengths: np.ndarray) -> None:
-        over = np.flatnonzero(lengths > self.geometry.max_context)
-        if over.size:
+        if lengths.max() > self.geometry.max_context:
+            over = np.flatnonzero(lengths > self.geometry.max_context)
             i = int(over[0])
             self._fail(f"request {requests[i]!r} would reach {int(lengths[i])} tokens, "
                        f"past max_context = {self.geometry.max_context}")
@@ -201,6 +201,8 @@ class PagedRequests:
                 (self._rows, self._num_pages, new_pages, self._free_pages, batch and batch.block_table),
                 (self._compressed_rows, self._num_compressed, new_compressed, self._free_compressed,
                  batch and batch.compressed_block_table)):
+            if not new.any():
+                continue
             for i in np.flatnonzero(new):
                 ring, first, n = int(rings[i]), int(counts[rings[i]]), int(new[i])
                 pages = [free.pop() for _ in range(n)]
@@ -273,9 +275,10 @@ class PagedRequests:
             starts = np.where(rings < 0, 0, self._lengths[rings])
         ends = starts + counts
         self._check_context(requests, ends)
-        fresh = rings < 0
-        pages = np.where(fresh, 0, self._num_pages[rings])
-        compressed = np.where(fresh, 0, self._num_compressed[rings])
+        pages, compressed = self._num_pages[rings], self._num_compressed[rings]
+        if new_rings:
+            fresh = rings < 0
+            pages, compressed = np.where(fresh, 0, pages), np.where(fresh, 0, compressed)
         new_pages, new_compressed = self._needs(ends, pages, compressed, new_rings)
 
         # Everything is checked: from here on nothing can fail.
