@@ -153,8 +153,9 @@ def sparse_attention_partial_kernel(
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     # Validity is counted apart from the normaliser: a NaN normaliser (NaN or
     # +inf scores) or a zero one (every valid score -inf) must give NaN like
-    # the float64 softmax, and only "no valid token" gives zeros.
-    valid_tokens = 0
+    # the float64 softmax, and only "no valid token" gives zeros.  Counted per
+    # column (no reduction inside the loop), summed once after it.
+    valid_tokens = tl.zeros((BLOCK_N,), tl.int32)
     first_column = split * (TILES_PER_SPLIT * BLOCK_N)
     for tile in range(TILES_PER_SPLIT):
         columns = first_column + tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -181,14 +182,14 @@ def sparse_attention_partial_kernel(
         acc = _dot(probabilities.to(values.dtype), values, acc * rescale[:, None], INTERPRET)
         normaliser = normaliser * rescale + tl.sum(probabilities, axis=1)
         running_max = new_max
-        valid_tokens += tl.sum(valid.to(tl.int32), axis=0)
+        valid_tokens += valid.to(tl.int32)
 
     # With valid tokens: a finite normaliser is >= 1 (the max weighs 1); a NaN
     # one gives NaN; a zero one gives 0 / 0 = NaN and lse = -inf (a split the
     # merge weighs 0 unless no split has any weight).
     # (The 1.0 stand-ins only keep the interpreter's NumPy from warning; a row
     # without valid tokens has acc = 0.)
-    has_tokens = valid_tokens > 0
+    has_tokens = tl.sum(valid_tokens, axis=0) > 0
     zero_mass = normaliser == 0.0
     out = acc / tl.where(has_tokens, normaliser, 1.0)[:, None]
     lse = tl.where(has_tokens & ~zero_mass, running_max + tl.math.log2(tl.where(zero_mass, 1.0, normaliser)),
