@@ -228,10 +228,12 @@ class _Composer:
         arrays = {arg: infos.get(arg, self.infos[name]) for arg, name in bindings.items()}
         try:
             program = plan(**arrays, **options)
-        except ValueError as error:
+        except (ValueError, TypeError) as error:
+            if not str(error).startswith(f"{plan.function}: "):
+                raise
             names = {arg: (labels or {}).get(arg, LABELS.get(name, name)) for arg, name in bindings.items()}
             names.update({option: option for option in options})
-            raise ValueError(_relabel(str(error), plan.function, names)) from None
+            raise type(error)(_relabel(str(error), plan.function, names)) from None
         renamed = dict(bindings)
         for buffer in program.buffers:
             renamed[buffer.name] = f"{tag}.{buffer.name}"
@@ -278,7 +280,7 @@ def _check_step(check: Checker, arrays: dict[str, ArrayInfo | None], compress_ra
             check.fail(name, "must be a positive int", repr(value))
     if token_topk % compress_ratio:
         check.fail("token_topk", f"must be a multiple of compress_ratio = {compress_ratio}", token_topk)
-    if not isinstance(return_token_indices, bool):
+    if not isinstance(return_token_indices, (bool, np.bool_)):
         check.fail("return_token_indices", "must be a bool", repr(return_token_indices))
     positions = arrays["positions"]
     rows = positions.shape[0] if positions.ndim else 0

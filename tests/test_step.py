@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -422,6 +423,13 @@ def test_production_geometry_graph_and_jax():
 # --------------------------------------------------------------------------
 
 def _two_step_arguments():
+    """A fresh copy of :func:`_two_step_base` (the first step runs once per session)."""
+    base = _two_step_base()
+    return dict(base, state=clone_state(base["state"]))
+
+
+@functools.lru_cache(maxsize=1)
+def _two_step_base():
     """Arguments of a second step whose groups straddle the first: pooling reads the ring.
 
     Ratio 2, ring 2: request a's position 3 pools position 2 from the ring,
