@@ -192,9 +192,6 @@ STEP_ARRAYS = ("q", "k", "v", "index_q", "index_k") + STATE_FIELDS + METADATA_FI
 LABELS = {**{name: name for name in STEP_ARRAYS},
           **{name: f"state.{name}" for name in STATE_FIELDS},
           **{name: f"metadata.{name}" for name in METADATA_FIELDS}}
-#: The step's results, in order (``token_indices`` last, when asked for).
-RESULTS = ("out",) + STATE_FIELDS
-
 
 class _Composer:
     """Plans the stages one after another and concatenates their launches into one Program.
@@ -243,7 +240,7 @@ class _Composer:
             self.launches.append(dataclasses.replace(
                 launch, inputs=tuple(renamed[n] for n in launch.inputs),
                 outputs=tuple(renamed[n] for n in launch.outputs),
-                scalars={**launch.scalars, **(scalars or {})}))
+                scalars={**launch.scalars, **{k: v for k, v in (scalars or {}).items() if k in launch.scalars}}))
         return {name: renamed[name] for name in program.results}
 
     def program(self, results: tuple[str, ...]) -> Program:
