@@ -54,6 +54,9 @@ Args:
 
 Returns:
     ``out [R, QH, D]`` of q's dtype; rows with no valid token are zeros.
+    NaN and inf propagate as in a float64 softmax: a NaN in q, or in a
+    selected K row, or a +inf score, gives NaN heads (all of a KV group's
+    heads for a K row); a valid token set whose scores are all -inf gives NaN.
 """
 
 LOG2_E = 1.4426950408889634
@@ -124,6 +127,11 @@ def sparse_attention_partial_kernel(
     running_max = tl.full((BLOCK_M,), MASKED_SCORE, tl.float32)
     normaliser = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
+    # Validity is counted apart from the normaliser: a NaN normaliser (NaN or
+    # +inf scores) or a zero one (every valid score -inf) must give NaN like
+    # the float64 softmax, and only "no valid token" gives zeros.  Counted per
+    # column (no reduction inside the loop), summed once after it.
+    valid_tokens = tl.zeros((BLOCK_N,), tl.int32)
     first_column = split * (TILES_PER_SPLIT * BLOCK_N)
     for tile in range(TILES_PER_SPLIT):
         columns = first_column + tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -142,17 +150,26 @@ def sparse_attention_partial_kernel(
 
         scores = _dot(q, tl.trans(keys), None, INTERPRET) * scale_log2
         scores = tl.where(valid[None, :], scores, MASKED_SCORE)
+        # max.f32 drops NaN on the GPU (NumPy's keeps it): either way a NaN
+        # score reaches the normaliser and acc through exp2(NaN - max) below.
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         rescale = tl.math.exp2(running_max - new_max)
         probabilities = tl.where(valid[None, :], tl.math.exp2(scores - new_max[:, None]), 0.0)
         acc = _dot(probabilities.to(values.dtype), values, acc * rescale[:, None], INTERPRET)
         normaliser = normaliser * rescale + tl.sum(probabilities, axis=1)
         running_max = new_max
+        valid_tokens += valid.to(tl.int32)
 
-    has_tokens = normaliser > 0
-    safe_normaliser = tl.maximum(normaliser, 1.0e-20)
-    out = tl.where(has_tokens[:, None], acc / safe_normaliser[:, None], 0.0)
-    lse = tl.where(has_tokens, running_max + tl.math.log2(safe_normaliser), -float("inf"))
+    # With valid tokens: a finite normaliser is >= 1 (the max weighs 1); a NaN
+    # one gives NaN; a zero one gives 0 / 0 = NaN and lse = -inf (a split the
+    # merge weighs 0 unless no split has any weight).
+    # (The 1.0 stand-ins only keep the interpreter's NumPy from warning; a row
+    # without valid tokens has acc = 0.)
+    has_tokens = tl.sum(valid_tokens, axis=0) > 0
+    zero_mass = normaliser == 0.0
+    out = acc / tl.where(has_tokens, normaliser, 1.0)[:, None]
+    lse = tl.where(has_tokens & ~zero_mass, running_max + tl.math.log2(tl.where(zero_mass, 1.0, normaliser)),
+                   -float("inf"))
     tl.store(o_ptr + split * o_ss + row * o_sr + heads[:, None] * o_sh + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=head_ok[:, None])
     tl.store(lse_ptr + split * lse_ss + row * lse_sr + heads, lse, mask=head_ok)
@@ -178,11 +195,13 @@ def merge_splits_kernel(
     lse = tl.load(partial_lse_ptr + (all_splits * rows + row) * QH + head,
                   mask=all_splits < NUM_SPLITS, other=-float("inf"))
     lse_max = tl.max(lse, axis=0)
-    # No split saw a token: every weight is 0 and the row is zeros.
-    lse_max = tl.where(lse_max == -float("inf"), 0.0, lse_max)
-    # The largest split weighs 1, so the denominator is >= 1 unless no split
-    # saw a token (then it is 0, and so is every partial).
-    denominator = tl.maximum(tl.sum(tl.math.exp2(lse - lse_max), axis=0), 1.0)
+    # No split has weight (lse -inf everywhere): each partial is 0 (no valid
+    # token) or NaN (valid tokens, all scores -inf); their plain sum is the
+    # row.  (max.f32 drops a NaN lse on the GPU; its weight is NaN either way.)
+    no_weight = lse_max == -float("inf")
+    lse_max = tl.where(no_weight, 0.0, lse_max)
+    # The largest split weighs 1, so the denominator is >= 1 unless it is NaN.
+    denominator = tl.where(no_weight, 1.0, tl.sum(tl.math.exp2(lse - lse_max), axis=0))
 
     merged = tl.zeros((D,), tl.float32)
     chunk = tl.arange(0, SPLIT_CHUNK)
@@ -191,8 +210,10 @@ def merge_splits_kernel(
         in_range = splits < NUM_SPLITS
         at = (splits * rows + row) * QH + head
         weight = tl.math.exp2(tl.load(partial_lse_ptr + at, mask=in_range, other=-float("inf")) - lse_max)
+        weight = tl.where(no_weight, 1.0, weight)
         partial = tl.load(partial_out_ptr + at[:, None] * D + d[None, :], mask=in_range[:, None], other=0.0)
-        merged += tl.sum(partial * weight[:, None], axis=0)
+        # A weight-0 split drops out even when its partial is NaN (0 / 0).
+        merged += tl.sum(tl.where(weight[:, None] == 0.0, 0.0, partial * weight[:, None]), axis=0)
     tl.store(out_ptr + row * out_sr + head * out_sh + d, (merged / denominator).to(out_ptr.dtype.element_ty))
 
 

@@ -112,7 +112,7 @@ def rope_cache_kernel(
     zeros_ptr,  # [T, QH, D] q's dtype (WRITE_ZEROS; else [1], never written)
     # sizes and strides
     T, max_position, num_slots, swa_len,
-    q_sr, q_sh, k_sr, k_sh, v_sr, v_sh, cs_sr, qo_sr, qo_sh, ko_sr, ko_sh,
+    q_sr, q_sh, k_sr, k_sh, v_sr, v_sh, cs_sr, pos_sr, qo_sr, qo_sh, ko_sr, ko_sh,
     kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2,
     vc_sb, vc_sh, vc_sd1, vc_sd2, vc_sp1, vc_sp2,
     # constexprs
@@ -145,7 +145,7 @@ def rope_cache_kernel(
             freq_b = i
 
         rope_row = t < T
-        position = tl.load(positions_ptr + t, mask=rope_row, other=0).to(tl.int64)
+        position = tl.load(positions_ptr + t * pos_sr, mask=rope_row, other=0).to(tl.int64)
         position_ok = True
         if HAS_OFFSETS:
             offset = tl.load(offsets_ptr + t, mask=rope_row, other=0).to(tl.int64)
@@ -374,6 +374,9 @@ def plan_rope_reshape_and_cache(
             swa_len=swa_slot_mapping.shape[0] if swa_slot_mapping is not None else 0,
             q_sr=q.strides[0], q_sh=q.strides[1], k_sr=k.strides[0], k_sh=k.strides[1],
             v_sr=v.strides[0], v_sh=v.strides[1], cs_sr=cos_sin.strides[0],
+            # 1 for a public call (positions is contiguous); the composed step
+            # reads a column of its own [T, 3] buffer (kernels/step.py).
+            pos_sr=positions.strides[0] if positions.shape[0] > 1 else 1,
             qo_sr=qo_sr, qo_sh=qo_sh, ko_sr=ko_sr, ko_sh=ko_sh,
             kc_sb=key_terms[0], kc_sh=key_terms[1], kc_sd1=key_terms[2],
             kc_sd2=key_terms[3], kc_sp1=key_terms[4], kc_sp2=key_terms[5],

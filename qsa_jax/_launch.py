@@ -196,6 +196,13 @@ def run(program: Program, arrays: Mapping[str, jax.Array | None]) -> tuple[jax.A
 def call(plan, arguments: Mapping[str, object]):
     """Run the public function ``plan`` serves, given its arguments by name."""
     arrays, options = split_arguments(plan, arguments)
-    arrays, infos = metadata(plan.function, arrays)
+    # A plan may name its arguments differently in errors (the step: "state.key_cache").
+    labels = getattr(plan, "labels", None)
+    if labels:
+        converted, labelled_infos = metadata(plan.function, {labels[name]: value for name, value in arrays.items()})
+        infos = {name: labelled_infos[labels[name]] for name in arrays}
+        arrays = {name: converted[labels[name]] for name in arrays}
+    else:
+        arrays, infos = metadata(plan.function, arrays)
     program = plan(**infos, **options)
     return program.returned(run(program, arrays))

@@ -770,11 +770,13 @@ STEP_TABLE = [
     ("index_q_rows", lambda a: dict(index_q=a["index_q"][:2]), "qsa_attention_step: index_q must be [T, heads, dim] with T = 5 rows"),
     ("index_k_rank", lambda a: dict(index_k=a["index_k"][:, 0]), "qsa_attention_step: index_k must be [T, heads, dim] with T = 5 rows"),
     ("index_k_heads", lambda a: dict(index_k=a["index_k"].expand(-1, 2, -1).contiguous()), "qsa_attention_step: index_k must have one head ([T, 1, DI])"),
-    # ... the stages' checks name the stage and its argument.
-    ("attention_dtype_fp32", lambda a: dict(q=a["q"].float(), k=a["k"].float(), v=a["v"].float()),
-     "rope_reshape_and_cache: key_cache must have dtype float32 or float8_e4m3fn, got bfloat16"),
     ("index_dtype_mismatch", lambda a: dict(index_k=a["index_k"].to(BF16)),
-     "compress_groups: compressor_state_cache must have raw_keys' dtype bfloat16, got float32"),
+     "qsa_attention_step: index_k must have index_q's dtype float32, got bfloat16"),
+    # ... and so do the stages' checks, naming the step argument the stage's is bound to.
+    ("attention_dtype_fp32", lambda a: dict(q=a["q"].float(), k=a["k"].float(), v=a["v"].float()),
+     "qsa_attention_step: state.key_cache must have dtype float32 or float8_e4m3fn, got bfloat16"),
+    ("index_cache_dtype_mismatch", lambda a: dict(index_q=a["index_q"].to(BF16), index_k=a["index_k"].to(BF16)),
+     "qsa_attention_step: state.compressor_state_cache must have index_k's dtype bfloat16, got float32"),
 ]
 
 
