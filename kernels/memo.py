@@ -140,8 +140,8 @@ def cached_plan(plan=None, /, *, options: Mapping[str, Option] | None = None):
             if action is _OPTION:
                 value = payload.canonical(function, name, value)
             elif action is _ARRAY:
-                if value is None:
-                    raise missing_array_error(function, name)
+                if value is None:  # named as the caller knows it (the step: "metadata.slot_mapping")
+                    raise missing_array_error(function, getattr(memoised, "labels", {}).get(name, name))
             elif action is _TUNING and value is None:
                 value = getattr(current, payload)
             values.append(value)

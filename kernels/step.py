@@ -39,7 +39,7 @@ from .launch import ArrayInfo, Buffer, Launch, Program, cached_plan
 from .paging import METADATA_FIELDS, STATE_FIELDS
 from .rope_cache import plan_rope_reshape_and_cache
 from .select import plan_select_paged_tokens
-from .validate import Checker
+from .validate import BOOL, FINITE_NUMBER, POSITIVE_INT, Checker
 
 __all__ = ["plan_qsa_attention_step", "state_arguments", "step_results", "STEP_DOC", "STATE_DOC",
            "METADATA_DOC", "METADATA_FIELDS", "STATE_FIELDS", "STEP_ARRAYS", "LABELS"]
@@ -269,16 +269,9 @@ def _relabel(message: str, function: str, names: dict[str, str]) -> str:
 def _check_step(check: Checker, arrays: dict[str, ArrayInfo | None], compress_ratio, token_topk,
                 return_token_indices) -> None:
     """The step's own checks: what no single stage can see."""
-    for name, info in arrays.items():
-        if info is None:
-            raise TypeError(f"{FUNCTION}: {LABELS[name]} must be an array, got None")
-    for name, value in (("compress_ratio", compress_ratio), ("token_topk", token_topk)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            check.fail(name, "must be a positive int", repr(value))
+    # compress_ratio, token_topk and return_token_indices are typed by cached_plan.
     if token_topk % compress_ratio:
         check.fail("token_topk", f"must be a multiple of compress_ratio = {compress_ratio}", token_topk)
-    if not isinstance(return_token_indices, (bool, np.bool_)):
-        check.fail("return_token_indices", "must be a bool", repr(return_token_indices))
     positions = arrays["positions"]
     rows = positions.shape[0] if positions.ndim else 0
     if rows < 1:
@@ -327,7 +320,8 @@ def _check_compressed_table_width(check: Checker, arrays: dict[str, ArrayInfo], 
                    f"in compressed pages of {compressed_page}", f"shape {compressed_table.shape}")
 
 
-@cached_plan
+@cached_plan(options=dict(compress_ratio=POSITIVE_INT, token_topk=POSITIVE_INT, is_neox=BOOL,
+                          softmax_scale=FINITE_NUMBER.or_none(), return_token_indices=BOOL))
 def plan_qsa_attention_step(
     q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, index_q: ArrayInfo, index_k: ArrayInfo,
     key_cache: ArrayInfo, value_cache: ArrayInfo, compressor_state_cache: ArrayInfo,

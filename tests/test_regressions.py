@@ -210,26 +210,24 @@ NONFINITE = ["nan_q", "inf_q", "nan_k", "inf_k", "nan_v", "inf_v", "all_scores_m
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy's, on NaN/inf arithmetic (reference and interpreter)
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("kind", NONFINITE)
-def test_attention_nonfinite_inputs_follow_the_reference(kind, splits, monkeypatch):
+def test_attention_nonfinite_inputs_follow_the_reference(kind, splits):
     """Bug (stage 4, fixed): a NaN/inf in q or in one cell of a selected K row made the
     whole output (of the head, or of the KV group) exactly zero, like "no valid
     token", where the float64 reference gives NaN.  Validity is now counted apart
     from the normaliser (a zero normaliser with valid tokens is NaN), and the merge
     drops weight-0 splits without turning "all -inf" into zeros.  Rows with no
     valid token stay zeros (make_inputs has three such rows)."""
-    import qsa_jax._attention as jax_attention
-    import qsa_torch._attention as torch_attention
+    from qsa_kernels import tuning
 
-    from .test_attention import Case, make_inputs, plan_with_splits, reference_for, run_jax
+    from .test_attention import Case, make_inputs, reference_for, run_jax
 
-    plan = plan_with_splits(splits)
-    monkeypatch.setattr(torch_attention, "plan_sparse_paged_attention", plan)
-    monkeypatch.setattr(jax_attention, "plan_sparse_paged_attention", plan)
     args = _poison(kind, make_inputs(Case(QH=8, KH=2, D=64, W=300, seed=1)))
     ref = reference_for(args)
     assert not np.isfinite(ref).all(), "the case has no non-finite output: it tests nothing"
     assert np.isfinite(ref).any()
-    out = qsa_torch.sparse_paged_attention(**args)
+    with tuning.override(attention=tuning.AttentionTuning(num_splits=splits)):
+        out = qsa_torch.sparse_paged_attention(**args)
+        jax_out = run_jax(args)
     _assert_same_nonfinite_then_close(out, ref, 1e-2, f"{kind}, {splits} splits")
     assert not f64(out)[1:4].any(), "rows without a valid token must stay zeros"
-    assert_bitwise_equal(run_jax(args), out, "torch vs JAX")
+    assert_bitwise_equal(jax_out, out, "torch vs JAX")

@@ -482,10 +482,10 @@ FAILED_STEPS = [
      "qsa_attention_step: index_cos_sin must have at least cos_sin's 32 rows (positions)", False),
     ("compress_ratio_past_ring", lambda a: dict(compress_ratio=4, token_topk=4), ValueError,
      "qsa_attention_step: state.compressor_state_cache must have a ring of at least compress_ratio = 4", False),
-    ("token_to_req_int64", _meta(token_to_req=lambda m: m.token_to_req.long()), ValueError,
-     "qsa_attention_step: metadata.token_to_req must have dtype int32", False),
+    ("token_to_req_float", _meta(token_to_req=lambda m: m.token_to_req.float()), ValueError,
+     "qsa_attention_step: metadata.token_to_req must have dtype int32 or int64", False),
     ("metadata_field_none", _meta(token_to_req=lambda m: None), TypeError,
-     "qsa_attention_step: metadata.token_to_req must be an array, got None", False),
+     "qsa_attention_step: metadata.token_to_req must be an array (it is required), got None", False),
     ("index_k_dtype", lambda a: dict(index_k=a["index_k"].to(torch.bfloat16)), ValueError,
      "qsa_attention_step: index_k must have index_q's dtype float32, got bfloat16", False),
 ]
