@@ -7,6 +7,8 @@ process whether kernels run compiled (a CUDA device is visible) or through
 Triton's interpreter (no CUDA device): see :mod:`qsa_kernels.runtime`.
 """
 
+__version__ = "0.1.0"  # the one version of the distribution qsa-kernels (pyproject reads it)
+
 from . import runtime  # noqa: F401  (must run before triton is imported below)
 from .launch import ArrayInfo, Buffer, Launch, Program
 from .rope_cache import plan_rope_reshape_and_cache

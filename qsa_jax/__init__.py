@@ -7,6 +7,7 @@ interpreter from a host callback.
 """
 
 from qsa_kernels import runtime as _runtime  # noqa: F401  (chooses compiled/interpreted first)
+from qsa_kernels import __version__  # noqa: F401  (one version for the three packages)
 
 from ._attention import sparse_paged_attention
 from ._compress import compress_groups, store_cache_rows
