@@ -9,13 +9,14 @@ from qsa_kernels.docs import jax_doc
 from . import _launch
 
 
-def compress_groups(raw_keys, raw_positions, compressor_state_cache, compressor_state_block_table,
-                    token_to_req, query_start_loc, logical_positions, compressed_slots,
-                    compress_ratio, rope_cache=None):
+def compress_groups(raw_keys: ArrayLike, raw_positions: ArrayLike, compressor_state_cache: ArrayLike,
+                    compressor_state_block_table: ArrayLike, token_to_req: ArrayLike,
+                    query_start_loc: ArrayLike, logical_positions: ArrayLike, compressed_slots: ArrayLike,
+                    compress_ratio: int, rope_cache: ArrayLike | None = None) -> tuple[Array, Array]:
     return _launch.call(plan_compress_groups, locals())  # every argument, by name
 
 
-def store_cache_rows(cache, slot_mapping, rows):
+def store_cache_rows(cache: ArrayLike, slot_mapping: ArrayLike, rows: ArrayLike) -> Array:
     return _launch.call(plan_store_cache_rows, locals())  # every argument, by name
 
 

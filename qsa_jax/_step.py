@@ -43,9 +43,11 @@ _BACKEND = _step.Backend(
 )
 
 
-def qsa_attention_step(q, k, v, index_q, index_k, state, metadata, cos_sin, index_cos_sin, *,
-                       compress_ratio, token_topk, is_neox=True, softmax_scale=None,
-                       return_token_indices=False):
+def qsa_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, index_q: ArrayLike, index_k: ArrayLike,
+                       state: QSAState, metadata: StepMetadata, cos_sin: ArrayLike,
+                       index_cos_sin: ArrayLike, *, compress_ratio: int, token_topk: int,
+                       is_neox: bool = True, softmax_scale: float | None = None,
+                       return_token_indices: bool = False) -> tuple[Array, QSAState] | tuple[Array, QSAState, Array]:
     return _step.attention_step(_BACKEND, q, k, v, index_q, index_k, state, metadata, cos_sin, index_cos_sin,
                                 compress_ratio=compress_ratio, token_topk=token_topk, is_neox=is_neox,
                                 softmax_scale=softmax_scale, return_token_indices=return_token_indices)
