@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the annotations' array types (the same names in both adapters)
+    from jax import Array
+    from jax.typing import ArrayLike
+
 from qsa_kernels.attention import DOC, plan_sparse_paged_attention
 from qsa_kernels.docs import jax_doc
 

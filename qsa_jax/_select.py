@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the annotations' array types (the same names in both adapters)
+    from jax import Array
+    from jax.typing import ArrayLike
+
 from qsa_kernels.select import (EXPAND_DOC, SCORES_DOC, SELECT_DOC, TOPK_DOC, plan_expand_block_indices,
                                 plan_mqa_paged_scores, plan_select_paged_tokens, plan_topk_blocks)
 from qsa_kernels.docs import jax_doc

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the annotations' array types (the same names in both adapters)
+    from torch import Tensor as Array, Tensor as ArrayLike
+
 from qsa_kernels.compress import (COMPRESS_GROUPS_DOC, STORE_CACHE_ROWS_DOC, plan_compress_groups,
                                   plan_store_cache_rows)
 from qsa_kernels.docs import torch_doc

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the annotations' array types (the same names in both adapters)
+    from torch import Tensor as Array, Tensor as ArrayLike
+
 from qsa_kernels.rope_cache import DOC, plan_rope_reshape_and_cache
 from qsa_kernels.docs import torch_doc
 
