@@ -195,7 +195,7 @@ def plan_compress_groups(
     logical_positions: ArrayInfo, compressed_slots: ArrayInfo,
     compress_ratio: int, rope_cache: ArrayInfo | None = None,
 ) -> Program:
-    """Validate ``compress_groups`` arguments and describe its launch (see API.md)."""
+    """Validate ``compress_groups`` arguments and describe its launch (see docs/api.md)."""
     check = Checker("compress_groups")
     if not isinstance(compress_ratio, int) or isinstance(compress_ratio, bool) or compress_ratio <= 0:
         check.fail("compress_ratio", "must be a positive int", repr(compress_ratio))
@@ -280,7 +280,7 @@ def plan_compress_groups(
 
 @cached_plan
 def plan_store_cache_rows(cache: ArrayInfo, slot_mapping: ArrayInfo, rows: ArrayInfo) -> Program:
-    """Validate ``store_cache_rows`` arguments and describe its launch (see API.md)."""
+    """Validate ``store_cache_rows`` arguments and describe its launch (see docs/api.md)."""
     check = Checker("store_cache_rows")
     check.rank("cache", cache, 4, "[pages, P, 1, W]")
     pages, page, _, width = cache.shape

@@ -298,7 +298,7 @@ def plan_rope_reshape_and_cache(
     offsets: ArrayInfo | None = None, swa_slot_mapping: ArrayInfo | None = None,
     return_zeros: bool = False,
 ) -> Program:
-    """Validate stage-1 arguments and describe the launch (see API.md)."""
+    """Validate stage-1 arguments and describe the launch (see docs/api.md)."""
     check = Checker(FUNCTION)
     check.rank("q", q, 3, "[T, QH, D]")
     check.rank("k", k, 3, "[T_kv, KH, D]")

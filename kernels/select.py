@@ -755,7 +755,7 @@ def plan_mqa_paged_scores(q: ArrayInfo, k_cache: ArrayInfo, page_table: ArrayInf
                           token_to_req: ArrayInfo, query_positions: ArrayInfo,
                           sequence_lengths: ArrayInfo, compress_ratio, num_columns=None,
                           score_divisor=None) -> Program:
-    """Validate ``mqa_paged_scores`` arguments and describe its launch (see API.md)."""
+    """Validate ``mqa_paged_scores`` arguments and describe its launch (see docs/api.md)."""
     check = Checker("mqa_paged_scores")
     _check_scoring(check, q, k_cache, page_table, token_to_req, query_positions, sequence_lengths,
                    compress_ratio)
@@ -775,7 +775,7 @@ def plan_mqa_paged_scores(q: ArrayInfo, k_cache: ArrayInfo, page_table: ArrayInf
 
 @cached_plan
 def plan_topk_blocks(logits: ArrayInfo, visible_blocks: ArrayInfo, k) -> Program:
-    """Validate ``topk_blocks`` arguments and describe its launches (see API.md)."""
+    """Validate ``topk_blocks`` arguments and describe its launches (see docs/api.md)."""
     check = Checker("topk_blocks")
     check.rank("logits", logits, 2, "[R, C]")
     check.dtype("logits", logits, FLOAT_DTYPES)
@@ -794,7 +794,7 @@ def plan_topk_blocks(logits: ArrayInfo, visible_blocks: ArrayInfo, k) -> Program
 def plan_expand_block_indices(block_indices: ArrayInfo, query_positions: ArrayInfo,
                               sequence_lengths: ArrayInfo, token_to_req: ArrayInfo,
                               compress_ratio, token_topk) -> Program:
-    """Validate ``expand_block_indices`` arguments and describe its launch (see API.md)."""
+    """Validate ``expand_block_indices`` arguments and describe its launch (see docs/api.md)."""
     check = Checker("expand_block_indices")
     _check_positive_int(check, "compress_ratio", compress_ratio)
     _check_token_topk(check, token_topk, compress_ratio)
@@ -822,7 +822,7 @@ def plan_expand_block_indices(block_indices: ArrayInfo, query_positions: ArrayIn
 def plan_select_paged_tokens(q: ArrayInfo, k_cache: ArrayInfo, page_table: ArrayInfo,
                              token_to_req: ArrayInfo, query_positions: ArrayInfo,
                              sequence_lengths: ArrayInfo, token_topk, compress_ratio) -> Program:
-    """Validate ``select_paged_tokens`` arguments and describe its chunked launches (see API.md).
+    """Validate ``select_paged_tokens`` arguments and describe its chunked launches (see docs/api.md).
 
     Each chunk of rows is scored into one logits workspace, ranked and
     expanded into its rows of ``out``; later chunks reuse every workspace.

@@ -1,4 +1,4 @@
-"""QSA kernels for JAX: the functional API of API.md over JAX arrays.
+"""QSA kernels for JAX: the functional API of docs/api.md over JAX arrays.
 
 Pure functions that work under ``jax.jit``; caches come back as arrays aliasing
 the inputs (donate them for an in-place update).  On a CUDA device kernels

@@ -1,4 +1,4 @@
-"""QSA kernels for PyTorch: the functional API of API.md over torch tensors.
+"""QSA kernels for PyTorch: the functional API of docs/api.md over torch tensors.
 
 Caches are updated in place and returned; every call launches on its
 tensors' device and current stream, with no host synchronisation.
