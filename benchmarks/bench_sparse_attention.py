@@ -15,7 +15,7 @@ Reported per shape: the plan's launch choice (splits, BLOCK_N, tiles per
 split, warps, stages); qsa_torch by do_bench (L2 flushed) and CUDA-graph
 replay (L2 warm); qsa_jax by wall clock and fori_loop on a subset; a dense
 baseline (torch SDPA over the whole context, where its K/V fit); the seed's
-H200 time where DESIGN.md has one.  Bytes: each selected K and V row once per
+H200 time where docs/design.md has one.  Bytes: each selected K and V row once per
 KV head, plus q, out and the indices; prefill rows re-read tokens their
 neighbours selected (L2 serves them), so its "% of peak" may pass 100.
 
@@ -43,7 +43,7 @@ POOL_BYTES = 8 << 30  # K+V of the shared page pool
 DENSE_LIMIT_BYTES = 24 << 30  # K+V of the dense baseline
 PREFILL_NOISE = 0.25  # per-row score noise against a shared N(0, 1) block score
 JAX_SHAPES = {("decode", 1, 32768), ("decode", 64, 32768), ("decode", 256, 32768), ("prefill", 2048, 131072)}
-# DESIGN.md, "What the seed's kernels do on the H200" (CUDA-graph replay);
+# docs/design.md, "What the seed's kernels do on the H200" (CUDA-graph replay);
 # decode cost does not depend on the context (2051 tokens per row whatever it is).
 SEED_DECODE_US = {1: 9.7, 64: 121.0, 256: 410.0}
 SEED_PREFILL_US = {(2048, 131072): 1306.0}
@@ -208,7 +208,7 @@ def main():
         f"{g['DENSE_LIMIT_BYTES'] / 2**30:.0f} GiB (e.g. 256 requests x 128K: the seed table has 16098 us)",
         f"prefill selection: shared N(0,1) block score + {PREFILL_NOISE} x N(0,1) per row; neighbour_overlap: "
         "fraction of a row's selected block tokens its previous row also selected",
-        "seed_us: DESIGN.md's H200 table (CUDA-graph replay); speedup_vs_seed uses torch_graph_us",
+        "seed_us: docs/design.md's H200 table (CUDA-graph replay); speedup_vs_seed uses torch_graph_us",
     ]
     shapes = [("decode", r, c) for r in g["DECODE_ROWS"] for c in g["CONTEXTS"]]
     shapes += [("prefill", r, c) for r in g["PREFILL_ROWS"] for c in g["CONTEXTS"]]

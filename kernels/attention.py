@@ -243,7 +243,7 @@ def plan_sparse_paged_attention(
     block_table: ArrayInfo, token_to_req: ArrayInfo, softmax_scale: float | None = None,
     *, tuning: AttentionTuning | None = None,
 ) -> Program:
-    """Validate stage-4 arguments and describe the launches (see API.md).
+    """Validate stage-4 arguments and describe the launches (see docs/api.md).
 
     ``tuning`` (default: the current :class:`~qsa_kernels.tuning.AttentionTuning`)
     holds the launch table; its ``num_splits`` forces the split count (tests).
@@ -284,7 +284,7 @@ def plan_sparse_paged_attention(
 
     out = Buffer("out", (rows, qh, d), q.dtype)
     # The log2-sum-exps of one split are the rows' own: kept for a later
-    # option to return them (API.md, "Beyond the seeds").
+    # option to return them (docs/api.md, "Beyond the seeds").
     partial_lse = Buffer("partial_lse", (splits, rows, qh), "float32")
     if splits == 1:
         partial_out = out  # written directly, no merge

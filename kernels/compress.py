@@ -205,7 +205,7 @@ def plan_compress_groups(
     compress_ratio: int, rope_cache: ArrayInfo | None = None,
     *, tuning: CompressTuning | None = None,
 ) -> Program:
-    """Validate ``compress_groups`` arguments and describe its launch (see API.md)."""
+    """Validate ``compress_groups`` arguments and describe its launch (see docs/api.md)."""
     check = Checker("compress_groups")
     check.array("raw_keys", raw_keys, 3, "[R, 1, D]", FLOAT_DTYPES)
     r, _, d = raw_keys.shape
@@ -275,7 +275,7 @@ def plan_compress_groups(
 @cached_plan
 def plan_store_cache_rows(cache: ArrayInfo, slot_mapping: ArrayInfo, rows: ArrayInfo, *,
                           tuning: CompressTuning | None = None) -> Program:
-    """Validate ``store_cache_rows`` arguments and describe its launch (see API.md)."""
+    """Validate ``store_cache_rows`` arguments and describe its launch (see docs/api.md)."""
     check = Checker("store_cache_rows")
     check.rank("cache", cache, 4, "[pages, P, 1, W]")
     pages, page, _, width = cache.shape

@@ -109,7 +109,7 @@ def expand_launches(block_topk: int, compress_ratio: int, block_stride: int, out
 def plan_expand_block_indices(block_indices: ArrayInfo, query_positions: ArrayInfo,
                               sequence_lengths: ArrayInfo, token_to_req: ArrayInfo,
                               compress_ratio: int, token_topk: int) -> Program:
-    """Validate ``expand_block_indices`` arguments and describe its launch (see API.md)."""
+    """Validate ``expand_block_indices`` arguments and describe its launch (see docs/api.md)."""
     check = Checker("expand_block_indices")
     check_token_topk(check, token_topk, compress_ratio)
     block_topk = token_topk // compress_ratio

@@ -308,7 +308,7 @@ def plan_rope_reshape_and_cache(
     return_zeros: bool = False,
     tuning: RopeCacheTuning | None = None,
 ) -> Program:
-    """Validate stage-1 arguments and describe the launch (see API.md)."""
+    """Validate stage-1 arguments and describe the launch (see docs/api.md)."""
     check = Checker(FUNCTION)
     check.rank("q", q, 3, "[T, QH, D]")
     check.rank("k", k, 3, "[T_kv, KH, D]")

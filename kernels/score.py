@@ -252,7 +252,7 @@ def plan_mqa_paged_scores(q: ArrayInfo, k_cache: ArrayInfo, page_table: ArrayInf
                           token_to_req: ArrayInfo, query_positions: ArrayInfo,
                           sequence_lengths: ArrayInfo, compress_ratio: int, num_columns: int | None = None,
                           score_divisor: float | None = None) -> Program:
-    """Validate ``mqa_paged_scores`` arguments and describe its launch (see API.md)."""
+    """Validate ``mqa_paged_scores`` arguments and describe its launch (see docs/api.md)."""
     check = Checker("mqa_paged_scores")
     check_scoring(check, q, k_cache, page_table, token_to_req, query_positions, sequence_lengths)
     if num_columns is None:

@@ -44,7 +44,7 @@ def plan_select_paged_tokens(q: ArrayInfo, k_cache: ArrayInfo, page_table: Array
                              sequence_lengths: ArrayInfo, token_topk: int, compress_ratio: int, *,
                              tuning: SelectTuning | None = None,
                              topk_tuning: TopkTuning | None = None) -> Program:
-    """Validate ``select_paged_tokens`` arguments and describe its chunked launches (see API.md).
+    """Validate ``select_paged_tokens`` arguments and describe its chunked launches (see docs/api.md).
 
     Each chunk of rows is scored into one logits workspace, ranked and
     expanded into its rows of ``out``; later chunks reuse every workspace.

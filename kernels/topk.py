@@ -365,7 +365,7 @@ def topk_parts(rows: int, columns: int, k: int, logits_stride: int, row_counts,
 @cached_plan(options=dict(k=NONNEGATIVE_INT))
 def plan_topk_blocks(logits: ArrayInfo, visible_blocks: ArrayInfo, k: int, *,
                      tuning: TopkTuning | None = None) -> Program:
-    """Validate ``topk_blocks`` arguments and describe its launches (see API.md)."""
+    """Validate ``topk_blocks`` arguments and describe its launches (see docs/api.md)."""
     check = Checker("topk_blocks")
     check.array("logits", logits, 2, "[R, C]", FLOAT_DTYPES)
     rows, columns = logits.shape

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the annotations' array types (the same names in both adapters)
+    from torch import Tensor as Array, Tensor as ArrayLike
+
 import dataclasses
 
 import torch
@@ -22,9 +27,11 @@ class StepMetadata(_step.MetadataFields):
     _to_device = staticmethod(lambda array, device: torch.tensor(array, device=device))  # a copy (see from_host)
 
 
-def qsa_attention_step(q, k, v, index_q, index_k, state, metadata, cos_sin, index_cos_sin, *,
-                       compress_ratio, token_topk, is_neox=True, softmax_scale=None,
-                       return_token_indices=False):
+def qsa_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, index_q: ArrayLike, index_k: ArrayLike,
+                       state: QSAState, metadata: StepMetadata, cos_sin: ArrayLike,
+                       index_cos_sin: ArrayLike, *, compress_ratio: int, token_topk: int,
+                       is_neox: bool = True, softmax_scale: float | None = None,
+                       return_token_indices: bool = False) -> tuple[Array, QSAState] | tuple[Array, QSAState, Array]:
     arguments = _step.state_arguments(locals(), QSAState, StepMetadata)
     results = _launch.call(_step.plan_qsa_attention_step, arguments)
     return _step.step_results(results, state, return_token_indices)

@@ -1,4 +1,4 @@
-"""Plain float64 references of every stage, written from the seeds and API.md.
+"""Plain float64 references of every stage, written from the seeds and docs/api.md.
 
 NumPy only, loops where they make the semantics obvious; nothing here imports
 the kernels.  Inputs are NumPy arrays (callers convert from their framework).

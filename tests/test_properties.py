@@ -8,7 +8,7 @@ requests for reading, empty batches, requests of length 0 and 1, rows that see
 0 blocks.  Every case is checked against the float64 references
 (tests/reference.py) and torch against JAX (under ``jax.jit``) bit for bit;
 cache cells addressed by no valid slot must be bit-identical afterwards (two
-rows writing one slot is unspecified by API.md: none are generated).
+rows writing one slot is unspecified by docs/api.md: none are generated).
 
 On the torch side every argument is a view into a larger buffer whose margins
 hold NaN (floats) or 0 (indices): a write past an argument changes a margin
@@ -406,7 +406,7 @@ def compress_cases(draw):
     _, high = LIMITS[positions_dtype]
     token_to_req, positions = [], []
     for request, length in enumerate(lengths):
-        # A request's rows hold consecutive positions (API.md): from the
+        # A request's rows hold consecutive positions (docs/api.md): from the
         # start, mid-way, near the dtype's limit, or negative ones.
         first = draw(st.one_of(st.integers(0, 12), st.integers(-6, -1), st.just(high - 5)))
         for j in range(length):

@@ -78,7 +78,7 @@ def test_expand_query_position_int64_max():
 def test_expand_block_index_times_ratio_wraps():
     """Bug (stage 3, fixed): an int64 block index far out of range (-2**63, 2**62)
     times compress_ratio wraps to 0, so ``expand_block_indices`` emits the valid
-    tokens 0..3 instead of -1 (API.md: out-of-range values are treated like -1)."""
+    tokens 0..3 instead of -1 (docs/api.md: out-of-range values are treated like -1)."""
     args = (_i64([[-(2**63), 2**62, 5]]), _i64([100]), _i64([200]), _i32([0]))
     out = qsa_torch.expand_block_indices(*args, 4, 12)
     expected = R.expand_block_indices(*(host(a) for a in args), 4, 12)
