@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 from typing import Mapping
 
 import torch
 
 from qsa_kernels import runtime
-from qsa_kernels.launch import ArrayInfo, Program, split_arguments
+from qsa_kernels.launch import ArrayInfo, Buffer, Launch, Program, execute, split_arguments
 from qsa_kernels.validate import device_error, type_error
 
 DTYPES = {
@@ -57,28 +56,25 @@ def metadata(function: str, arrays: Mapping[str, object]) -> dict[str, ArrayInfo
     return infos
 
 
+def _allocate(device: torch.device):
+    def allocate(buffer: Buffer, fill):
+        if fill is None:
+            return torch.empty(buffer.shape, dtype=DTYPES[buffer.dtype], device=device)
+        return torch.full(buffer.shape, fill, dtype=DTYPES[buffer.dtype], device=device)
+    return allocate
+
+
+def launch_kernel(launch: Launch, inputs: list, outputs: list) -> list:
+    """The one place the torch adapter launches a kernel (in place on ``outputs``)."""
+    launch.kernel[launch.grid](*inputs, *outputs, **launch.scalars, **launch.constexprs,
+                               num_warps=launch.num_warps, num_stages=launch.num_stages)
+    return outputs
+
+
 def run(program: Program, arrays: Mapping[str, torch.Tensor | None], device: torch.device) -> tuple[torch.Tensor, ...]:
     """Allocate the program's buffers and launch its kernels on ``device``'s current stream."""
-    env = {name: value for name, value in arrays.items() if value is not None}
-    for buffer in program.buffers:
-        env[buffer.name] = torch.empty(buffer.shape, dtype=DTYPES[buffer.dtype], device=device)
-    launches = program.runnable_launches
-    if launches:
-        if runtime.INTERPRETED:
-            guard = runtime.interpreter_lock
-        else:
-            guard = torch.cuda.device(device)
-        with guard:
-            for launch in launches:
-                launch.kernel[launch.grid](
-                    *(env[name] for name in launch.inputs),
-                    *(env[name] for name in launch.outputs),
-                    **launch.scalars,
-                    **launch.constexprs,
-                    num_warps=launch.num_warps,
-                    num_stages=launch.num_stages,
-                )
-    return tuple(env[name] for name in program.results)
+    guard = (lambda: runtime.interpreter_lock) if runtime.INTERPRETED else (lambda: torch.cuda.device(device))
+    return execute(program, arrays, adapter="torch", allocate=_allocate(device), launch=launch_kernel, guard=guard)
 
 
 def call(plan, arguments: Mapping[str, object]):
