@@ -221,6 +221,12 @@ class Program:
                     names.append(name)
         return tuple(names)
 
+    @functools.cached_property
+    def fresh_results(self) -> tuple[str, ...]:
+        """The results that are buffers (allocated by the call), in ``results`` order."""
+        fresh = {b.name for b in self.buffers}
+        return tuple(name for name in self.results if name in fresh)
+
     def returned(self, results: tuple):
         """Results as the public function returns them: a lone result bare, else the tuple."""
         return results[0] if len(results) == 1 else results

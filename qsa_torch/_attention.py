@@ -10,7 +10,10 @@ from . import _launch
 
 def sparse_paged_attention(q, k_cache, v_cache, token_indices, block_table, token_to_req,
                            softmax_scale=None):
-    return _launch.call(plan_sparse_paged_attention, locals())  # every argument, by name
+    return _launch.call(plan_sparse_paged_attention, dict(q=q, k_cache=k_cache, v_cache=v_cache,
+                                                          token_indices=token_indices,
+                                                          block_table=block_table, token_to_req=token_to_req,
+                                                          softmax_scale=softmax_scale))
 
 
 sparse_paged_attention.__doc__ = torch_doc(DOC)
