@@ -85,25 +85,39 @@ def metadata(function: str, arrays: Mapping[str, object], read=info) -> dict[str
     an interpreted one the CPU.  Meta tensors are accepted anywhere: they
     only ever reach the ops' fake implementations.
     """
+    return _read(function, arrays, read)[0]
+
+
+def _read(function: str, arrays: Mapping[str, object], read=info):
+    """``(infos, first tensor, plain)``: :func:`metadata`'s checks and whether the call can run eagerly.
+
+    *plain*: every tensor is a plain (not fake, functional or other subclass)
+    tensor on a real device, so torch needs to see nothing of the call.
+    """
     infos: dict[str, ArrayInfo | None] = {}
     first_name = first = None
+    plain = True
     for name, value in arrays.items():
         if value is None:
             infos[name] = None
             continue
-        if not isinstance(value, torch.Tensor):
-            raise type_error(function, name, "a torch.Tensor", value)
+        if type(value) is not torch.Tensor:
+            if not isinstance(value, torch.Tensor):
+                raise type_error(function, name, "a torch.Tensor", value)
+            plain = False
         if first is None:
-            first_name, first = name, value
-        elif value.get_device() != first.get_device() or value.is_meta != first.is_meta:
+            first_name, first, index, meta = name, value, value.get_device(), value.is_meta
+        elif value.get_device() != index or value.is_meta != meta:
             raise device_error(function, name, value.device, first_name, first.device)
         infos[name] = read(value)
-    if first is not None and not first.is_meta:
-        if runtime.INTERPRETED and first.get_device() >= 0:
+    if first is not None:
+        if meta:
+            plain = False
+        elif runtime.INTERPRETED and index >= 0:
             raise ValueError(f"{function}: this process runs Triton's interpreter (no CUDA device was visible at import), so tensors must be on the CPU, got {first.device}")
-        if not runtime.INTERPRETED and not first.is_cuda:
+        elif not runtime.INTERPRETED and index < 0:
             raise ValueError(f"{function}: this process runs compiled Triton kernels, so tensors must be on a CUDA device, got {first.device}")
-    return infos
+    return infos, first, plain
 
 
 # --------------------------------------------------------------------------
@@ -177,14 +191,9 @@ def _check_updates(function: str, program: Program, arrays: Mapping[str, torch.T
                                f"InferenceMode is not allowed)")
 
 
-def _plain(arrays: Mapping[str, torch.Tensor | None]) -> bool:
-    """True when no part of torch needs to see this call: plain tensors, no mode, not meta."""
-    if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
-        return False
-    for value in arrays.values():
-        if value is not None and (type(value) is not torch.Tensor or value.is_meta):
-            return False
-    return True
+def _no_mode() -> bool:
+    """No dispatch or torch-function mode is active (FakeTensorMode, a user's logging mode...)."""
+    return not (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled())
 
 
 # --------------------------------------------------------------------------
@@ -280,17 +289,20 @@ def op_arguments(plan, arguments: Mapping[str, object]) -> tuple:
 def _call(plan, arguments: Mapping[str, object]):
     arrays, options = split_arguments(plan, arguments)
     function = plan.function
-    program = plan(**metadata(function, arrays), **options)
-    compiling = torch.compiler.is_compiling()
-    if not compiling:
+    infos, first, plain = _read(function, arrays)
+    program = plan(**infos, **options)
+    if not _is_compiling():
         _check_updates(function, program, arrays)
-        if _plain(arrays):
-            device = next(value.device for value in arrays.values() if value is not None)
-            return program.returned(run(program, arrays, device))
+        if plain and _no_mode():
+            return program.returned(run(program, arrays, first.device))
     fresh = op_for(plan, program)(*op_arguments(plan, arguments))
     fresh = () if fresh is None else (fresh,) if isinstance(fresh, torch.Tensor) else tuple(fresh)
     made = dict(zip(program.fresh_results, fresh))
     return program.returned(tuple(made[name] if name in made else arrays[name] for name in program.results))
+
+
+# True while Dynamo traces (and under torch.export); a flag read in eager.
+_is_compiling = torch.compiler.is_compiling
 
 
 @torch._dynamo.nonstrict_trace
@@ -302,7 +314,7 @@ def _traced_call(module: str, name: str, names: tuple, given: dict):
 
 def call(plan, arguments: Mapping[str, object]):
     """Run the public function ``plan`` serves, given its arguments by name."""
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         # Dynamo traces neither the plans nor attributes of their memo
         # wrapper: hand the plan over by module and name.
         # nonstrict_trace takes no None inputs: absent ones are put back inside.
