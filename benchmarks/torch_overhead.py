@@ -3,11 +3,17 @@
     PYTHONPATH=.:.pypath python benchmarks/torch_overhead.py [--calls 20000]
 
 Every public function runs on sanitize.py's small cases with Triton's
-``run`` replaced by a no-op, so what is timed is the public call, the
-plan lookup, the checks, allocations and the executor: what the adapter adds
-on top of the launches.  Prints median µs per call over a few repeats.
-Runs on the CPU (interpreter) and on the GPU (compiled): on the GPU the
-allocations are CUDA ones and ``launch_kernel`` is what is stubbed out.
+``run`` replaced by a no-op.  Two columns, median CPU µs per call:
+
+* ``binding_us``: the public call, the plan lookup, the checks, allocations,
+  the executor and Triton's ``kernel[grid](...)`` argument passing (``run``
+  itself stubbed out);
+* ``adapter_us``: the same with the adapter's one launch call site
+  (``qsa_torch._launch.launch_kernel``) stubbed out: what the adapter alone
+  costs, which no faster launcher can remove.
+
+Runs on the CPU (interpreter) and on the GPU (compiled; there the allocations
+are CUDA ones).
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ def main() -> None:
         triton.runtime.jit.JITFunction.run = lambda self, *a, **k: None
     runner = sanitize.TorchRunner.__new__(sanitize.TorchRunner)
     runner.torch, runner.device = torch, torch.device("cpu" if runtime.INTERPRETED else "cuda")
-    print(f"{'function':26s} {'launches':>8s} {'us/call':>9s}")
+    print(f"{'function':26s} {'launches':>8s} {'binding_us':>10s} {'adapter_us':>10s}")
     for case in CASES:
         index = next(i for i, (name, _, _) in enumerate(sanitize.CASES) if name == case)
         function, arrays, static, _ = sanitize.CASES[index][2](np.random.default_rng(index), True)
@@ -60,13 +66,24 @@ def main() -> None:
         plan = getattr(sys.modules[fn.__module__], "plan_" + function)
         arrays_only, options = _launch.split_arguments(plan, dict(tensors, **static))
         launches = len(plan(**_launch.metadata(function, arrays_only), **options).runnable_launches)
-        times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            for _ in range(args.calls):
-                fn(**tensors, **static)
-            times.append((time.perf_counter() - start) / args.calls * 1e6)
-        print(f"{function:26s} {launches:8d} {statistics.median(times):9.2f}")
+        columns = []
+        for stub in (False, True):
+            if stub and not hasattr(_launch, "launch_kernel"):
+                columns.append(float("nan"))
+                continue
+            real = getattr(_launch, "launch_kernel", None)
+            if stub:
+                _launch.launch_kernel = lambda launch, inputs, outputs: outputs
+            times = []
+            for _ in range(args.repeats):
+                start = time.process_time()  # CPU time: robust to a shared machine
+                for _ in range(args.calls):
+                    fn(**tensors, **static)
+                times.append((time.process_time() - start) / args.calls * 1e6)
+            if stub:
+                _launch.launch_kernel = real
+            columns.append(statistics.median(times))
+        print(f"{function:26s} {launches:8d} {columns[0]:10.2f} {columns[1]:10.2f}")
 
 
 if __name__ == "__main__":

@@ -64,9 +64,13 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 NAMESPACE = "qsa"
 
 
+_new_tuple = tuple.__new__  # builds an ArrayInfo without its Python-level __new__ (hot path)
+
+
 def info(tensor: torch.Tensor) -> ArrayInfo:
     """Shape, dtype and strides of a tensor, as plans see them."""
-    return ArrayInfo(tuple(tensor.shape), DTYPE_NAMES.get(tensor.dtype) or str(tensor.dtype).removeprefix("torch."), tensor.stride())
+    dtype = DTYPE_NAMES.get(tensor.dtype) or str(tensor.dtype).removeprefix("torch.")
+    return _new_tuple(ArrayInfo, (tuple(tensor.shape), dtype, tensor.stride()))
 
 
 def _static_info(tensor: torch.Tensor) -> ArrayInfo:
