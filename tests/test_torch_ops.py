@@ -187,6 +187,41 @@ def test_export_of_a_module_calling_stage_ops():
     assert_bitwise_equal(exported_inputs[0], eager_inputs[0], "cache")
 
 
+class StepLayer(torch.nn.Module):
+    """One step over flat arrays (containers built inside, so export needs no pytree registration)."""
+
+    def __init__(self, options):
+        super().__init__()
+        self.options = options
+
+    def forward(self, q, k, v, index_q, index_k, cos_sin, index_cos_sin, *flat):
+        from .test_step import STATE_FIELDS
+
+        state = qsa_torch.QSAState(*flat[:len(STATE_FIELDS)])
+        metadata = qsa_torch.StepMetadata(*flat[len(STATE_FIELDS):])
+        return qsa_torch.qsa_attention_step(q, k, v, index_q, index_k, state, metadata, cos_sin, index_cos_sin,
+                                            **self.options)[0]
+
+
+def test_export_of_a_module_calling_the_step():
+    from qsa_kernels.paging import METADATA_FIELDS
+
+    from .test_step import STATE_FIELDS, clone_state, valid_arguments
+
+    arguments, _ = valid_arguments()
+    state, metadata = arguments.pop("state"), arguments.pop("metadata")
+    options = {n: arguments.pop(n) for n in ("compress_ratio", "token_topk", "is_neox")}
+    arrays = [arguments[n] for n in ("q", "k", "v", "index_q", "index_k", "cos_sin", "index_cos_sin")]
+    inputs = lambda s: (*arrays, *(getattr(s, n) for n in STATE_FIELDS),  # noqa: E731
+                        *(getattr(metadata, n) for n in METADATA_FIELDS))
+    layer = StepLayer(options)
+    exported = torch.export.export(layer, inputs(clone_state(state)))
+    eager_state, exported_state = clone_state(state), clone_state(state)
+    assert_bitwise_equal(exported.module()(*inputs(exported_state)), layer(*inputs(eager_state)), "out")
+    for name in STATE_FIELDS:
+        assert_bitwise_equal(getattr(exported_state, name), getattr(eager_state, name), name)
+
+
 def test_in_place_writes_follow_torchs_rules():
     _, arguments = build("store")
     cache = arguments["cache"].float().requires_grad_()
@@ -217,19 +252,23 @@ def cdll(name, *args, **kwargs):
     return Recording(library) if "libcuda" in str(name) else library
 ctypes.CDLL = cdll
 import torch, qsa_torch
+from qsa_kernels import runtime
 assert "cuInit" not in calls, calls
 pid = os.fork()
-if pid == 0:
-    cache = torch.zeros(2, 4, 1, 8)
-    qsa_torch.store_cache_rows(cache, torch.tensor([5, -1], dtype=torch.int32), torch.ones(2, 8))
+if pid == 0:  # the child initialises CUDA itself (compiled process) or runs the interpreter
+    device = "cpu" if runtime.INTERPRETED else "cuda"
+    cache = torch.zeros(2, 4, 1, 8, device=device)
+    qsa_torch.store_cache_rows(cache, torch.tensor([5, -1], dtype=torch.int32, device=device),
+                               torch.ones(2, 8, device=device))
+    cache = cache.cpu()
     os._exit(0 if cache[1, 1].eq(1).all() and cache.sum() == 8 else 3)
 _, status = os.waitpid(pid, 0)
 print("child", os.waitstatus_to_exitcode(status))
 """
 
 
-@pytest.mark.skipif(not runtime.INTERPRETED, reason="the child runs a kernel through the interpreter")
 def test_fork_after_import_and_no_cuinit():
+    """A child forked after ``import qsa_torch`` runs a kernel (on the GPU: CUDA was not initialised before the fork)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the package decides itself
     env["PYTHONPATH"] = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
     result = subprocess.run([sys.executable, "-c", FORK_CHILD], capture_output=True, text=True, env=env, timeout=300)
