@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import threading
 from typing import Mapping
 
 import torch
@@ -205,6 +206,7 @@ def _no_mode() -> bool:
 # --------------------------------------------------------------------------
 
 _OPS: dict[tuple, object] = {}  # (plan, updated arguments, fresh results) -> OpOverload
+_OPS_LOCK = threading.Lock()  # two threads must not register one op twice
 
 
 def _parameters(plan) -> list[inspect.Parameter]:
@@ -277,7 +279,10 @@ def op_for(plan, program: Program):
     key = (plan, program.updated_arguments, len(program.fresh_results))
     op = _OPS.get(key)
     if op is None:
-        op = _OPS[key] = _make_op(plan, *key[1:])
+        with _OPS_LOCK:
+            op = _OPS.get(key)
+            if op is None:
+                op = _OPS[key] = _make_op(plan, *key[1:])
     return op
 
 
@@ -309,11 +314,23 @@ def _call(plan, arguments: Mapping[str, object]):
 _is_compiling = torch.compiler.is_compiling
 
 
+def _concrete(value):
+    # Options that reach the graph as symbols (a Python int or float that
+    # Dynamo made dynamic) are specialised: plans take plain numbers.
+    if isinstance(value, torch.SymBool):
+        return bool(value)
+    if isinstance(value, torch.SymInt):
+        return int(value)
+    if isinstance(value, torch.SymFloat):
+        return float(value)
+    return value
+
+
 @torch._dynamo.nonstrict_trace
 def _traced_call(module: str, name: str, names: tuple, given: dict):
     # AOTAutograd runs this on fake/functional tensors: the plan runs in
     # Python and the op lands in the graph.
-    return _call(getattr(sys.modules[module], name), {n: given.get(n) for n in names})
+    return _call(getattr(sys.modules[module], name), {n: _concrete(given.get(n)) for n in names})
 
 
 def call(plan, arguments: Mapping[str, object]):

@@ -124,6 +124,21 @@ def test_fake_tensors_raise_the_plans_error():
             qsa_torch.store_cache_rows(**fake)
 
 
+def test_compiled_with_options_as_inputs():
+    """Options passed into the compiled function (Dynamo may make them symbolic after a change) stay exact."""
+    _, arguments = build("scores")
+    arguments = {n: v for n, v in arguments.items() if n != "score_divisor"}
+
+    def scores(arguments, divisor, columns):
+        return qsa_torch.mqa_paged_scores(**dict(arguments, num_columns=columns), score_divisor=divisor)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(scores, fullgraph=True, backend="aot_eager")
+    for divisor, columns in ((2.5, 12), (3.25, 12), (4.0, 9)):
+        assert_same_results(compiled(arguments, divisor, columns), scores(arguments, divisor, columns), {}, {},
+                            f"divisor {divisor}, {columns} columns")
+
+
 def test_compiled_composition_equals_eager():
     """Store rows into a compressed-key cache, then score against it: the second op reads the first's write."""
     _, scores_arguments = build("scores")
@@ -296,9 +311,12 @@ def step_inputs():
 def test_inductor_step_equals_eager(mode):
     from .test_step import STATE_FIELDS
 
+    from torch._dynamo.utils import counters
+
     arguments, clone_state = step_inputs()
     state = arguments.pop("state")
     torch._dynamo.reset()
+    counters.clear()
     step = torch.compile(qsa_torch.qsa_attention_step, fullgraph=True, mode=mode)
     eager_state, compiled_state = clone_state(state), clone_state(state)
     for name in STATE_FIELDS:  # caches are static inputs, as a module's buffers would be
@@ -311,6 +329,8 @@ def test_inductor_step_equals_eager(mode):
         assert_bitwise_equal(got[2], expected[2], "token_indices")
         for name in STATE_FIELDS:
             assert_bitwise_equal(getattr(compiled_state, name), getattr(eager_state, name), name)
+    if mode == "reduce-overhead":  # the step really ran as a CUDA graph
+        assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
 
 
 @pytest.mark.gpu
