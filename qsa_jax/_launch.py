@@ -4,8 +4,8 @@ Compiled process: each launch is a ``jax_triton.triton_call`` (see
 :mod:`qsa_jax._triton_call`, the only module that touches jax-triton).
 Interpreted process (no CUDA device; jax-triton cannot even be imported with a
 CPU-only jaxlib): the whole program runs from one host callback through the
-shared executor (qsa_kernels.launch.execute) on zero-copy CPU torch tensors, so the same plans and kernels run
-under ``jax.jit`` in CI.
+shared executor (``qsa_kernels.launch.execute``) on zero-copy CPU torch
+tensors, so the same plans and kernels run under ``jax.jit`` in CI.
 
 Every call is wrapped so that ``jax.grad`` and ``jax.vmap`` fail with a message
 naming the public function, not an internal error.
