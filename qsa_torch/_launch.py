@@ -326,7 +326,11 @@ def _concrete(value):
     return value
 
 
-@torch._dynamo.nonstrict_trace
+# torch >= 2.7; without it eager calls still work (torch.compile would break the graph here).
+_nonstrict_trace = getattr(torch._dynamo, "nonstrict_trace", lambda fn: fn)
+
+
+@_nonstrict_trace
 def _traced_call(module: str, name: str, names: tuple, given: dict):
     # AOTAutograd runs this on fake/functional tensors: the plan runs in
     # Python and the op lands in the graph.
