@@ -40,6 +40,7 @@ a whole composition traces with no graph break.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import threading
@@ -209,8 +210,10 @@ _OPS: dict[tuple, object] = {}  # (plan, updated arguments, fresh results) -> Op
 _OPS_LOCK = threading.Lock()  # two threads must not register one op twice
 
 
-def _parameters(plan) -> list[inspect.Parameter]:
-    return list(inspect.signature(getattr(plan, "__wrapped__", plan)).parameters.values())
+@functools.lru_cache(maxsize=None)
+def _parameters(plan) -> tuple[inspect.Parameter, ...]:
+    """The plan function's parameters: the op's schema arguments, in order."""
+    return tuple(inspect.signature(getattr(plan, "__wrapped__", plan)).parameters.values())
 
 
 def _schema(plan, updated: tuple[str, ...], fresh: int) -> str:
