@@ -178,6 +178,30 @@ def test_compiled_step_equals_eager():
         assert_bitwise_equal(getattr(compiled_state, name), getattr(eager_state, name), name)
 
 
+def test_opcheck_every_op_the_step_uses():
+    """Whatever ops the composed step dispatches (stage ops today, one step op once it is one plan) pass opcheck."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from .test_step import valid_arguments
+
+    copy = lambda x: x.clone() if isinstance(x, torch.Tensor) else x  # noqa: E731
+    calls = {}
+
+    class Record(TorchDispatchMode):  # a mode makes every call go through its op
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func.namespace == "qsa" and func not in calls:
+                calls[func] = (tuple(copy(a) for a in args), {n: copy(v) for n, v in kwargs.items()})
+            return func(*args, **kwargs)
+
+    arguments, _ = valid_arguments()
+    with Record():
+        qsa_torch.qsa_attention_step(**arguments, return_token_indices=True)
+    assert calls, "the step dispatched no qsa op"
+    for op, (args, kwargs) in calls.items():
+        torch.library.opcheck(op, args, kwargs)
+
+
 class Layer(torch.nn.Module):
     def forward(self, cache, slots, rows, q, page_table, token_to_req, query_positions, sequence_lengths):
         qsa_torch.store_cache_rows(cache, slots, rows)
