@@ -112,8 +112,9 @@ def _read(function: str, arrays: Mapping[str, object], read=info):
                 raise type_error(function, name, "a torch.Tensor", value)
             plain = False
         if first is None:
-            first_name, first, index, meta = name, value, value.get_device(), value.is_meta
-        elif value.get_device() != index or value.is_meta != meta:
+            first_name, first, index = name, value, value.get_device()
+            meta = index < 0 and value.is_meta  # CPU and meta tensors both have index -1
+        elif value.get_device() != index or (index < 0 and value.is_meta != meta):
             raise device_error(function, name, value.device, first_name, first.device)
         infos[name] = read(value)
     if first is not None:
