@@ -223,7 +223,8 @@ def _schema(plan, updated: tuple[str, ...], fresh: int) -> str:
         name, default = parameter.name, parameter.default
         if name in plan.array_arguments:
             alias = f"(a{updated.index(name)}!)" if name in updated else ""
-            kind = f"Tensor{alias}" + ("?" if default is None else "")
+            optional = default is None or "None" in str(parameter.annotation)
+            kind = f"Tensor{alias}" + ("?" if optional else "")
         else:
             kind = "Scalar?"
         if default is not inspect.Parameter.empty:
