@@ -213,8 +213,16 @@ _OPS_LOCK = threading.Lock()  # two threads must not register one op twice
 
 @functools.lru_cache(maxsize=None)
 def _parameters(plan) -> tuple[inspect.Parameter, ...]:
-    """The plan function's parameters: the op's schema arguments, in order."""
-    return tuple(inspect.signature(getattr(plan, "__wrapped__", plan)).parameters.values())
+    """The plan's arrays and options, in its order: the op's schema arguments.
+
+    A plan that declares its options (``plan.options``) may take other
+    parameters (tuning) that calls leave to their defaults: they stay out of
+    the schema.
+    """
+    parameters = inspect.signature(getattr(plan, "__wrapped__", plan)).parameters.values()
+    declared = getattr(plan, "options", None)
+    return tuple(p for p in parameters
+                 if declared is None or p.name in plan.array_arguments or p.name in declared)
 
 
 def _schema(plan, updated: tuple[str, ...], fresh: int) -> str:
@@ -255,7 +263,7 @@ def _make_op(plan, updated: tuple[str, ...], fresh: int):
 
     def implementation(*values, **keywords):
         arrays, options = _bind(plan, values, keywords)
-        program = plan(**metadata(function, arrays), **options)
+        program = plan(**_infos(plan, arrays)[0], **options)
         device = next(value.device for value in arrays.values() if value is not None)
         results = dict(zip(program.results, run(program, arrays, device)))
         return _returns(tuple(results[n] for n in program.fresh_results))
@@ -263,7 +271,7 @@ def _make_op(plan, updated: tuple[str, ...], fresh: int):
     def fake(*values, **keywords):
         # Never launches: the plan validates and sizes the fresh results.
         arrays, options = _bind(plan, values, keywords)
-        program = plan(**metadata(function, arrays, read=_static_info), **options)
+        program = plan(**_infos(plan, arrays, _static_info)[0], **options)
         device = next(value.device for value in arrays.values() if value is not None)
         buffers = {b.name: b for b in program.buffers}
         return _returns(tuple(torch.empty(buffers[n].shape, dtype=DTYPES[buffers[n].dtype], device=device)
@@ -300,10 +308,19 @@ def op_arguments(plan, arguments: Mapping[str, object]) -> tuple:
 # The public functions' entry point
 # --------------------------------------------------------------------------
 
+def _infos(plan, arrays: Mapping[str, object], read=info):
+    """:func:`_read` under the names the plan's errors use (``plan.labels``: the step's "state.key_cache")."""
+    labels = getattr(plan, "labels", None)
+    if not labels:
+        return _read(plan.function, arrays, read)
+    infos, first, plain = _read(plan.function, {labels[name]: value for name, value in arrays.items()}, read)
+    return {name: infos[labels[name]] for name in arrays}, first, plain
+
+
 def _call(plan, arguments: Mapping[str, object]):
     arrays, options = split_arguments(plan, arguments)
     function = plan.function
-    infos, first, plain = _read(function, arrays)
+    infos, first, plain = _infos(plan, arrays)
     program = plan(**infos, **options)
     if not _is_compiling():
         _check_updates(function, program, arrays)
