@@ -17,9 +17,13 @@ from qsa_kernels import compress, select
 from qsa_kernels.launch import ArrayInfo, Buffer, Launch, Program, execute, observe_launches
 from qsa_torch import _launch as torch_launch
 
-KERNEL = compress.store_cache_rows_kernel  # (cache, slot_mapping, rows, cache_out, R, ..., W, BLOCK_W, ...)
-SCALARS = dict(R=1, num_slots=4, cache_sp=4, cache_so=1, rows_st=1)
-CONSTEXPRS = dict(W=1, BLOCK_W=1, BLOCK_R=1, PAGE=4)
+KERNEL = compress.store_cache_rows_kernel  # (cache, slot_mapping, rows, cache_out, sizes..., constexprs...)
+# The names the shipped plan binds (so these tests follow a renamed parameter).
+_SHIPPED = compress.plan_store_cache_rows(ArrayInfo.contiguous((3, 4, 1, 8), "float32"),
+                                          ArrayInfo.contiguous((3,), "int32"),
+                                          ArrayInfo.contiguous((3, 8), "float32")).launches[0]
+SCALARS, CONSTEXPRS = dict(_SHIPPED.scalars), dict(_SHIPPED.constexprs)
+A_SCALAR, A_CONSTEXPR = next(iter(SCALARS)), next(iter(CONSTEXPRS))
 
 
 def store_launch(**changes):
@@ -34,13 +38,13 @@ def test_launch_accepts_its_kernels_parameters():
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(scalars=dict(SCALARS, rows_sr=1)), "scalars key 'rows_sr' is not a parameter"),
+    (dict(scalars=dict(SCALARS, rows_stride_typo=1)), "scalars key 'rows_stride_typo' is not a parameter"),
     (dict(constexprs=dict(CONSTEXPRS, BLOCKW=1)), "constexprs key 'BLOCKW' is not a parameter"),
-    (dict(scalars={k: v for k, v in SCALARS.items() if k != "num_slots"}), "['num_slots'] are not bound"),
-    (dict(scalars=dict(SCALARS, W=1), constexprs={k: v for k, v in CONSTEXPRS.items() if k != "W"}),
-     "'W' is given in scalars but is a tl.constexpr parameter"),
+    (dict(scalars={k: v for k, v in SCALARS.items() if k != A_SCALAR}), f"['{A_SCALAR}'] are not bound"),
+    (dict(scalars=dict(SCALARS, **{A_CONSTEXPR: 1}), constexprs={k: v for k, v in CONSTEXPRS.items() if k != A_CONSTEXPR}),
+     f"'{A_CONSTEXPR}' is given in scalars but is a tl.constexpr parameter"),
     (dict(scalars=dict(SCALARS, cache_out_ptr=0)), "'cache_out_ptr' is also bound positionally"),
-    (dict(outputs=("cache", "rows")), "'R' is also bound positionally"),
+    (dict(outputs=("cache", "rows")), f"'{A_SCALAR}' is also bound positionally"),
 ])
 def test_launch_refuses_names_that_do_not_match_the_kernel(change, message):
     with pytest.raises(TypeError, match="Launch of store_cache_rows_kernel") as error:
