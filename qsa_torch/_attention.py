@@ -9,7 +9,7 @@ from . import _launch
 
 
 def sparse_paged_attention(q, k_cache, v_cache, token_indices, block_table, token_to_req,
-                           softmax_scale=None):
+                           softmax_scale=None, *, k_scale=None, v_scale=None):
     return _launch.call(plan_sparse_paged_attention, locals())  # every argument, by name
 
 

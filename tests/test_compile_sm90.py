@@ -113,11 +113,13 @@ def _select(rows, requests, context, token_topk=2048, **kw):
                                           compress_ratio=4)
 
 
-def _attention(rows, qh=24, kh=2, d=256, dtype=BF16, index=I32, width=2051, page=64, scale=None):
+def _attention(rows, qh=24, kh=2, d=256, dtype=BF16, index=I32, width=2051, page=64, scale=None, cache=None):
+    cache = cache or dtype
+    scales = dict(k_scale=a((), FP32), v_scale=a((1,), FP32)) if cache == FP8 else {}
     return plan_sparse_paged_attention, dict(
-        q=a((rows, qh, d), dtype), k_cache=a((4096, page, kh, d), dtype), v_cache=a((4096, page, kh, d), dtype),
+        q=a((rows, qh, d), dtype), k_cache=a((4096, page, kh, d), cache), v_cache=a((4096, page, kh, d), cache),
         token_indices=a((rows, width), index), block_table=a((max(rows, 8), 2048), index),
-        token_to_req=a((rows,), index), softmax_scale=scale)
+        token_to_req=a((rows,), index), softmax_scale=scale, **scales)
 
 
 CASES = {
@@ -170,6 +172,10 @@ CASES = {
     "attention/d128-32q-8kv": _attention(32, qh=32, kh=8, d=128),
     "attention/d64-fp16-int64": _attention(8, qh=16, kh=4, d=64, dtype=FP16, index=I64, page=16),
     "attention/mqa-d128-narrow-scale": _attention(4, qh=16, kh=1, d=128, width=20, scale=0.1),
+    "attention/fp8-decode-1": _attention(1, cache=FP8),
+    "attention/fp8-decode-256": _attention(256, cache=FP8),
+    "attention/fp8-prefill-2048": _attention(2048, cache=FP8),
+    "attention/fp8-fp16-d64-int64": _attention(8, qh=16, kh=4, d=64, dtype=FP16, index=I64, page=16, cache=FP8),
 }
 
 #: Cases whose launches may spill registers on sm_90: label -> why.  Any
