@@ -75,7 +75,17 @@ Args:
     slot_mapping: ``[R]`` int32/int64; slot ``s`` writes page ``s // P``,
         offset ``s % P``.  ``-1`` and out-of-range slots are skipped; offsets
         are computed in int64.
-    rows: ``[R, W]`` or ``[R, 1, W]`` of cache's dtype.
+    rows: ``[R, W]`` or ``[R, 1, W]`` of cache's dtype (copied exactly), or,
+        with ``scale``, bf16/fp16/fp32 rows quantised into an fp8 cache.
+    scale: for a ``float8_e4m3fn`` cache only: a 0-d or 1-element float
+        tensor, the cache's one per-tensor scale.  Each row is converted to
+        float32, divided by it, saturated to +-448 and rounded to e4m3
+        (stored = value / scale, as ``rope_reshape_and_cache`` writes fp8 KV
+        caches); readers multiply by it (``mqa_paged_scores(...,
+        k_scale=)``).  One scale per cache, not per row: on the benchmark's
+        data per-row scales selected the same blocks within 0.3% (see
+        benchmarks/fp8_selection_agreement.py), and the cache keeps its
+        ``[pages, P, 1, W]`` layout.
 
 Returns:
     ``cache``.
@@ -168,12 +178,14 @@ def compress_groups_kernel(
 def store_cache_rows_kernel(
     # inputs
     cache_ptr, slot_mapping_ptr, rows_ptr,
+    scale_ptr,  # [] or [1] (read only when QUANTISE)
     # outputs (the cache is the input's alias)
     cache_out_ptr,
     # sizes and strides
     R, num_slots, cache_sp, cache_so, rows_st,
     # constexprs
     W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr,
+    QUANTISE: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_batch = rows < R
@@ -183,6 +195,10 @@ def store_cache_rows_kernel(
     write = in_batch & (slot >= 0) & (slot < num_slots)
     mask = write[:, None] & (cols < W)[None, :]
     values = tl.load(rows_ptr + rows[:, None] * rows_st + cols[None, :], mask=mask)
+    if QUANTISE:
+        # As stage 1 writes fp8: value / scale in float32, saturated to +-448.
+        values = values.to(tl.float32) / tl.load(scale_ptr).to(tl.float32)
+        values = tl.minimum(tl.maximum(values, -448.0), 448.0).to(cache_out_ptr.dtype.element_ty)
     cache_row = (slot // PAGE) * cache_sp + (slot % PAGE) * cache_so
     tl.store(cache_out_ptr + cache_row[:, None] + cols[None, :], values, mask=mask)
 
@@ -279,7 +295,8 @@ def plan_compress_groups(
 
 
 @cached_plan
-def plan_store_cache_rows(cache: ArrayInfo, slot_mapping: ArrayInfo, rows: ArrayInfo) -> Program:
+def plan_store_cache_rows(cache: ArrayInfo, slot_mapping: ArrayInfo, rows: ArrayInfo,
+                          *, scale: ArrayInfo | None = None) -> Program:
     """Validate ``store_cache_rows`` arguments and describe its launch (see API.md)."""
     check = Checker("store_cache_rows")
     check.rank("cache", cache, 4, "[pages, P, 1, W]")
@@ -296,7 +313,15 @@ def plan_store_cache_rows(cache: ArrayInfo, slot_mapping: ArrayInfo, rows: Array
         check.dim("rows", rows, 1, 1, "heads")
     if rows.shape[0] != r or rows.shape[-1] != width:
         check.fail("rows", f"must have one row per slot_mapping entry (R = {r}) of cache's width W = {width}", f"shape {rows.shape}")
-    if rows.dtype != cache.dtype:
+    if scale is not None:
+        if cache.dtype != FP8_DTYPE:
+            check.fail("scale", f"must be None for a {cache.dtype} cache (a scale quantises rows into a {FP8_DTYPE} cache)",
+                       f"an array of shape {scale.shape}")
+        check.scalar_array("scale", scale)
+        check.dtype("rows", rows, FLOAT_DTYPES)
+    elif rows.dtype != cache.dtype:
+        if cache.dtype == FP8_DTYPE and rows.dtype in FLOAT_DTYPES:
+            check.fail("scale", f"must be given to store {rows.dtype} rows into a {FP8_DTYPE} cache", None)
         check.fail("rows", f"must have cache's dtype {cache.dtype}", rows.dtype)
     for name, info in (("cache", cache), ("slot_mapping", slot_mapping), ("rows", rows)):
         check.last_dim_contiguous(name, info)
@@ -305,11 +330,12 @@ def plan_store_cache_rows(cache: ArrayInfo, slot_mapping: ArrayInfo, rows: Array
     launch = Launch(
         kernel=store_cache_rows_kernel,
         grid=(programs,),
-        inputs=("cache", "slot_mapping", "rows"),
+        # Without a scale: a stand-in pointer QUANTISE never reads.
+        inputs=("cache", "slot_mapping", "rows", "scale" if scale is not None else "slot_mapping"),
         outputs=("cache",),
         scalars=dict(R=r, num_slots=pages * page, cache_sp=cache.strides[0],
                      cache_so=cache.strides[1], rows_st=rows.strides[0]),
-        constexprs=dict(W=width, BLOCK_W=block_w, BLOCK_R=block_r, PAGE=page),
+        constexprs=dict(W=width, BLOCK_W=block_w, BLOCK_R=block_r, PAGE=page, QUANTISE=scale is not None),
         num_warps=num_warps,
         num_stages=1,
     )

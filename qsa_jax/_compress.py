@@ -15,7 +15,7 @@ def compress_groups(raw_keys, raw_positions, compressor_state_cache, compressor_
     return _launch.call(plan_compress_groups, locals())  # every argument, by name
 
 
-def store_cache_rows(cache, slot_mapping, rows):
+def store_cache_rows(cache, slot_mapping, rows, *, scale=None):
     return _launch.call(plan_store_cache_rows, locals())  # every argument, by name
 
 

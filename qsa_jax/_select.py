@@ -12,7 +12,7 @@ from . import _launch
 
 
 def mqa_paged_scores(q, k_cache, page_table, token_to_req, query_positions, sequence_lengths,
-                     compress_ratio, num_columns=None, score_divisor=None):
+                     compress_ratio, num_columns=None, score_divisor=None, *, k_scale=None):
     return _launch.call(plan_mqa_paged_scores, locals())  # every argument, by name
 
 
@@ -26,7 +26,7 @@ def expand_block_indices(block_indices, query_positions, sequence_lengths, token
 
 
 def select_paged_tokens(q, k_cache, page_table, token_to_req, query_positions, sequence_lengths,
-                        token_topk, compress_ratio):
+                        token_topk, compress_ratio, *, k_scale=None):
     return _launch.call(plan_select_paged_tokens, locals())  # every argument, by name
 
 
