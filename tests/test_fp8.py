@@ -1,0 +1,280 @@
+"""fp8 e4m3 caches: attention and the scorer read them; store_cache_rows and stage 1 write them.
+
+Readers are compared with the float64 references (tests/reference.py) run on
+the *dequantised* caches (stored fp8 value x scale), and, with power-of-two
+scales, bitwise with the same kernels over a 16-bit cache holding those
+dequantised values (which it holds exactly): the scales are then applied
+without rounding, so any difference is a bug, not rounding.
+
+Where they run: Triton's interpreter decodes every finite e4m3 value exactly
+(checked below; it reads the two NaN codes as +-480, and its float32 -> fp8
+rounding is wrong), so the reading tests run on the CPU too, over caches
+quantised by torch's own casts.  Tests that make the kernels *write* fp8
+(quantising stores, stage 1 feeding attention) carry the ``gpu`` marker.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import qsa_jax
+import qsa_torch
+from qsa_kernels import runtime
+
+from . import reference as R
+from .test_attention import Case, force_splits, make_inputs, planned_splits  # noqa: F401 (fixture)
+from .test_bad_arguments import FP8_BASES, _jax_inputs
+from .test_select import assert_scores_close, jax_args, numpy_args, scoring_case
+from .util import DEVICE, assert_bitwise_equal, assert_close, f64, host, to_jax, tolerance
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+
+
+def quantise(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """torch's (correct) fp8 cast of ``x / scale``, saturated as the kernels do."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def quantise_view(view: torch.Tensor, scale: float) -> torch.Tensor:
+    """An fp8 cache with ``view``'s strides and offset (a view stays a view)."""
+    base = view if view._base is None else view._base
+    return quantise(base, scale).as_strided(view.shape, view.stride(), view.storage_offset())
+
+
+def dequantised(x8: torch.Tensor, scale) -> np.ndarray:
+    return f64(x8) * float(scale)
+
+
+def scale_tensor(value: float, dtype=torch.float32, shape=()):
+    return torch.full(shape, value, dtype=dtype, device=DEVICE)
+
+
+@triton.jit
+def _widen_kernel(x_ptr, bf16_ptr, fp16_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    x = tl.load(x_ptr + i)
+    tl.store(bf16_ptr + i, x.to(tl.bfloat16).to(tl.float32))
+    tl.store(fp16_ptr + i, x.to(tl.float16).to(tl.float32))
+
+
+def test_every_finite_e4m3_value_widens_exactly():
+    """The premise of running the reading tests on the CPU (and a check of the GPU's casts)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).to(DEVICE)
+    as_bf16, as_fp16 = (torch.zeros(256, device=DEVICE) for _ in range(2))
+    with runtime.interpreter_lock if runtime.INTERPRETED else torch.cuda.device(DEVICE):
+        _widen_kernel[(1,)](codes, as_bf16, as_fp16, N=256)
+    expected = codes.float()
+    finite = torch.isfinite(expected)
+    assert finite.sum() == 254
+    assert torch.equal(as_bf16[finite], expected[finite]) and torch.equal(as_fp16[finite], expected[finite])
+
+
+# --------------------------------------------------------------------------
+# sparse_paged_attention
+# --------------------------------------------------------------------------
+
+def fp8_attention_inputs(c: Case, k_scale: float, v_scale: float, v_scale_dtype=torch.float32):
+    """test_attention's inputs with the caches quantised; scales as the kernel reads them."""
+    args = make_inputs(c)
+    v_tensor = scale_tensor(v_scale, v_scale_dtype, (1,))
+    k_scale, v_scale = float(k_scale), float(v_tensor.float())  # rounded to the scale's dtype
+    args.update(k_cache=quantise_view(args["k_cache"], k_scale), v_cache=quantise_view(args["v_cache"], v_scale))
+    return args, dict(k_scale=scale_tensor(k_scale), v_scale=v_tensor), (k_scale, v_scale)
+
+
+def run_jax_attention(args, scales, softmax_scale=None):
+    call = jax.jit(lambda a, s: qsa_jax.sparse_paged_attention(**a, **s, softmax_scale=softmax_scale))
+    return call({n: to_jax(x) for n, x in args.items()}, {n: to_jax(x) for n, x in scales.items()})
+
+
+FP8_ATTENTION_CASES = {
+    # case, k_scale, v_scale (not powers of two: rounding of the scale products included)
+    "g4_d64_bf16_2splits": (Case(QH=8, KH=2, D=64, W=150, splits=2), 0.37, 1.9),
+    "g12_d128_fp16_unsplit_scale": (Case(QH=24, KH=2, D=128, W=100, dtype=torch.float16, splits=1, R=5,
+                                         scale=0.07), 0.05, 3.0),
+    "g1_d256_bf16_3splits_views_int64": (Case(QH=1, KH=1, D=256, W=100, splits=3, views=True,
+                                              index_dtype=torch.int64), 1.0, 0.011),
+}
+
+
+@pytest.mark.parametrize("name", list(FP8_ATTENTION_CASES))
+def test_attention_fp8_matches_dequantised_reference(name, force_splits):  # noqa: F811
+    """Tolerance: q's dtype's (1e-2 bf16, 2e-3 fp16), as for 16-bit caches: the fp8
+    values are exact in q's dtype, so only the 16-bit kernel's roundings remain."""
+    c, k_scale, v_scale = FP8_ATTENTION_CASES[name]
+    args, scales, (k_scale, v_scale) = fp8_attention_inputs(c, k_scale, v_scale, torch.bfloat16)
+    force_splits(c.splits)
+    out = qsa_torch.sparse_paged_attention(**args, **scales, softmax_scale=c.scale)
+    ref = R.sparse_paged_attention(f64(args["q"]), dequantised(args["k_cache"], k_scale),
+                                   dequantised(args["v_cache"], v_scale), host(args["token_indices"]),
+                                   host(args["block_table"]), host(args["token_to_req"]), softmax_scale=c.scale)
+    assert out.dtype == c.dtype and out.shape == (c.R, c.QH, c.D)
+    assert np.abs(ref).sum() > 0, "the case attends nothing: it tests nothing"
+    assert_close(out, ref, tolerance(c.dtype), "fp8 attention vs reference on the dequantised caches")
+    assert_bitwise_equal(run_jax_attention(args, scales, c.scale), out, "torch vs JAX")
+
+
+@pytest.mark.parametrize("dtype, splits", [(torch.bfloat16, 1), (torch.float16, 3)])
+def test_attention_fp8_equals_16bit_cache_of_its_values(dtype, splits, force_splits):  # noqa: F811
+    """Power-of-two scales: exactly the 16-bit kernel on the dequantised caches."""
+    c = Case(QH=12, KH=1, D=128, W=300, R=4, dtype=dtype, splits=splits)
+    args, scales, (k_scale, v_scale) = fp8_attention_inputs(c, 0.125, 4.0)
+    widened = dict(args, k_cache=(args["k_cache"].to(dtype) * k_scale).to(dtype),
+                   v_cache=(args["v_cache"].to(dtype) * v_scale).to(dtype))
+    assert planned_splits(widened, splits) == splits  # small shapes: the fp8 table's row is the same
+    force_splits(splits)
+    out = qsa_torch.sparse_paged_attention(**args, **scales)
+    assert np.array_equal(f64(widened["k_cache"]), dequantised(args["k_cache"], k_scale)), "not exact: a bad case"
+    assert_bitwise_equal(out, qsa_torch.sparse_paged_attention(**widened), "fp8 vs 16-bit cache")
+
+
+# --------------------------------------------------------------------------
+# mqa_paged_scores, select_paged_tokens
+# --------------------------------------------------------------------------
+
+def fp8_scoring_case(seed, scale, **kwargs):
+    case = scoring_case(seed, **kwargs)
+    case["k_cache"] = quantise(case["k_cache"], scale)
+    return case
+
+
+@pytest.mark.parametrize("dtype, heads, dim, ratio, prefill, scale", [
+    (torch.bfloat16, 4, 64, 4, False, 0.03),   # decode: one row per tile, 256-column tiles
+    (torch.bfloat16, 1, 128, 8, True, 2.5),    # prefill: tiles of rows sharing one request
+    (torch.float16, 4, 64, 4, True, 0.3),
+    (torch.float32, 4, 128, 4, False, 0.7),    # fp32 queries: the exact fp32 dot
+])
+def test_scores_fp8_match_dequantised_reference(dtype, heads, dim, ratio, prefill, scale):
+    """Tolerance 1e-5: the products of q and the widened keys are exact, sums are float32."""
+    case = fp8_scoring_case(11, scale, heads=heads, dim=dim, dtype=dtype, prefill=prefill)
+    k_scale = scale_tensor(scale)
+    logits, visible = qsa_torch.mqa_paged_scores(**case, compress_ratio=ratio, k_scale=k_scale)
+    expected, expected_visible = R.mqa_paged_scores(
+        **dict(numpy_args(case), k_cache=dequantised(case["k_cache"], float(k_scale))), compress_ratio=ratio)
+    assert np.array_equal(host(visible), expected_visible)
+    assert np.isfinite(expected).sum() > 10, "no visible column: the case tests nothing"
+    assert_scores_close(logits, expected, 1e-5, "fp8 logits vs reference on the dequantised keys")
+    # Positional arrays: a dict through jax.jit comes back with its keys sorted.
+    scores = jax.jit(lambda s, *arrays: qsa_jax.mqa_paged_scores(*arrays, ratio, k_scale=s))
+    jax_logits, jax_visible = scores(to_jax(k_scale), *jax_args(case).values())
+    assert_bitwise_equal(logits, jax_logits, "logits torch vs jax")
+    assert_bitwise_equal(visible, jax_visible, "visible torch vs jax")
+
+
+@pytest.mark.parametrize("prefill", [False, True])
+def test_scores_and_selection_fp8_equal_bf16_keys_of_their_values(prefill):
+    """Power-of-two scale: logits bitwise those of bf16 keys holding the dequantised values
+    (with the default divisor and a custom one), so the selection is the same too."""
+    case = fp8_scoring_case(12, 0.25, prefill=prefill)
+    k_scale = scale_tensor(0.25, shape=(1,))
+    widened = dict(case, k_cache=(case["k_cache"].to(torch.bfloat16) * 0.25))
+    for divisor in (None, 3.0):
+        logits, _ = qsa_torch.mqa_paged_scores(**case, compress_ratio=4, score_divisor=divisor, k_scale=k_scale)
+        expected, _ = qsa_torch.mqa_paged_scores(**widened, compress_ratio=4, score_divisor=divisor)
+        assert_bitwise_equal(logits, expected, f"fp8 vs bf16 logits (divisor {divisor})")
+    tokens = qsa_torch.select_paged_tokens(**case, token_topk=8, compress_ratio=4, k_scale=k_scale)
+    assert_bitwise_equal(tokens, qsa_torch.select_paged_tokens(**widened, token_topk=8, compress_ratio=4),
+                         "fp8 vs bf16 selection")
+    select = jax.jit(lambda s, *arrays: qsa_jax.select_paged_tokens(*arrays, 8, 4, k_scale=s))
+    assert_bitwise_equal(select(to_jax(k_scale), *jax_args(case).values()), tokens, "selection torch vs jax")
+
+
+# --------------------------------------------------------------------------
+# Writers: store_cache_rows(..., scale=), stage 1 -> attention (GPU: the
+# interpreter's fp8 rounding is wrong)
+# --------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_store_cache_rows_quantises_like_torch(rows_dtype):
+    """Rows / scale, saturated at +-448, rounded to nearest even (torch's cast), bitwise;
+    skipped slots leave the cache as it was."""
+    g = torch.Generator().manual_seed(5)
+    pages, page, width, rows = 6, 4, 96, 9
+    cache = torch.randn(pages, page, 1, width, generator=g).to(FP8).to(DEVICE)
+    values = torch.randn(rows, width, generator=g) * 3.0
+    values[0, :5] = torch.tensor([1e4, -1e4, 500 * 0.3, 0.0, -0.0])  # saturate (at scale 0.3), zeros
+    values = values.to(rows_dtype).to(DEVICE)
+    slots = torch.tensor([3, -1, 17, 0, pages * page, 22, 9, 5, 11], dtype=torch.int64, device=DEVICE)
+    scale = scale_tensor(0.3, shape=(1,))
+    expected_cache, written = R.store_cache_rows(host(cache), host(slots), host(quantise(values, float(scale))))
+    jax_cache = jax.jit(lambda c, s, r, k: qsa_jax.store_cache_rows(c, s, r, scale=k))(
+        to_jax(cache), to_jax(slots), to_jax(values), to_jax(scale))
+    out = qsa_torch.store_cache_rows(cache, slots, values, scale=scale)
+    assert out is cache and written.sum() == rows - 2
+    assert_bitwise_equal(out, expected_cache, "quantising store vs torch's cast")
+    assert_bitwise_equal(jax_cache, out, "torch vs JAX")
+
+
+def fp8_stage1_then_attention(dtype):
+    """One request of T tokens through rope_reshape_and_cache into fp8 flash caches
+    (shuffled pages), then rows attending random subsets of them."""
+    g = torch.Generator().manual_seed(8)
+    T, QH, KH, D, P, R_ = 40, 8, 2, 64, 8, 6
+    pages = T // P + 2
+    table = torch.randperm(pages, generator=g)[: T // P].to(torch.int32)[None]
+    tokens = torch.arange(T)
+    slots = table[0, tokens // P].long() * P + tokens % P
+    angles = torch.rand(64, D // 2, generator=g, dtype=torch.float64) * 6.3
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1).float()
+    q, k, v = (torch.randn(T, h, D, generator=g).to(dtype) for h in (QH, KH, KH))
+    key_cache, value_cache = (torch.zeros(pages, P, KH, D).to(FP8) for _ in range(2))
+    k_scale, v_scale = scale_tensor(0.02), scale_tensor(0.0125, shape=(1,))
+    args = dict(q=q, k=k, v=v, key_cache=key_cache, value_cache=value_cache, slot_mapping=slots,
+                positions=tokens, cos_sin=cos_sin)
+    args = {n: x.to(DEVICE) for n, x in args.items()}
+    indices = torch.stack([torch.randperm(T, generator=g)[:24] for _ in range(R_)]).to(torch.int32)
+    attention_q = torch.randn(R_, QH, D, generator=g).to(dtype)
+    rest = dict(token_indices=indices.to(DEVICE), block_table=table.to(DEVICE),
+                token_to_req=torch.zeros(R_, dtype=torch.int32, device=DEVICE))
+    return args, attention_q.to(DEVICE), rest, k_scale, v_scale
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_stage1_writes_fp8_caches_that_attention_reads(dtype):
+    """Tight: attention vs the reference on the caches stage 1 wrote (dequantised).
+    Loose (fp8's 3-bit mantissa: 3.6e-2 with torch's casts on the CPU): vs the float64
+    pipeline that never rounds to fp8; a misapplied scale is off by O(1).
+    torch and JAX agree bitwise on the caches and on the output."""
+    args, q, rest, k_scale, v_scale = fp8_stage1_then_attention(dtype)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    jax_call = jax.jit(lambda a, s, q, r: (lambda out: (out[2], out[3], qsa_jax.sparse_paged_attention(
+        q, out[2], out[3], **r, **s)))(qsa_jax.rope_reshape_and_cache(**a, is_neox=True, **s)))
+    jax_caches_out = jax_call({n: to_jax(x) for n, x in args.items()}, {n: to_jax(x) for n, x in scales.items()},
+                              to_jax(q), {n: to_jax(x) for n, x in rest.items()})
+    _, _, key_cache, value_cache = qsa_torch.rope_reshape_and_cache(**args, is_neox=True, **scales)
+    out = qsa_torch.sparse_paged_attention(q, key_cache, value_cache, **rest, **scales)
+    tight = R.sparse_paged_attention(f64(q), dequantised(key_cache, float(k_scale)),
+                                     dequantised(value_cache, float(v_scale)), *(host(x) for x in rest.values()))
+    assert_close(out, tight, tolerance(dtype), "attention vs reference on the written caches")
+    _, _, ref_k, ref_v, _ = R.rope_reshape_and_cache(
+        *(f64(args[n]) for n in ("q", "k", "v", "key_cache", "value_cache")), host(args["slot_mapping"]),
+        host(args["positions"]), f64(args["cos_sin"]), is_neox=True, layout="flash",
+        k_scale=float(k_scale), v_scale=float(v_scale), fp8=True)
+    exact = R.sparse_paged_attention(f64(q), ref_k * float(k_scale), ref_v * float(v_scale),
+                                     *(host(x) for x in rest.values()))
+    assert_close(out, exact, 8e-2, "attention vs the float64 pipeline (no fp8 rounding)")
+    for i, (a, b) in enumerate(zip(jax_caches_out, (key_cache, value_cache, out))):
+        assert_bitwise_equal(a, b, f"torch vs JAX ({('key_cache', 'value_cache', 'out')[i]})")
+
+
+# --------------------------------------------------------------------------
+# The fp8 valid calls of test_bad_arguments' table work in both adapters
+# --------------------------------------------------------------------------
+
+@pytest.mark.skipif(not runtime.INTERPRETED, reason="shape checks; the GPU would only compile kernels")
+@pytest.mark.parametrize("function", list(FP8_BASES))
+def test_fp8_bases_are_valid(function):
+    arrays, options = FP8_BASES[function]()
+    getattr(qsa_torch, function)(**arrays, **options)
+    with jax.enable_x64(True):
+        jax_arrays, jax_options = _jax_inputs(arrays, options)
+        jax.block_until_ready(getattr(qsa_jax, function)(**jax_arrays, **jax_options))
