@@ -28,10 +28,13 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from .paging import METADATA_FIELDS, STATE_FIELDS
-from .validate import Checker
+from .validate import FP8_DTYPE, Checker
 
 __all__ = ["Backend", "attention_step", "STEP_DOC", "STATE_DOC", "METADATA_DOC",
-           "METADATA_FIELDS", "STATE_FIELDS"]
+           "METADATA_FIELDS", "STATE_FIELDS", "SCALE_FIELDS"]
+
+#: QSAState's optional scales, after its four caches (``None`` for 16-bit caches).
+SCALE_FIELDS = ("k_scale", "v_scale", "compressed_key_scale")
 
 FUNCTION = "qsa_attention_step"
 
@@ -91,9 +94,18 @@ Fields:
         of its last ``ring`` raw index keys.
     compressed_key_cache: ``[num_compressed_pages, Pc, 1, DI]`` mean-pooled,
         rotated index keys, one per completed group.
+    k_scale, v_scale: ``None`` for 16-bit K/V caches; for ``float8_e4m3fn``
+        ones (both fp8 or neither), their per-tensor scales, 0-d or 1-element
+        float arrays: stage 1 stores value / scale, attention multiplies back.
+    compressed_key_scale: likewise for the compressed-key cache (fp8 or of
+        the index keys' dtype); the compressor-state ring is never fp8.
 
 ``QSAState.zeros(geometry, kv_heads=, head_dim=, index_head_dim=, dtype=,
-index_dtype=None, device=None)`` allocates zero caches.
+index_dtype=None, device=None, cache_dtype=None, compressed_key_dtype=None,
+k_scale=1.0, v_scale=1.0, compressed_key_scale=1.0)`` allocates zero caches:
+K/V in ``cache_dtype`` (default ``dtype``), the compressed keys in
+``compressed_key_dtype`` (default ``index_dtype``), and float32 scales of
+the given values for the fp8 ones.
 """
 
 METADATA_DOC = """\
@@ -124,15 +136,30 @@ class StateFields:
     value_cache: Any
     compressor_state_cache: Any
     compressed_key_cache: Any
+    k_scale: Any = None
+    v_scale: Any = None
+    compressed_key_scale: Any = None
 
     @classmethod
-    def zeros(cls, geometry, *, kv_heads, head_dim, index_head_dim, dtype, index_dtype=None, device=None):
-        """Zero caches of ``geometry``'s sizes: K/V in ``dtype``, the index caches in ``index_dtype``."""
+    def zeros(cls, geometry, *, kv_heads, head_dim, index_head_dim, dtype, index_dtype=None, device=None,
+              cache_dtype=None, compressed_key_dtype=None, k_scale=1.0, v_scale=1.0, compressed_key_scale=1.0):
+        """Zero caches of ``geometry``'s sizes (see :data:`STATE_DOC`), with scales for the fp8 ones.
+
+        A subclass also sets ``_scale(value, device)``: a 0-d float32 array.
+        """
         shapes = geometry.state_shapes(kv_heads, head_dim, index_head_dim)
         index_dtype = dtype if index_dtype is None else index_dtype
-        dtypes = dict(key_cache=dtype, value_cache=dtype, compressor_state_cache=index_dtype,
-                      compressed_key_cache=index_dtype)
-        return cls(**{name: cls._zeros(shape, dtypes[name], device) for name, shape in shapes.items()})
+        cache_dtype = dtype if cache_dtype is None else cache_dtype
+        compressed_key_dtype = index_dtype if compressed_key_dtype is None else compressed_key_dtype
+        dtypes = dict(key_cache=cache_dtype, value_cache=cache_dtype, compressor_state_cache=index_dtype,
+                      compressed_key_cache=compressed_key_dtype)
+        caches = {name: cls._zeros(shape, dtypes[name], device) for name, shape in shapes.items()}
+        scales = {}
+        if _is_fp8(cache_dtype):
+            scales.update(k_scale=cls._scale(k_scale, device), v_scale=cls._scale(v_scale, device))
+        if _is_fp8(compressed_key_dtype):
+            scales.update(compressed_key_scale=cls._scale(compressed_key_scale, device))
+        return cls(**caches, **scales)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +187,7 @@ class MetadataFields:
         return cls(**{name: cls._to_device(np.asarray(getattr(host, name)), device) for name in METADATA_FIELDS})
 
 
-assert tuple(f.name for f in dataclasses.fields(StateFields)) == STATE_FIELDS
+assert tuple(f.name for f in dataclasses.fields(StateFields)) == STATE_FIELDS + SCALE_FIELDS
 assert tuple(f.name for f in dataclasses.fields(MetadataFields)) == METADATA_FIELDS
 
 
@@ -188,6 +215,7 @@ def _check(backend: Backend, q, k, v, index_q, index_k, state, metadata, cos_sin
             raise TypeError(f"{FUNCTION}: {name} must be a {_type_name(expected)}, got {_type_name(type(value))}")
     arrays = dict(q=q, k=k, v=v, index_q=index_q, index_k=index_k, cos_sin=cos_sin, index_cos_sin=index_cos_sin)
     arrays.update({f"state.{name}": getattr(state, name) for name in STATE_FIELDS})
+    arrays.update({f"state.{name}": getattr(state, name) for name in SCALE_FIELDS if getattr(state, name) is not None})
     arrays.update({f"metadata.{name}": getattr(metadata, name) for name in METADATA_FIELDS})
     backend.check_arrays(FUNCTION, arrays)
     check = Checker(FUNCTION)
@@ -205,6 +233,27 @@ def _check(backend: Backend, q, k, v, index_q, index_k, state, metadata, cos_sin
                        f"shape {tuple(array.shape)}")
     if index_k.shape[1] != 1:
         check.fail("index_k", "must have one head ([T, 1, DI])", f"shape {tuple(index_k.shape)}")
+    _check_scales(check, state)
+
+
+def _is_fp8(dtype) -> bool:
+    """Whether a torch / JAX / NumPy dtype is float8_e4m3fn."""
+    return str(dtype).removeprefix("torch.").endswith(FP8_DTYPE) or getattr(dtype, "__name__", "") == FP8_DTYPE
+
+
+def _check_scales(check: Checker, state) -> None:
+    """Scales exactly for the fp8 caches, checked before any stage writes (stage 1 alone would accept
+    fp8 caches without scales, which attention then refuses)."""
+    for cache, scales in (("key_cache", ("k_scale", "v_scale")), ("compressed_key_cache", ("compressed_key_scale",))):
+        dtype = str(getattr(state, cache).dtype).removeprefix("torch.")
+        for name in scales:
+            scale = getattr(state, name)
+            if _is_fp8(dtype) and scale is None:
+                check.fail(f"state.{name}", f"must be given (a 0-d or 1-element float array) for a {FP8_DTYPE} "
+                           f"state.{cache}", None)
+            if not _is_fp8(dtype) and scale is not None:
+                check.fail(f"state.{name}", f"must be None for a {dtype} state.{cache} (scales are for "
+                           f"{FP8_DTYPE} caches)", f"an array of shape {tuple(scale.shape)}")
 
 
 def _type_name(cls: type) -> str:
@@ -237,7 +286,8 @@ def attention_step(backend: Backend, q, k, v, index_q, index_k, state, metadata,
 
     # 1. RoPE + KV cache.
     q, _, key_cache, value_cache = backend.rope_reshape_and_cache(
-        q, k, v, state.key_cache, state.value_cache, m.slot_mapping, m.positions, cos_sin, is_neox=is_neox)
+        q, k, v, state.key_cache, state.value_cache, m.slot_mapping, m.positions, cos_sin, is_neox=is_neox,
+        k_scale=state.k_scale, v_scale=state.v_scale)
 
     # 2. Pool first, then overwrite the ring with this step's raw keys.
     pooled, first_positions = backend.compress_groups(
@@ -245,17 +295,18 @@ def attention_step(backend: Backend, q, k, v, index_q, index_k, state, metadata,
         m.token_to_req, m.query_start_loc, m.positions, m.compressed_slots, compress_ratio)
     ring = backend.store_cache_rows(state.compressor_state_cache, m.compressor_state_slots, index_k)
     pooled = _rotate(backend, pooled, backend.contiguous(first_positions[:, 0]), index_cos_sin, is_neox)
-    compressed = backend.store_cache_rows(state.compressed_key_cache, m.compressed_slots, pooled)
+    compressed = backend.store_cache_rows(state.compressed_key_cache, m.compressed_slots, pooled,
+                                          scale=state.compressed_key_scale)
 
     # 3. Selection over the compressed keys, this step's groups included.
     index_q = _rotate(backend, index_q, m.positions, index_cos_sin, is_neox)
     token_indices = backend.select_paged_tokens(
         index_q, compressed, m.compressed_block_table, m.token_to_req, m.positions, m.sequence_lengths,
-        token_topk, compress_ratio)
+        token_topk, compress_ratio, k_scale=state.compressed_key_scale)
 
     # 4. Attention over the selected tokens (this step's K/V included).
     out = backend.sparse_paged_attention(q, key_cache, value_cache, token_indices, m.block_table,
-                                         m.token_to_req, softmax_scale)
+                                         m.token_to_req, softmax_scale, k_scale=state.k_scale, v_scale=state.v_scale)
 
     state = dataclasses.replace(state, key_cache=key_cache, value_cache=value_cache,
                                 compressor_state_cache=ring, compressed_key_cache=compressed)

@@ -19,6 +19,7 @@ from ._select import select_paged_tokens
 @dataclasses.dataclass(frozen=True)
 class QSAState(_step.StateFields):
     _zeros = staticmethod(lambda shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device))
+    _scale = staticmethod(lambda value, device: torch.full((), value, dtype=torch.float32, device=device))
 
 
 @dataclasses.dataclass(frozen=True)

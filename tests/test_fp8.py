@@ -15,6 +15,8 @@ quantised by torch's own casts.  Tests that make the kernels *write* fp8
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -28,8 +30,12 @@ from qsa_kernels import runtime
 
 from . import reference as R
 from .test_attention import Case, force_splits, make_inputs, planned_splits  # noqa: F401 (fixture)
-from .test_bad_arguments import FP8_BASES, _jax_inputs
+from qsa_kernels.paging import STATE_FIELDS, PagedRequests
+from qsa_kernels.step import SCALE_FIELDS
+
+from .test_bad_arguments import FP8_BASES, _jax_inputs, step_arguments, step_to_jax
 from .test_select import assert_scores_close, jax_args, numpy_args, scoring_case
+from .test_step import GEOMETRY, Model, clone_state, random_inputs, random_state, rope_table
 from .util import DEVICE, assert_bitwise_equal, assert_close, f64, host, to_jax, tolerance
 
 FP8 = torch.float8_e4m3fn
@@ -278,3 +284,119 @@ def test_fp8_bases_are_valid(function):
     with jax.enable_x64(True):
         jax_arrays, jax_options = _jax_inputs(arrays, options)
         jax.block_until_ready(getattr(qsa_jax, function)(**jax_arrays, **jax_options))
+
+
+# --------------------------------------------------------------------------
+# The composed step with fp8 caches (QSAState's scales)
+# --------------------------------------------------------------------------
+
+def fp8_state(state, k_scale=0.05, v_scale=0.02, compressed_key_scale=0.03):
+    """The K/V and compressed-key caches of ``state`` quantised, with their float32 scales."""
+    return dataclasses.replace(
+        state, key_cache=quantise(state.key_cache, k_scale), value_cache=quantise(state.value_cache, v_scale),
+        compressed_key_cache=quantise(state.compressed_key_cache, compressed_key_scale),
+        k_scale=scale_tensor(k_scale), v_scale=scale_tensor(v_scale, shape=(1,)),
+        compressed_key_scale=scale_tensor(compressed_key_scale))
+
+
+def test_step_fp8_caches_torch_jax_bitwise_and_close_to_bf16():
+    """Steps over fp8 caches: torch and JAX (jit, donated state) bit-identical (out, indices,
+    every cache).  With token_topk covering every group, the selection cannot depend on the
+    scores, so it equals the bf16 run's and out is within fp8's rounding of it (GPU: the
+    interpreter rounds to fp8 wrongly)."""
+    model = Model(token_topk=48, index_dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(21)
+    pager = PagedRequests(GEOMETRY, seed=2)
+    cos_sin, index_cos_sin = rope_table(model.D), rope_table(model.DI)
+    bf16_state = random_state(model, g)
+    state = fp8_state(clone_state(bf16_state))
+    jax_state = qsa_jax.QSAState(**{f.name: None if getattr(state, f.name) is None else to_jax(getattr(state, f.name))
+                                    for f in dataclasses.fields(state)})
+    jax_step = jax.jit(lambda i, s, m, c, ic: qsa_jax.qsa_attention_step(
+        **i, state=s, metadata=m, cos_sin=c, index_cos_sin=ic, return_token_indices=True, **model.options()),
+        donate_argnums=(1,))
+    for schedule in ({"a": 9, "b": 6}, {"a": 1, "b": 1, "c": 5}, {"a": 1, "b": 1, "c": 1}):
+        host_meta = pager.step(schedule)
+        inputs = random_inputs(model, host_meta.num_rows, g)
+        meta = qsa_torch.StepMetadata.from_host(host_meta, DEVICE)
+        step = dict(metadata=meta, cos_sin=cos_sin, index_cos_sin=index_cos_sin, return_token_indices=True,
+                    **model.options())
+        out, state, indices = qsa_torch.qsa_attention_step(**inputs, state=state, **step)
+        bf16_out, bf16_state, bf16_indices = qsa_torch.qsa_attention_step(**inputs, state=bf16_state, **step)
+        jax_out, jax_state, jax_indices = jax_step({n: to_jax(a) for n, a in inputs.items()}, jax_state,
+                                                   qsa_jax.StepMetadata.from_host(host_meta), to_jax(cos_sin),
+                                                   to_jax(index_cos_sin))
+        assert state.key_cache.dtype == FP8 and state.compressed_key_cache.dtype == FP8
+        assert_bitwise_equal(out, jax_out, "torch vs JAX out")
+        assert_bitwise_equal(indices, jax_indices, "torch vs JAX token_indices")
+        for name in STATE_FIELDS + SCALE_FIELDS:
+            assert_bitwise_equal(getattr(state, name), getattr(jax_state, name), f"torch vs JAX {name}")
+        assert_bitwise_equal(indices, bf16_indices, "every group selected: the same tokens as bf16")
+        if not runtime.INTERPRETED:
+            assert_close(out, f64(bf16_out), 8e-2, "fp8 step vs bf16 step")
+
+
+@pytest.mark.gpu
+def test_step_fp8_selection_close_to_bf16():
+    """A real choice of blocks (top 8 tokens of up to 11 groups): fp8 compressed keys select
+    most of bf16's blocks (on random data; measured on the benchmark data: ~0.97)."""
+    model = Model(token_topk=8, index_dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(22)
+    pager = PagedRequests(GEOMETRY, seed=4)
+    cos_sin, index_cos_sin = rope_table(model.D), rope_table(model.DI)
+    bf16_state = random_state(model, g)
+    state = fp8_state(clone_state(bf16_state))
+    step = dict(cos_sin=cos_sin, index_cos_sin=index_cos_sin, return_token_indices=True, **model.options())
+    host_meta = pager.step({"a": 44, "b": 40, "c": 37})
+    inputs = random_inputs(model, host_meta.num_rows, g)
+    meta = qsa_torch.StepMetadata.from_host(host_meta, DEVICE)
+    _, _, indices = qsa_torch.qsa_attention_step(**inputs, state=state, metadata=meta, **step)
+    _, _, bf16_indices = qsa_torch.qsa_attention_step(**inputs, state=bf16_state, metadata=meta, **step)
+    same = [len(set(a[a >= 0]) & set(b[b >= 0])) / max(1, (b >= 0).sum()) for a, b in zip(host(indices), host(bf16_indices))]
+    assert np.mean(same) >= 0.8, f"fp8 selection matches bf16's on {np.mean(same):.2f} of the tokens"
+
+
+def test_step_scale_errors_same_in_both_adapters():
+    """Scales exactly for the fp8 caches, checked before any stage writes."""
+    base = step_arguments()
+    bf16 = base["state"]
+    fp8 = dataclasses.replace(bf16, key_cache=bf16.key_cache.to(FP8), value_cache=bf16.value_cache.to(FP8),
+                              k_scale=scale_tensor(0.5), v_scale=scale_tensor(0.5))
+    cases = [
+        (dataclasses.replace(fp8, k_scale=None),
+         "qsa_attention_step: state.k_scale must be given (a 0-d or 1-element float array) for a float8_e4m3fn "
+         "state.key_cache, got None"),
+        (dataclasses.replace(fp8, v_scale=None), "qsa_attention_step: state.v_scale must be given"),
+        (dataclasses.replace(bf16, k_scale=scale_tensor(0.5)),
+         "qsa_attention_step: state.k_scale must be None for a bfloat16 state.key_cache (scales are for "
+         "float8_e4m3fn caches), got an array of shape ()"),
+        (dataclasses.replace(bf16, compressed_key_cache=bf16.compressed_key_cache.to(FP8)),
+         "qsa_attention_step: state.compressed_key_scale must be given"),
+        (dataclasses.replace(bf16, compressed_key_scale=scale_tensor(1.0, shape=(1,))),
+         "qsa_attention_step: state.compressed_key_scale must be None for a float32 state.compressed_key_cache"),
+    ]
+    for state, expected in cases:
+        originals = [getattr(state, n).clone() for n in STATE_FIELDS]
+        arguments = dict(base, state=state)
+        messages = []
+        for adapter, args in ((qsa_torch, arguments), (qsa_jax, step_to_jax(arguments))):
+            with pytest.raises(ValueError) as info:
+                adapter.qsa_attention_step(**args)
+            messages.append(str(info.value))
+        assert messages[0] == messages[1] and messages[0].startswith(expected), messages
+        for name, original in zip(STATE_FIELDS, originals):
+            assert_bitwise_equal(getattr(state, name), original, f"{name} written before the error")
+
+
+def test_state_zeros_with_fp8_caches():
+    geometry = GEOMETRY
+    for adapter, fp8_dtype, bf16 in ((qsa_torch, FP8, torch.bfloat16), (qsa_jax, jax.numpy.float8_e4m3fn, jax.numpy.bfloat16)):
+        state = adapter.QSAState.zeros(geometry, kv_heads=2, head_dim=32, index_head_dim=16, dtype=bf16,
+                                       cache_dtype=fp8_dtype, compressed_key_dtype=fp8_dtype, k_scale=0.5,
+                                       v_scale=0.25, compressed_key_scale=2.0)
+        assert str(state.key_cache.dtype).endswith("float8_e4m3fn") and str(state.compressed_key_cache.dtype).endswith("float8_e4m3fn")
+        assert str(state.compressor_state_cache.dtype).endswith("bfloat16")
+        assert [float(np.asarray(host(s) if isinstance(s, torch.Tensor) else s)) for s in
+                (state.k_scale, state.v_scale, state.compressed_key_scale)] == [0.5, 0.25, 2.0]
+        plain = adapter.QSAState.zeros(geometry, kv_heads=2, head_dim=32, index_head_dim=16, dtype=bf16)
+        assert plain.k_scale is None and plain.v_scale is None and plain.compressed_key_scale is None
