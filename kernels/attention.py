@@ -18,8 +18,9 @@ for the P.V product while the normaliser sums them in float32.
 
 fp8 e4m3 caches (``stored = value / scale``, as stage 1 writes them): each
 gathered K/V tile is converted to q's dtype, which holds every e4m3 value
-exactly, so the dots are the same 16-bit tensor-core dots as for 16-bit
-caches (an fp8 dot would round q to fp8).  ``k_scale`` is folded into the
+exactly (:func:`.fp8.widen_e4m3`: for bf16 on integer ops, not Triton's
+cast), so the dots are the same 16-bit tensor-core dots as for 16-bit caches
+(an fp8 dot would round q to fp8).  ``k_scale`` is folded into the
 float32 score scale, ``softmax_scale * k_scale * log2(e)``; ``v_scale``
 multiplies each program's float32 output once (``acc / normaliser * v_scale``),
 never the values.  So the result is that of a 16-bit cache holding the
@@ -35,6 +36,7 @@ import triton
 import triton.language as tl
 
 from . import runtime
+from .fp8 import bit_trick, widen_e4m3
 from .launch import ArrayInfo, Buffer, Launch, Program, cached_plan
 from .validate import FP8_DTYPE, INDEX_DTYPES, Checker
 
@@ -149,7 +151,7 @@ def sparse_attention_partial_kernel(
     # constexprs
     GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, WIDTH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
-    INTERPRET: tl.constexpr, FP8_CACHE: tl.constexpr,
+    INTERPRET: tl.constexpr, FP8_CACHE: tl.constexpr, BIT_TRICK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
@@ -189,9 +191,11 @@ def sparse_attention_partial_kernel(
         offset = tl.where(valid, token % PAGE, 0)
         k_rows = k_head + page * k_sb + offset * k_sp
         v_rows = v_head + page * v_sb + offset * v_sp
-        # fp8 caches are widened to q's dtype (exact) for the 16-bit dots.
-        keys = tl.load(k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
-        values = tl.load(v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
+        keys = tl.load(k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        values = tl.load(v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        if FP8_CACHE:  # widened to q's dtype (exact) for the 16-bit dots
+            keys = widen_e4m3(keys, q.dtype, BIT_TRICK)
+            values = widen_e4m3(values, q.dtype, BIT_TRICK)
 
         scores = _dot(q, tl.trans(keys), None, INTERPRET) * scale_log2
         scores = tl.where(valid[None, :], scores, MASKED_SCORE)
@@ -389,6 +393,7 @@ def plan_sparse_paged_attention(
         constexprs=dict(
             GROUP=group, D=d, PAGE=page, WIDTH=width, BLOCK_M=block_m, BLOCK_N=block_n,
             TILES_PER_SPLIT=tiles_per_split, INTERPRET=runtime.INTERPRETED, FP8_CACHE=fp8,
+            BIT_TRICK=bit_trick(fp8, q.dtype),
         ),
         num_warps=num_warps,
         num_stages=num_stages,

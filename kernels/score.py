@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from . import runtime
+from .fp8 import bit_trick, widen_e4m3
 from .launch import ArrayInfo, Buffer, Launch, Program, cached_plan
 from .rows import count_visible_blocks, row_request
 from .validate import FLOAT_DTYPES, FP8_DTYPE, INDEX_DTYPES, Checker
@@ -97,7 +98,7 @@ def _score_row(q_ptr, k_cache_ptr, page_table_ptr, token_to_req_ptr, query_posit
                q_sr, q_sh, kc_sb, kc_st, pt_sr, lg_sr, score_divisor,
                HEADS: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                PAGE: tl.constexpr, RATIO: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-               FP8_KEYS: tl.constexpr):
+               FP8_KEYS: tl.constexpr, BIT_TRICK: tl.constexpr):
     """One row against a column tile: its heads padded to a dot of HEADS_P >= 16 rows."""
     row = row_begin + local_row.to(tl.int64)
     request, request_ok, length = row_request(token_to_req_ptr, sequence_lengths_ptr, row, True, num_requests)
@@ -112,7 +113,7 @@ def _score_row(q_ptr, k_cache_ptr, page_table_ptr, token_to_req_ptr, query_posit
         q = tl.load(q_ptr + row * q_sr + heads[:, None] * q_sh + dims[None, :],
                     mask=(heads[:, None] < HEADS) & (dims[None, :] < D), other=0.0)
         if FP8_KEYS:
-            keys = keys.to(q.dtype)  # exact: q's dtype holds every e4m3 value
+            keys = widen_e4m3(keys, q.dtype, BIT_TRICK)  # exact: q's dtype holds every e4m3 value
         # Padded heads are zero rows: relu(0) adds nothing.
         total = tl.sum(tl.maximum(_dot(q, tl.trans(keys), UPCAST), 0.0), axis=0)
         scores = tl.where(present, total / score_divisor, float("-inf"))
@@ -132,7 +133,7 @@ def scores_kernel(
     # constexprs
     HEADS: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, RATIO: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, FP8_KEYS: tl.constexpr,
+    UPCAST: tl.constexpr, FP8_KEYS: tl.constexpr, BIT_TRICK: tl.constexpr,
 ):
     """Rows ``row_begin + [0, num_rows)``; their logits and visible rows are local (0-based)."""
     if FP8_KEYS:
@@ -154,7 +155,7 @@ def scores_kernel(
                    sequence_lengths_ptr, logits_ptr, first, col_start,
                    row_begin, num_columns, num_pages, num_requests, table_width,
                    q_sr, q_sh, kc_sb, kc_st, pt_sr, lg_sr, score_divisor,
-                   HEADS, HEADS_P, D, BLOCK_D, PAGE, RATIO, BLOCK_N, UPCAST, FP8_KEYS)
+                   HEADS, HEADS_P, D, BLOCK_D, PAGE, RATIO, BLOCK_N, UPCAST, FP8_KEYS, BIT_TRICK)
     else:
         # A tile whose valid rows share one request (a prefill chunk) loads
         # the keys once for all its rows; any other tile is scored row by row.
@@ -168,7 +169,7 @@ def scores_kernel(
                                          D, BLOCK_D, PAGE)
             if col_start < limit:
                 if FP8_KEYS:  # exact, as in _score_row (a new name: keys' type is fixed out here)
-                    keys_t = tl.trans(keys.to(q_ptr.dtype.element_ty))
+                    keys_t = tl.trans(widen_e4m3(keys, q_ptr.dtype.element_ty, BIT_TRICK))
                 else:
                     keys_t = tl.trans(keys)
                 dims = tl.arange(0, BLOCK_D)
@@ -188,7 +189,7 @@ def scores_kernel(
                                sequence_lengths_ptr, logits_ptr, first + i, col_start,
                                row_begin, num_columns, num_pages, num_requests, table_width,
                                q_sr, q_sh, kc_sb, kc_st, pt_sr, lg_sr, score_divisor,
-                               HEADS, HEADS_P, D, BLOCK_D, PAGE, RATIO, BLOCK_N, UPCAST, FP8_KEYS)
+                               HEADS, HEADS_P, D, BLOCK_D, PAGE, RATIO, BLOCK_N, UPCAST, FP8_KEYS, BIT_TRICK)
 
 
 def check_scoring(check: Checker, q, k_cache, page_table, token_to_req, query_positions,
@@ -277,7 +278,8 @@ def score_launches(q, k_cache, page_table, compress_ratio, num_columns, score_di
                      score_divisor=float(score_divisor)),
         constexprs=dict(HEADS=heads, HEADS_P=max(16, triton.next_power_of_2(heads)), D=dim,
                         BLOCK_D=max(16, triton.next_power_of_2(dim)), PAGE=page, RATIO=compress_ratio,
-                        BLOCK_R=block_r, BLOCK_N=block_n, UPCAST=upcast, FP8_KEYS=fp8_keys),
+                        BLOCK_R=block_r, BLOCK_N=block_n, UPCAST=upcast, FP8_KEYS=fp8_keys,
+                        BIT_TRICK=bit_trick(fp8_keys, q.dtype)),
         num_warps=8,
         num_stages=1,
     ) for first, count in row_ranges]

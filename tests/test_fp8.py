@@ -27,6 +27,7 @@ import triton.language as tl
 import qsa_jax
 import qsa_torch
 from qsa_kernels import runtime
+from qsa_kernels.fp8 import widen_e4m3
 
 from . import reference as R
 from .test_attention import Case, force_splits, make_inputs, planned_splits  # noqa: F401 (fixture)
@@ -63,23 +64,31 @@ def scale_tensor(value: float, dtype=torch.float32, shape=()):
 
 
 @triton.jit
-def _widen_kernel(x_ptr, bf16_ptr, fp16_ptr, N: tl.constexpr):
+def _widen_kernel(x_ptr, bf16_ptr, fp16_ptr, N: tl.constexpr, BIT_TRICK: tl.constexpr):
     i = tl.arange(0, N)
     x = tl.load(x_ptr + i)
-    tl.store(bf16_ptr + i, x.to(tl.bfloat16).to(tl.float32))
-    tl.store(fp16_ptr + i, x.to(tl.float16).to(tl.float32))
+    tl.store(bf16_ptr + i, widen_e4m3(x, tl.bfloat16, BIT_TRICK).to(tl.float32))
+    tl.store(fp16_ptr + i, widen_e4m3(x, tl.float16, False).to(tl.float32))
 
 
-def test_every_finite_e4m3_value_widens_exactly():
-    """The premise of running the reading tests on the CPU (and a check of the GPU's casts)."""
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).to(DEVICE)
-    as_bf16, as_fp16 = (torch.zeros(256, device=DEVICE) for _ in range(2))
+@pytest.mark.parametrize("bit_trick", [False, pytest.param(True, marks=pytest.mark.gpu)])
+def test_every_finite_e4m3_value_widens_exactly(bit_trick):
+    """The readers' widening (Triton's cast, or the bf16 bit trick the GPU uses): every finite
+    code, zeros and subnormals included, in a tile of codes repeated in every order of the
+    packing (the bit trick takes 4 bytes at a time).  On the CPU, the premise of running the
+    reading tests there."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = torch.cat([codes, codes.flip(0), codes.roll(1), codes.roll(2)]).view(FP8).to(DEVICE)
+    as_bf16, as_fp16 = (torch.zeros(codes.numel(), device=DEVICE) for _ in range(2))
     with runtime.interpreter_lock if runtime.INTERPRETED else torch.cuda.device(DEVICE):
-        _widen_kernel[(1,)](codes, as_bf16, as_fp16, N=256)
+        _widen_kernel[(1,)](codes, as_bf16, as_fp16, N=codes.numel(), BIT_TRICK=bit_trick)
     expected = codes.float()
     finite = torch.isfinite(expected)
-    assert finite.sum() == 254
-    assert torch.equal(as_bf16[finite], expected[finite]) and torch.equal(as_fp16[finite], expected[finite])
+    assert finite.sum() == 4 * 254
+    assert torch.equal(as_bf16[finite], expected[finite]), "bf16"
+    assert torch.equal(as_fp16[finite], expected[finite]), "fp16"
+    signs = torch.signbit(as_bf16[finite]) == torch.signbit(expected[finite])
+    assert signs.all(), "the sign of zero"
 
 
 # --------------------------------------------------------------------------
