@@ -79,7 +79,8 @@ Args:
         with ``scale``, bf16/fp16/fp32 rows quantised into an fp8 cache.
     scale: for a ``float8_e4m3fn`` cache only: a 0-d or 1-element float
         tensor, the cache's one per-tensor scale.  Each row is converted to
-        float32, divided by it, saturated to +-448 and rounded to e4m3
+        float32, divided by it (correctly rounded), saturated to +-448 and
+        rounded to nearest e4m3
         (stored = value / scale, as ``rope_reshape_and_cache`` writes fp8 KV
         caches); readers multiply by it (``mqa_paged_scores(...,
         k_scale=)``).  One scale per cache, not per row: on the benchmark's
@@ -196,8 +197,10 @@ def store_cache_rows_kernel(
     mask = write[:, None] & (cols < W)[None, :]
     values = tl.load(rows_ptr + rows[:, None] * rows_st + cols[None, :], mask=mask)
     if QUANTISE:
-        # As stage 1 writes fp8: value / scale in float32, saturated to +-448.
-        values = values.to(tl.float32) / tl.load(scale_ptr).to(tl.float32)
+        # As stage 1 writes fp8: value / scale in float32, saturated to +-448.  Correctly
+        # rounded (div_rn): `/` is div.full.f32 on the GPU, 2 ulp, which could pick the
+        # other fp8 neighbour next to a rounding midpoint.
+        values = tl.math.div_rn(values.to(tl.float32), tl.load(scale_ptr).to(tl.float32))
         values = tl.minimum(tl.maximum(values, -448.0), 448.0).to(cache_out_ptr.dtype.element_ty)
     cache_row = (slot // PAGE) * cache_sp + (slot % PAGE) * cache_so
     tl.store(cache_out_ptr + cache_row[:, None] + cols[None, :], values, mask=mask)
