@@ -27,18 +27,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .launch import ArrayInfo, Buffer, Launch, Program, cached_plan
-from .validate import FLOAT_DTYPES, Checker
-
-# Columns a top-k program handles per step (raised to G where needed).
-TOPK_TILE = 4096
-# Top-k candidate buffer per row: at least this many, or 4k.
-TOPK_MIN_CANDIDATES = 4096
-# Enough (row, slice) programs to fill an H200 (132 SMs) about twice.
-TOPK_TARGET_PROGRAMS = 256
-TOPK_MAX_SLICES = 64
-TOPK_MAX_GROUPS = 4096
-RADIX_BITS = 8
+from .launch import ArrayInfo, Buffer, Launch, Program
+from .memo import cached_plan
+from .tuning import TopkTuning
+from .validate import FLOAT_DTYPES, NONNEGATIVE_INT, Checker
 
 TOPK_DOC = """\
 Exact top-k blocks of each row, in ascending column order.
@@ -183,8 +175,9 @@ def _slice_counts(counts_ptr, row, slice_id, slices, MAX_SLICES: tl.constexpr):
 
 @triton.jit
 def topk_group_max_kernel(
-    logits_ptr, visible_ptr,
-    maxima_ptr,
+    logits_ptr,  # [rows, C] float32/bf16/fp16 (row stride lg_sr)
+    visible_ptr,  # [rows] int32/int64
+    maxima_ptr,  # [rows, slices, GROUPS] int32 (order keys as bits)
     num_columns, lg_sr, slices, tiles_per_slice,
     GROUPS: tl.constexpr, TILE: tl.constexpr,
 ):
@@ -207,8 +200,11 @@ def topk_group_max_kernel(
 
 @triton.jit
 def topk_bound_kernel(
-    logits_ptr, visible_ptr, maxima_ptr,
-    bound_ptr, counts_ptr,
+    logits_ptr,  # [rows, C] float32/bf16/fp16 (row stride lg_sr)
+    visible_ptr,  # [rows] int32/int64
+    maxima_ptr,  # [rows, slices, GROUPS] int32
+    bound_ptr,  # [rows] int32: the bound L (order key bits)
+    counts_ptr,  # [rows, 2, slices] int32: keys > L, keys == L per slice
     num_columns, lg_sr, slices, tiles_per_slice,
     K: tl.constexpr, GROUPS: tl.constexpr, TILE: tl.constexpr, BITS: tl.constexpr,
 ):
@@ -243,8 +239,13 @@ def topk_bound_kernel(
 
 @triton.jit
 def topk_place_kernel(
-    logits_ptr, visible_ptr, bound_ptr, counts_ptr,
-    out_ptr, cand_key_ptr, cand_col_ptr,
+    logits_ptr,  # [rows, C] float32/bf16/fp16 (row stride lg_sr)
+    visible_ptr,  # [rows] int32/int64
+    bound_ptr,  # [rows] int32
+    counts_ptr,  # [rows, 2, slices] int32
+    out_ptr,  # [rows, K] int32: selected columns
+    cand_key_ptr,  # [rows, capacity] int32: candidate order keys
+    cand_col_ptr,  # [rows, capacity] int32: candidate columns
     num_columns, lg_sr, slices, tiles_per_slice, capacity,
     K: tl.constexpr, TILE: tl.constexpr, MAX_SLICES: tl.constexpr,
 ):
@@ -269,8 +270,13 @@ def topk_place_kernel(
 
 @triton.jit
 def topk_finish_kernel(
-    logits_ptr, visible_ptr, counts_ptr, cand_key_ptr, cand_col_ptr, previous_ptr,
-    out_ptr,
+    logits_ptr,  # [rows, C] float32/bf16/fp16 (row stride lg_sr)
+    visible_ptr,  # [rows] int32/int64
+    counts_ptr,  # [rows, 2, slices] int32
+    cand_key_ptr,  # [rows, capacity] int32
+    cand_col_ptr,  # [rows, capacity] int32
+    previous_ptr,  # [rows, K] int32: out as phase 3 left it (the same buffer)
+    out_ptr,  # [rows, K] int32
     num_columns, lg_sr, slices, capacity,
     K: tl.constexpr, TILE: tl.constexpr, CAND_TILE: tl.constexpr, MAX_SLICES: tl.constexpr,
     BITS: tl.constexpr, PAD_TILE: tl.constexpr,
@@ -301,7 +307,7 @@ def topk_finish_kernel(
 
 
 def topk_parts(rows: int, columns: int, k: int, logits_stride: int, row_counts,
-               logits: str, visible: str, out: str):
+               logits: str, visible: str, out: str, tuning: TopkTuning):
     """Workspaces and launches of an exact top-k over ``logits`` ``[rows, columns]``.
 
     The tiling is chosen for ``rows``; ``row_counts`` are the rows of each
@@ -312,14 +318,14 @@ def topk_parts(rows: int, columns: int, k: int, logits_stride: int, row_counts,
     width = max(columns, 1)
     # G >= 2k strided groups keep the candidates (keys above the k-th
     # largest group maximum) near k; G >= C makes single-column groups.
-    groups = min(triton.next_power_of_2(2 * k), triton.next_power_of_2(width), TOPK_MAX_GROUPS)
-    tile = max(groups, min(TOPK_TILE, max(16, triton.next_power_of_2(width))))
+    groups = min(triton.next_power_of_2(2 * k), triton.next_power_of_2(width), tuning.max_groups)
+    tile = max(groups, min(tuning.tile, max(16, triton.next_power_of_2(width))))
     row_tiles = triton.cdiv(width, tile)
     # Split rows into slices until there are enough programs for the GPU.
-    slices = max(1, min(row_tiles, TOPK_MAX_SLICES, triton.cdiv(TOPK_TARGET_PROGRAMS, rows)))
+    slices = max(1, min(row_tiles, tuning.max_slices, triton.cdiv(tuning.target_programs, rows)))
     tiles_per_slice = triton.cdiv(row_tiles, slices)
     slices = triton.cdiv(row_tiles, tiles_per_slice)
-    capacity = min(row_tiles * tile, max(TOPK_MIN_CANDIDATES, 4 * k))
+    capacity = min(row_tiles * tile, max(tuning.min_candidates, 4 * k))
     # Typically about 1-3k keys exceed the bound: stream them in tiles of ~2k.
     cand_tile = min(tile, max(16, triton.next_power_of_2(2 * k)))
     maxima, bound, counts, cand_key, cand_col = (
@@ -334,7 +340,7 @@ def topk_parts(rows: int, columns: int, k: int, logits_stride: int, row_counts,
     # Trip counts are runtime scalars: torch compiles one kernel set per (k, tile).
     sizes = dict(num_columns=columns, lg_sr=logits_stride, slices=slices)
     per_slice = dict(sizes, tiles_per_slice=tiles_per_slice)
-    max_slices = triton.next_power_of_2(TOPK_MAX_SLICES)
+    max_slices = triton.next_power_of_2(tuning.max_slices)
     options = dict(num_warps=8 if tile >= 2048 else 4, num_stages=1)
     launches = []
     for count in row_counts:
@@ -342,32 +348,29 @@ def topk_parts(rows: int, columns: int, k: int, logits_stride: int, row_counts,
             Launch(topk_group_max_kernel, (count, slices), (logits, visible), (maxima,), per_slice,
                    dict(GROUPS=groups, TILE=tile), **options),
             Launch(topk_bound_kernel, (count, slices), (logits, visible, maxima), (bound, counts), per_slice,
-                   dict(K=k, GROUPS=groups, TILE=tile, BITS=RADIX_BITS), **options),
+                   dict(K=k, GROUPS=groups, TILE=tile, BITS=tuning.radix_bits), **options),
             Launch(topk_place_kernel, (count, slices), (logits, visible, bound, counts),
                    (out, cand_key, cand_col), dict(per_slice, capacity=capacity),
                    dict(K=k, TILE=tile, MAX_SLICES=max_slices), **options),
             # `out` is updated in place: phase 3 wrote the rows where T == L.
             Launch(topk_finish_kernel, (count,), (logits, visible, counts, cand_key, cand_col, out), (out,),
                    dict(sizes, capacity=capacity),
-                   dict(K=k, TILE=tile, CAND_TILE=cand_tile, MAX_SLICES=max_slices, BITS=RADIX_BITS,
+                   dict(K=k, TILE=tile, CAND_TILE=cand_tile, MAX_SLICES=max_slices, BITS=tuning.radix_bits,
                         PAD_TILE=min(1024, triton.next_power_of_2(k))),
                    **options),
         ]
     return buffers, tuple(launches)
 
 
-@cached_plan
-def plan_topk_blocks(logits: ArrayInfo, visible_blocks: ArrayInfo, k) -> Program:
-    """Validate ``topk_blocks`` arguments and describe its launches (see API.md)."""
+@cached_plan(options=dict(k=NONNEGATIVE_INT))
+def plan_topk_blocks(logits: ArrayInfo, visible_blocks: ArrayInfo, k: int, *,
+                     tuning: TopkTuning | None = None) -> Program:
+    """Validate ``topk_blocks`` arguments and describe its launches (see docs/api.md)."""
     check = Checker("topk_blocks")
-    check.rank("logits", logits, 2, "[R, C]")
-    check.dtype("logits", logits, FLOAT_DTYPES)
+    check.array("logits", logits, 2, "[R, C]", FLOAT_DTYPES)
     rows, columns = logits.shape
     check.index_vector("visible_blocks", visible_blocks, rows, "R")
-    check.nonnegative_int("k", k)
-    check.last_dim_contiguous("logits", logits)
-    check.last_dim_contiguous("visible_blocks", visible_blocks)
     out = Buffer("out", (rows, k), "int32")
     buffers, launches = topk_parts(rows, columns, k, logits.strides[0], [rows],
-                                   "logits", "visible_blocks", "out")
+                                   "logits", "visible_blocks", "out", tuning)
     return Program("topk_blocks", (out,) + buffers, launches, ("out",))

@@ -44,7 +44,7 @@ I32, I64, BF16, FP16, FP32, FP8 = "int32", "int64", "bfloat16", "float16", "floa
 
 # --------------------------------------------------------------------------
 # The cases: label -> (plan, keyword arguments).  Production geometry
-# (DESIGN.md, "Benchmark geometry"): attention 24 Q / 2 KV heads x d256 bf16,
+# (docs/design.md, "Benchmark geometry"): attention 24 Q / 2 KV heads x d256 bf16,
 # KV pages of 64; indexer 4 heads x d128, compress ratio 4, compressed pages
 # of 64, top-512 blocks (2048 tokens); contexts up to 1M tokens.
 # --------------------------------------------------------------------------
