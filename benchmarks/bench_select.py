@@ -16,6 +16,12 @@ Per shape:
 - top-k (``topk_blocks``, k = 512) against ``torch.topk(sorted=False)`` on the
   same logits, and ``jax.lax.top_k`` on a subset of shapes;
 - ``select_paged_tokens`` end to end (torch; JAX on a subset).
+``--fp8``: on decode 1/8/64/256 at 32K/128K and the 2048-row prefill, the
+scorer and the selection also read an fp8 e4m3 copy of the key pool (one
+per-tensor scale, pool amax / 448), side by side: ``fp8_*`` columns,
+``fp8_scorer_vs_bf16`` (CUDA-graph time ratio), and the selection agreement
+with bf16 (fraction of a row's top-k blocks both select: mean and min over
+rows).  fp8 bytes count 1 byte per key element plus the scale.
 torch: CUDA-graph replay (device time; fewer calls per graph for slow
 shapes) and do_bench (median, L2 flushed) for the scorer.  JAX: wall clock of
 back-to-back jitted calls (host overhead included) and, for the selection and
@@ -46,9 +52,14 @@ HARD_STOP_S = 110.0  # past this, remaining shapes are skipped (noted in the JSO
 SEED_SCORER_US = {("decode", 256, 131072): 850.0, ("prefill", 2048, 131072): 6314.0}
 SEED_TOPK_US = {("decode", 1, 131072): 43.0, ("decode", 256, 131072): 167.0}
 
+FP8_SHAPES = {(mode, rows, context) for mode, rows in (("decode", 1), ("decode", 8), ("decode", 64),
+                                                      ("decode", 256), ("prefill", 2048))
+              for context in (32768, 131072)}
+FP8_EXTRA_S = 60.0  # --fp8: added to DEADLINE_S and HARD_STOP_S
+
 SMOKE = dict(PAGE=16, TOKEN_TOPK=32, DECODE_ROWS=[1, 2], PREFILL_ROWS=[8], CONTEXTS=[512, 2048],
              PREFILL_CONTEXTS=[512], POOL_BYTES=1 << 20, JAX_SHAPES={("decode", 1, 512)},
-             LAX_TOPK_SHAPES={("decode", 1, 512)})
+             LAX_TOPK_SHAPES={("decode", 1, 512)}, FP8_SHAPES={("decode", 2, 2048), ("prefill", 8, 512)})
 
 
 def make_shape(torch, g, mode, rows, context, pool, device, generator):
@@ -70,9 +81,28 @@ def make_shape(torch, g, mode, rows, context, pool, device, generator):
                 sequence_lengths=torch.full((requests,), context, device=device, dtype=torch.int32))
 
 
-def scorer_bytes(mode, rows, columns):
+def scorer_bytes(mode, rows, columns, key_bytes=2):
     key_rows = rows * columns if mode == "decode" else columns  # prefill: unique keys
-    return key_rows * D * 2 + rows * columns * 4 + rows * HEADS * D * 2
+    scale = 4 if key_bytes == 1 else 0  # fp8: the per-tensor scale
+    return key_rows * D * key_bytes + rows * columns * 4 + rows * HEADS * D * 2 + scale
+
+
+def fp8_pool(torch, pool):
+    """An fp8 e4m3 copy of a bf16 pool and its per-tensor scale (amax / 448), quantised in chunks."""
+    scale = float(pool.abs().amax().float()) / 448.0
+    out = torch.empty(pool.shape, dtype=torch.float8_e4m3fn, device=pool.device)
+    for first in range(0, pool.shape[0], 8192):
+        out[first:first + 8192] = (pool[first:first + 8192].float() / scale).clamp(-448.0, 448.0).to(out.dtype)
+    return out, torch.full((), scale, dtype=torch.float32, device=pool.device)
+
+
+def block_agreement(torch, a, b, columns):
+    """Per row, the fraction of a's top-k blocks (-1 padded) that b selects too: (mean, min)."""
+    def chosen(blocks):
+        hot = torch.zeros(blocks.shape[0], columns + 1, dtype=torch.bool, device=blocks.device)
+        return hot.scatter_(1, torch.where(blocks < 0, columns, blocks).long(), True)[:, :columns]
+    both = (chosen(a) & chosen(b)).sum(1).float() / (a >= 0).sum(1).clamp(min=1).float()
+    return float(both.mean()), float(both.min())
 
 
 def graph_us(fn, smoke, estimate_us=None):
@@ -137,6 +167,8 @@ def jax_select_us(jax, qsa_jax, arrays, topk, smoke):
 
 def main():
     parser = common.parser(__doc__, "select.json")
+    parser.add_argument("--fp8", action="store_true",
+                        help="also score an fp8 e4m3 key pool (per-tensor scale) on FP8_SHAPES, side by side")
     args = parser.parse_args()
     import jax
     import torch
@@ -147,7 +179,7 @@ def main():
     started = time.perf_counter()
     g = dict(PAGE=PAGE, TOKEN_TOPK=TOKEN_TOPK, DECODE_ROWS=DECODE_ROWS, PREFILL_ROWS=PREFILL_ROWS,
              CONTEXTS=CONTEXTS, PREFILL_CONTEXTS=PREFILL_CONTEXTS, POOL_BYTES=POOL_BYTES,
-             JAX_SHAPES=JAX_SHAPES, LAX_TOPK_SHAPES=LAX_TOPK_SHAPES)
+             JAX_SHAPES=JAX_SHAPES, LAX_TOPK_SHAPES=LAX_TOPK_SHAPES, FP8_SHAPES=FP8_SHAPES)
     if args.smoke:
         g.update(SMOKE)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -155,6 +187,9 @@ def main():
     page_bytes = g["PAGE"] * D * 2
     pool_pages = max(g["POOL_BYTES"] // page_bytes, max(g["CONTEXTS"]) // RATIO // g["PAGE"])
     pool = torch.empty(pool_pages, g["PAGE"], 1, D, device=device, dtype=torch.bfloat16).normal_()
+    deadline_s, hard_stop_s = (DEADLINE_S + FP8_EXTRA_S, HARD_STOP_S + FP8_EXTRA_S) if args.fp8 else (DEADLINE_S, HARD_STOP_S)
+    if args.fp8:
+        pool8, k_scale = fp8_pool(torch, pool)
     k = g["TOKEN_TOPK"] // RATIO
     notes = [
         f"geometry: {HEADS} heads x d{D} bf16, ratio {RATIO}, compressed pages of {g['PAGE']}, top-{k} blocks "
@@ -171,13 +206,17 @@ def main():
         f"{sorted(g['JAX_SHAPES'])}; lax.top_k only on {sorted(g['LAX_TOPK_SHAPES'])}",
         "seed_*: docs/design.md's H200 table (CUDA-graph replay); the seed's top-k is torch.topk at 1 x 32768 cols "
         "(43 us) and 256 x 32768 (167 us)",
+        *([f"fp8_*: the same calls on an fp8 e4m3 copy of the pool (per-tensor scale = amax / 448) on "
+           f"{sorted(g['FP8_SHAPES'])}; fp8 bytes: 1 byte per key element + the scale; "
+           "fp8_block_agreement_*: fraction of a row's top-k blocks (bf16 logits) that the fp8 logits select "
+           "too, mean and min over rows"] if args.fp8 else []),
     ]
     shapes = [("decode", r, c) for c in g["CONTEXTS"] for r in g["DECODE_ROWS"]]
     shapes += [("prefill", r, c) for c in g["PREFILL_CONTEXTS"] for r in g["PREFILL_ROWS"]]
     rows_out = []
     for mode, rows, context in shapes:
-        if time.perf_counter() - started > HARD_STOP_S:
-            notes.append(f"stopped after {HARD_STOP_S:.0f} s: shape {(mode, rows, context)} and later ones skipped")
+        if time.perf_counter() - started > hard_stop_s:
+            notes.append(f"stopped after {hard_stop_s:.0f} s: shape {(mode, rows, context)} and later ones skipped")
             break
         arrays = make_shape(torch, g, mode, rows, context, pool, device, generator)
         columns = context // RATIO
@@ -207,7 +246,26 @@ def main():
             if "seed_scorer_us" in row and row["scorer_graph_us"]:
                 row["scorer_speedup_vs_seed"] = row["seed_scorer_us"] / row["scorer_graph_us"]
 
-        in_time = time.perf_counter() - started < DEADLINE_S
+        if args.fp8 and shape in g["FP8_SHAPES"]:
+            fp8_arrays = dict(arrays, k_cache=pool8, k_scale=k_scale)
+            score8 = lambda: qsa_torch.mqa_paged_scores(**fp8_arrays, compress_ratio=RATIO)  # noqa: E731
+            row["fp8_scorer_bytes"] = scorer_bytes(mode, rows, columns, key_bytes=1)
+            row["fp8_scorer_graph_us"] = graph_us(score8, args.smoke)
+            row["fp8_scorer_graph_pct_peak"] = common.pct_peak(row["fp8_scorer_bytes"], row["fp8_scorer_graph_us"])
+            if row["fp8_scorer_graph_us"] and row["scorer_graph_us"]:
+                row["fp8_scorer_vs_bf16"] = row["fp8_scorer_graph_us"] / row["scorer_graph_us"]
+            select8 = lambda: qsa_torch.select_paged_tokens(**fp8_arrays, token_topk=g["TOKEN_TOPK"],  # noqa: E731
+                                                            compress_ratio=RATIO)
+            row["fp8_select_graph_us"] = graph_us(select8, args.smoke)
+            if row["fp8_select_graph_us"] and row["select_graph_us"]:
+                row["fp8_select_vs_bf16"] = row["fp8_select_graph_us"] / row["select_graph_us"]
+            logits8, _ = score8()
+            blocks16, blocks8 = qsa_torch.topk_blocks(logits, visible, k), qsa_torch.topk_blocks(logits8, visible, k)
+            row["fp8_block_agreement_mean"], row["fp8_block_agreement_min"] = block_agreement(
+                torch, blocks16, blocks8, columns)
+            del logits8, blocks16, blocks8
+
+        in_time = time.perf_counter() - started < deadline_s
         if shape in g["LAX_TOPK_SHAPES"] | g["JAX_SHAPES"] and not in_time:
             row["jax_skipped"] = "deadline"
         elif shape in g["LAX_TOPK_SHAPES"] | g["JAX_SHAPES"]:
@@ -221,12 +279,14 @@ def main():
         rows_out.append(row)
         common.print_table([row], list(row))
     if any(r.get("jax_skipped") for r in rows_out):
-        notes.append(f"JAX measurements past {DEADLINE_S:.0f} s of run time were skipped (jax_skipped)")
+        notes.append(f"JAX measurements past {deadline_s:.0f} s of run time were skipped (jax_skipped)")
     notes.append(f"total run time {time.perf_counter() - started:.0f} s")
     common.print_table(rows_out, [
         "mode", "rows", "context", "scorer_us", "scorer_graph_us", "scorer_graph_pct_peak", "seed_scorer_us",
         "topk_graph_us", "torch_topk_graph_us", "topk_speedup_vs_torch", "lax_topk_loop_us", "jax_topk_loop_us",
-        "select_graph_us", "jax_select_wall_us", "jax_select_loop_us"])
+        "select_graph_us", "jax_select_wall_us", "jax_select_loop_us"]
+        + (["fp8_scorer_graph_us", "fp8_scorer_graph_pct_peak", "fp8_scorer_vs_bf16", "fp8_select_graph_us",
+            "fp8_select_vs_bf16", "fp8_block_agreement_mean", "fp8_block_agreement_min"] if args.fp8 else []))
     common.write_json(args.json, "selection (mqa_paged_scores, topk_blocks, select_paged_tokens)", rows_out, notes)
 
 

@@ -22,6 +22,13 @@ neighbours selected (L2 serves them), so its "% of peak" may pass 100.
 ``--sweep`` (a separate tuning run, a few minutes): CUDA-graph µs of launch
 configurations around the plan's table (BLOCK_N x warps x stages, and half /
 double the split count) on a few shapes, written to sparse_attention_sweep.json.
+
+``--fp8``: the same shapes (decode 1/8/64/256 at 32K/128K and the 2048-row
+prefill) also read fp8 e4m3 copies of the pools (per-tensor scales, pool amax
+/ 448), side by side: ``fp8_*`` columns, ``fp8_vs_bf16`` = fp8 / bf16 CUDA-graph
+time, ``fp8_rel_diff`` = ‖out_fp8 − out_bf16‖ / ‖out_bf16‖; fp8 bytes count 1
+byte per K/V element plus the two scales.  With ``--sweep``, the sweep runs on
+the fp8 pools (results in sparse_attention_fp8_sweep.json).
 """
 
 from __future__ import annotations
@@ -48,12 +55,16 @@ JAX_SHAPES = {("decode", 1, 32768), ("decode", 64, 32768), ("decode", 256, 32768
 SEED_DECODE_US = {1: 9.7, 64: 121.0, 256: 410.0}
 SEED_PREFILL_US = {(2048, 131072): 1306.0}
 
+FP8_SHAPES = {(mode, rows, context) for mode, rows in (("decode", 1), ("decode", 8), ("decode", 64),
+                                                      ("decode", 256), ("prefill", 2048))
+              for context in (32768, 131072)}
 SWEEP_SHAPES = [("decode", 1, 32768), ("decode", 64, 32768), ("decode", 256, 32768), ("prefill", 2048, 131072)]
 SWEEP_BLOCK_N, SWEEP_WARPS, SWEEP_STAGES = (16, 32, 64), (2, 4, 8), (2, 3)
 
 # Tiny shapes for the CPU interpreter (still split: 67 indices are 3 tiles of 32).
 SMOKE = dict(QH=4, KH=2, D=256, PAGE=16, TOKEN_TOPK=64, DECODE_ROWS=[1], PREFILL_ROWS=[4], CONTEXTS=[256],
-             POOL_BYTES=1 << 20, DENSE_LIMIT_BYTES=1 << 30, JAX_SHAPES={("decode", 1, 256)})
+             POOL_BYTES=1 << 20, DENSE_LIMIT_BYTES=1 << 30, JAX_SHAPES={("decode", 1, 256)},
+             FP8_SHAPES={("decode", 1, 256), ("prefill", 4, 256)})
 
 
 def page_bytes(g) -> int:
@@ -104,8 +115,19 @@ def make_shape(torch, g, mode, rows, context, k_pool, device, generator):
     return q, token_indices, block_table, token_to_req, stats
 
 
-def moved_bytes(g, rows, width):
-    return rows * g["KH"] * width * g["D"] * 2 * 2 + 2 * rows * g["QH"] * g["D"] * 2 + rows * width * 4
+def moved_bytes(g, rows, width, cache_bytes=2):
+    """Selected K and V rows (``cache_bytes`` per element; fp8 adds its two 4-byte scales), q, out, indices."""
+    scales = 2 * 4 if cache_bytes == 1 else 0
+    return rows * g["KH"] * width * g["D"] * cache_bytes * 2 + 2 * rows * g["QH"] * g["D"] * 2 + rows * width * 4 + scales
+
+
+def fp8_pool(torch, pool):
+    """An fp8 e4m3 copy of a bf16 pool and its per-tensor scale (amax / 448), quantised in chunks."""
+    scale = float(pool.abs().amax().float()) / 448.0
+    out = torch.empty(pool.shape, dtype=torch.float8_e4m3fn, device=pool.device)
+    for first in range(0, pool.shape[0], 4096):
+        out[first:first + 4096] = (pool[first:first + 4096].float() / scale).clamp(-448.0, 448.0).to(out.dtype)
+    return out, torch.full((), scale, dtype=torch.float32, device=pool.device)
 
 
 def dense_baseline(torch, g, mode, rows, context, q, device):
@@ -174,6 +196,8 @@ def sweep(qsa_torch, attention, arrays, smoke):
 def main():
     parser = common.parser(__doc__, "sparse_attention.json")
     parser.add_argument("--sweep", action="store_true", help="tune: sweep launch configurations instead")
+    parser.add_argument("--fp8", action="store_true",
+                        help="also read fp8 e4m3 caches (per-tensor scales) on FP8_SHAPES, side by side")
     args = parser.parse_args()
     import jax
     import torch
@@ -184,7 +208,7 @@ def main():
 
     g = dict(QH=QH, KH=KH, D=D, PAGE=PAGE, TOKEN_TOPK=TOKEN_TOPK, DECODE_ROWS=DECODE_ROWS,
              PREFILL_ROWS=PREFILL_ROWS, CONTEXTS=CONTEXTS, POOL_BYTES=POOL_BYTES,
-             DENSE_LIMIT_BYTES=DENSE_LIMIT_BYTES, JAX_SHAPES=JAX_SHAPES)
+             DENSE_LIMIT_BYTES=DENSE_LIMIT_BYTES, JAX_SHAPES=JAX_SHAPES, FP8_SHAPES=FP8_SHAPES)
     if args.smoke:
         g.update(SMOKE)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -192,6 +216,9 @@ def main():
     pool_pages = max(g["POOL_BYTES"] // page_bytes(g), max(g["CONTEXTS"]) // g["PAGE"])
     k_pool = torch.empty(pool_pages, g["PAGE"], g["KH"], g["D"], device=device, dtype=torch.bfloat16).normal_()
     v_pool = torch.empty_like(k_pool).normal_()
+    if args.fp8:
+        (k_pool8, k_scale), (v_pool8, v_scale) = fp8_pool(torch, k_pool), fp8_pool(torch, v_pool)
+        fp8_arrays = dict(k_cache=k_pool8, v_cache=v_pool8, k_scale=k_scale, v_scale=v_scale)
     width = g["TOKEN_TOPK"] + COMPRESS_RATIO - 1
     notes = [
         f"geometry: {g['QH']} Q / {g['KH']} KV heads x d{g['D']}, bf16, pages of {g['PAGE']}, "
@@ -206,6 +233,9 @@ def main():
         "dense_*: torch SDPA (flash) over the whole context for the same rows, GQA as MQA per KV head; prefill "
         "non-causal; skipped where its K/V exceed "
         f"{g['DENSE_LIMIT_BYTES'] / 2**30:.0f} GiB (e.g. 256 requests x 128K: the seed table has 16098 us)",
+        *(["fp8_*: the same call on fp8 e4m3 copies of the pools (per-tensor scales = pool amax / 448), on "
+           f"{sorted(g['FP8_SHAPES'])}; fp8 bytes: 1 byte per K/V element + 2 scales; fp8_vs_bf16 = fp8 / bf16 "
+           "CUDA-graph µs; fp8_rel_diff = |out_fp8 - out_bf16| / |out_bf16|"] if args.fp8 else []),
         f"prefill selection: shared N(0,1) block score + {PREFILL_NOISE} x N(0,1) per row; neighbour_overlap: "
         "fraction of a row's selected block tokens its previous row also selected",
         "seed_us: docs/design.md's H200 table (CUDA-graph replay); speedup_vs_seed uses torch_graph_us",
@@ -221,6 +251,9 @@ def main():
             arrays = dict(q=q, k_cache=k_pool, v_cache=v_pool, token_indices=token_indices,
                           block_table=block_table, token_to_req=token_to_req)
             nbytes = moved_bytes(g, rows, width)
+            if args.fp8:
+                arrays.update(fp8_arrays)
+                nbytes = moved_bytes(g, rows, width, cache_bytes=1)
             table = plan_choice(qsa_torch, attention, arrays)
             for result in sweep(qsa_torch, attention, arrays, args.smoke):
                 is_table = all(result[k] == table[k] for k in ("block_n", "splits", "warps", "stages"))
@@ -230,7 +263,8 @@ def main():
             shape_rows.sort(key=lambda r: r.get("graph_us") or float("inf"))
             common.print_table(shape_rows[:8], ["mode", "rows", "context", "table", "block_n", "splits",
                                                 "tiles_per_split", "warps", "stages", "graph_us", "pct_peak", "error"])
-        common.write_json(args.json.replace(".json", "_sweep.json"), "sparse_paged_attention sweep", rows_out,
+        common.write_json(args.json.replace(".json", "_fp8_sweep.json" if args.fp8 else "_sweep.json"),
+                          "sparse_paged_attention sweep", rows_out,
                           notes[:1] + ["graph_us: CUDA graph replay of 20 calls, per call; table: the plan's choice"])
         return
     rows_out = []
@@ -255,6 +289,21 @@ def main():
             row["seed_us"] = seed
             if row["torch_graph_us"]:
                 row["speedup_vs_seed"] = seed / row["torch_graph_us"]
+
+        if args.fp8 and (mode, rows, context) in g["FP8_SHAPES"]:
+            fp8_args = dict(arrays, **fp8_arrays)
+            call8 = lambda: qsa_torch.sparse_paged_attention(**fp8_args)  # noqa: E731
+            row.update({f"fp8_{k}": v for k, v in plan_choice(qsa_torch, attention, fp8_args).items()})
+            row["fp8_bytes"] = moved_bytes(g, rows, width, cache_bytes=1)
+            row["fp8_torch_graph_us"] = common.torch_graph_us(call8, smoke=args.smoke)
+            if row["fp8_torch_graph_us"] is None:  # no CUDA (smoke): the wall clock, to run the path
+                row["fp8_torch_us"] = common.torch_median_us(call8, args.smoke)
+            row["fp8_torch_graph_pct_peak"] = common.pct_peak(row["fp8_bytes"], row["fp8_torch_graph_us"])
+            if row["fp8_torch_graph_us"] and row["torch_graph_us"]:
+                row["fp8_vs_bf16"] = row["fp8_torch_graph_us"] / row["torch_graph_us"]
+            out16, out8 = call(), call8()
+            row["fp8_rel_diff"] = float((out8.float() - out16.float()).norm() / out16.float().norm())
+            del out16, out8
 
         if (mode, rows, context) in g["JAX_SHAPES"]:
             if device == "cuda":
@@ -288,7 +337,8 @@ def main():
     common.print_table(rows_out, [
         "mode", "rows", "context", "splits", "block_n", "tiles_per_split", "bytes", "torch_us", "torch_graph_us",
         "torch_graph_gbps", "torch_graph_pct_peak", "seed_us", "speedup_vs_seed", "jax_wall_us", "jax_loop_us",
-        "jax_vs_torch_device", "dense_graph_us", "sparse_speedup_vs_dense", "neighbour_overlap"])
+        "jax_vs_torch_device", "dense_graph_us", "sparse_speedup_vs_dense", "neighbour_overlap"]
+        + (["fp8_torch_graph_us", "fp8_torch_graph_pct_peak", "fp8_vs_bf16", "fp8_rel_diff"] if args.fp8 else []))
     common.write_json(args.json, "sparse_paged_attention", rows_out, notes)
 
 

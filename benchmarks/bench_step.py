@@ -32,6 +32,13 @@ Paths, per shape:
 Goals reported: JAX jitted step device time within 5% of the torch graph step;
 ``torch.compile(mode="reduce-overhead")`` within 5% of the hand-captured graph;
 at 128K the QSA layer at least 15x faster than the dense layer for every batch.
+
+``--cache-dtype fp8``: the K/V and compressed-key caches are fp8 e4m3 with
+per-tensor scales in ``QSAState`` (results in step_fp8.json by default).  The
+dense baseline is not rerun (it reads bf16 caches): ``dense_bf16_graph_us``
+comes from a bf16 run's JSON (``--dense-json``, default results/step.json)
+where it has the shape, with the goal: at 128K, the fp8 QSA layer at least
+25x faster than the dense bf16 layer at 64 and 256 requests.
 Shapes run in order of importance (128K first) and stop at a time budget, with
 a note.  ``benchmarks/plot_step.py`` draws the JSON.
 """
@@ -73,16 +80,24 @@ SMOKE = Geometry(QH=4, KH=2, D=32, IH=2, DI=32, PAGE=8, RATIO=4, CPAGE=8, TOKEN_
 SMOKE_BATCHES, SMOKE_CONTEXTS = [1, 2], [64]
 
 
-def cache_bytes(g: Geometry, batch: int, context: int) -> int:
-    kv = 2 * batch * context * g.KH * g.D * 2
-    compressed = batch * (context // g.RATIO + g.CPAGE) * g.DI * 2
+def cache_bytes(g: Geometry, batch: int, context: int, element_bytes: int = 2) -> int:
+    kv = 2 * batch * context * g.KH * g.D * element_bytes
+    compressed = batch * (context // g.RATIO + g.CPAGE) * g.DI * element_bytes
     return kv + compressed
+
+
+def random_fp8(torch, shape, device):
+    """N(0, 1) values rounded to fp8 e4m3, made in chunks (no NaN codes, unlike random bits)."""
+    cache = torch.empty(shape, dtype=torch.float8_e4m3fn, device=device)
+    for first in range(0, shape[0], 4096):
+        cache[first:first + 4096] = torch.randn(cache[first:first + 4096].shape, device=device).to(cache.dtype)
+    return cache
 
 
 class Shape:
     """Caches, metadata and inputs of one (batch, context) decode step, on torch's device."""
 
-    def __init__(self, g: Geometry, batch: int, context: int, device):
+    def __init__(self, g: Geometry, batch: int, context: int, device, fp8: bool = False):
         import numpy as np
         import torch
 
@@ -100,8 +115,20 @@ class Shape:
         self.host_meta = pager.step({request: 1 for request in range(batch)})  # row at position context - 1
         self.meta = qsa_torch.StepMetadata.from_host(self.host_meta, device)
         shapes = geometry.state_shapes(g.KH, g.D, g.DI)
-        self.state = qsa_torch.QSAState(**{
-            name: torch.empty(shape, dtype=torch.bfloat16, device=device).normal_() for name, shape in shapes.items()})
+        self.fp8 = fp8
+        if fp8:  # fp8 K/V and compressed keys with their scales; the ring stays bf16
+            scale = lambda: torch.full((), 1.0, dtype=torch.float32, device=device)  # noqa: E731
+            self.state = qsa_torch.QSAState(
+                key_cache=random_fp8(torch, shapes["key_cache"], device),
+                value_cache=random_fp8(torch, shapes["value_cache"], device),
+                compressor_state_cache=torch.empty(shapes["compressor_state_cache"], dtype=torch.bfloat16,
+                                                   device=device).normal_(),
+                compressed_key_cache=random_fp8(torch, shapes["compressed_key_cache"], device),
+                k_scale=scale(), v_scale=scale(), compressed_key_scale=scale())
+        else:
+            self.state = qsa_torch.QSAState(**{
+                name: torch.empty(shape, dtype=torch.bfloat16, device=device).normal_()
+                for name, shape in shapes.items()})
         gen = torch.Generator(device).manual_seed(0)
         rnd = lambda *s: torch.randn(*s, generator=gen, device=device).to(torch.bfloat16)  # noqa: E731
         self.inputs = dict(q=rnd(batch, g.QH, g.D), k=rnd(batch, g.KH, g.D), v=rnd(batch, g.KH, g.D),
@@ -154,13 +181,25 @@ def jax_columns(shape: Shape, share: str, smoke: bool) -> tuple[dict, str]:
 
     import qsa_jax
     from qsa_kernels.paging import STATE_FIELDS
+    from qsa_kernels.step import SCALE_FIELDS
 
-    dlpack = jax.dlpack.from_dlpack
+    def dlpack(tensor):
+        try:
+            return jax.dlpack.from_dlpack(tensor)
+        except Exception:  # no fp8 through DLPack here: share the bytes, then reinterpret
+            import torch
+
+            if tensor.dtype != torch.float8_e4m3fn:
+                raise
+            return jax.lax.bitcast_convert_type(jax.dlpack.from_dlpack(tensor.view(torch.uint8)), jnp.float8_e4m3fn)
+
     inputs = {name: dlpack(a) for name, a in shape.inputs.items()}
     tables = (dlpack(shape.cos_sin), dlpack(shape.index_cos_sin))
     meta = qsa_jax.StepMetadata.from_host(shape.host_meta)
     own = (lambda t: jnp.array(dlpack(t), copy=True)) if share == "copy" else dlpack
-    state = qsa_jax.QSAState(**{name: own(getattr(shape.state, name)) for name in STATE_FIELDS})
+    state = qsa_jax.QSAState(**{name: own(getattr(shape.state, name)) for name in STATE_FIELDS},
+                             **{name: own(getattr(shape.state, name)) for name in SCALE_FIELDS
+                                if getattr(shape.state, name) is not None})
 
     def step(inputs, state, meta, cos_sin, index_cos_sin):
         return qsa_jax.qsa_attention_step(**inputs, state=state, metadata=meta, cos_sin=cos_sin,
@@ -202,10 +241,10 @@ def jax_columns(shape: Shape, share: str, smoke: bool) -> tuple[dict, str]:
 class Runner:
     """Measures shapes in turn; JAX shares torch's caches through DLPack until donating them fails."""
 
-    def __init__(self, smoke: bool):
+    def __init__(self, smoke: bool, fp8: bool = False):
         import torch
 
-        self.torch, self.smoke = torch, smoke
+        self.torch, self.smoke, self.fp8 = torch, smoke, fp8
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.share = "dlpack"
         self.notes: list[str] = []
@@ -215,16 +254,17 @@ class Runner:
 
     def measure(self, g: Geometry, batch: int, context: int) -> dict | None:
         label = f"B={batch} L={_tokens(context)}"
-        need = cache_bytes(g, batch, context)
+        need = cache_bytes(g, batch, context, 1 if self.fp8 else 2)
         if need + MEMORY_MARGIN > self.free_bytes():
             self.notes.append(f"{label}: skipped, its caches ({need / 2**30:.1f} GiB) do not fit")
             return None
-        shape = Shape(g, batch, context, self.device)
+        shape = Shape(g, batch, context, self.device, fp8=self.fp8)
         row = dict(batch=batch, context=context, cache_gib=round(need / 2**30, 2))
         row["torch_eager_us"] = common.torch_median_us(shape.torch_step, self.smoke)
         row["torch_graph_us"] = common.torch_graph_us(shape.torch_step, calls=LOOP_CALLS, smoke=self.smoke)
-        row.update(self.compiled(shape, label))
-        row["dense_graph_us"] = common.torch_graph_us(shape.dense_step, calls=LOOP_CALLS, smoke=self.smoke)
+        if not self.fp8:  # compiled columns and the dense layer (it reads bf16 caches) come from a bf16 run
+            row.update(self.compiled(shape, label))
+            row["dense_graph_us"] = common.torch_graph_us(shape.dense_step, calls=LOOP_CALLS, smoke=self.smoke)
         row.update(self.jax(shape, label))
         row["jax_over_torch_device"] = _ratio(row.get("jax_loop_us"), row.get("torch_graph_us"))
         row["compile_graph_over_graph"] = _ratio(row.get("torch_compile_graph_us"), row.get("torch_graph_us"))
@@ -263,7 +303,7 @@ class Runner:
                 self.notes.append(f"{label}: JAX over the DLPack caches failed ({type(error).__name__}: "
                                   f"{str(error)[:160]}); JAX gets its own copy from here on")
             self.share = "copy"
-        if cache_bytes(shape.g, shape.batch, shape.context) + MEMORY_MARGIN > self.free_bytes():
+        if cache_bytes(shape.g, shape.batch, shape.context, 1 if self.fp8 else 2) + MEMORY_MARGIN > self.free_bytes():
             self.notes.append(f"{label}: JAX skipped: a second copy of the caches does not fit")
             return {}
         try:
@@ -276,11 +316,18 @@ class Runner:
 def main():
     p = common.parser(__doc__, "step.json")
     p.add_argument("--budget", type=float, default=TIME_BUDGET_S, help="seconds after which no new shape starts")
+    p.add_argument("--cache-dtype", choices=("bf16", "fp8"), default="bf16",
+                   help="K/V and compressed-key caches: bf16, or fp8 e4m3 with per-tensor scales")
+    p.add_argument("--dense-json", default=os.path.join(common.ROOT, "benchmarks", "results", "step.json"),
+                   help="with --cache-dtype fp8: the bf16 run whose dense_graph_us the fp8 step is compared with")
     args = p.parse_args()
+    fp8 = args.cache_dtype == "fp8"
+    if fp8 and args.json == p.get_default("json"):
+        args.json = args.json.replace("step.json", "step_fp8.json")
     started = time.perf_counter()
     g = SMOKE if args.smoke else PRODUCTION
     batches, contexts = (SMOKE_BATCHES, SMOKE_CONTEXTS) if args.smoke else (BATCHES, CONTEXTS)
-    runner = Runner(args.smoke)
+    runner = Runner(args.smoke, fp8)
     rows = []
     for context in contexts:
         for batch in batches:
@@ -295,9 +342,15 @@ def main():
     columns = ["batch", "context", "cache_gib", "torch_eager_us", "torch_compile_us", "torch_compile_graph_us",
                "torch_graph_us", "jax_wall_us", "jax_loop_us", "dense_graph_us", "jax_over_torch_device",
                "compile_graph_over_graph", "dense_over_qsa"]
+    if fp8:
+        columns = [c for c in columns if "compile" not in c]
+        columns[columns.index("dense_graph_us")] = "dense_bf16_graph_us"
+        columns[columns.index("dense_over_qsa")] = "dense_bf16_over_qsa_fp8"
     print()
     common.print_table(rows, columns)
     goals = _goals(rows, batches, contexts[0])
+    if fp8:
+        goals.append(_fp8_goal(rows, args.dense_json, contexts[0]))
     for line in goals + runner.notes:
         print(line)
     sharing = ("one copy of the caches, allocated by torch and shared with JAX through DLPack (random contents)"
@@ -312,10 +365,31 @@ def main():
         f"jax_wall_us: {LOOP_CALLS} back-to-back jitted calls with the state donated, wall clock per call",
         f"jax_loop_us: one jitted lax.fori_loop of {LOOP_CALLS} steps, unroll=True, per step (device time)",
         "dense_graph_us: stage 1 + flash SDPA over the whole context (GQA as MQA per KV head), CUDA graph",
+        *(["fp8 e4m3 K/V and compressed-key caches with per-tensor scales (1.0) in QSAState; the ring is bf16; "
+            f"dense_bf16_graph_us: the bf16 run's dense_graph_us ({args.dense_json})"] if fp8 else []),
         sharing, *goals, *runner.notes,
     ])
     _plot(args.json)
     print(f"wall: {time.perf_counter() - started:.0f} s")
+
+
+def _fp8_goal(rows, dense_json: str, longest: int) -> str:
+    """Fill dense_bf16_* from a bf16 run's JSON; the goal line of issue 15."""
+    import json
+
+    try:
+        with open(dense_json) as file:
+            dense = {(r["batch"], r["context"]): r.get("dense_graph_us") for r in json.load(file)["rows"]}
+    except (OSError, ValueError, KeyError) as error:
+        return f"goal (fp8 vs dense bf16): no bf16 run to compare with ({type(error).__name__}: {dense_json})"
+    for row in rows:
+        row["dense_bf16_graph_us"] = dense.get((row["batch"], row["context"]))
+        row["dense_bf16_over_qsa_fp8"] = _ratio(row["dense_bf16_graph_us"], row.get("torch_graph_us"))
+    at = {r["batch"]: r["dense_bf16_over_qsa_fp8"] for r in rows if r["context"] == longest and r["batch"] in (64, 256)}
+    met = len(at) == 2 and all(v and v >= 25 for v in at.values())
+    return (f"goal: at {_tokens(longest)} the fp8 QSA layer >= 25x faster than the dense bf16 layer at 64 and 256 "
+            f"requests: {', '.join(f'B={b}: {v:.1f}x' for b, v in at.items() if v) or 'not measured'} -> "
+            f"{'met' if met else 'NOT met'}")
 
 
 def _tokens(n: int) -> str:

@@ -147,6 +147,10 @@ def to_jax(tensor):
         return jax.dlpack.from_dlpack(tensor)
     if tensor.dtype == torch.bfloat16:
         return jnp.asarray(tensor.float().numpy()).astype(jnp.bfloat16)
+    if tensor.dtype == torch.float8_e4m3fn:  # NumPy has no fp8: move the bits
+        import ml_dtypes
+
+        return jnp.asarray(tensor.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn))
     return jnp.asarray(tensor.numpy())
 
 

@@ -15,6 +15,16 @@ softmax over the union of the splits.
 Numerics (the seed's): q.k in the cache dtype with float32 accumulation, the
 scale applied to the float32 scores, probabilities rounded to the value dtype
 for the P.V product while the normaliser sums them in float32.
+
+fp8 e4m3 caches (``stored = value / scale``, as stage 1 writes them): each
+gathered K/V tile is converted to q's dtype, which holds every e4m3 value
+exactly (:func:`.fp8.widen_e4m3`: for bf16 on integer ops, not Triton's
+cast), so the dots are the same 16-bit tensor-core dots as for 16-bit caches
+(an fp8 dot would round q to fp8).  ``k_scale`` is folded into the float32
+score scale, ``softmax_scale * k_scale * log2(e)``; ``v_scale`` multiplies
+each program's float32 output once (``acc / normaliser * v_scale``), never
+the values.  So the result is that of a 16-bit cache holding the dequantised
+values, up to the rounding of those scale products.
 """
 
 from __future__ import annotations
@@ -23,10 +33,11 @@ import triton
 import triton.language as tl
 
 from . import runtime
+from .fp8 import bit_trick, widen_e4m3
 from .launch import ArrayInfo, Buffer, Launch, Program
 from .memo import cached_plan
 from .tuning import AttentionTuning
-from .validate import FINITE_NUMBER, Checker
+from .validate import FINITE_NUMBER, FP8_DTYPE, Checker
 
 FUNCTION = "sparse_paged_attention"
 DOC = """\
@@ -41,7 +52,8 @@ exact log-sum-exp (the split count changes only rounding).
 Args:
     q: ``[R, QH, D]`` bf16 or fp16; D a power of two >= 16.
     k_cache, v_cache: ``[num_blocks, P, KH, D]`` (the flash layout of
-        ``rope_reshape_and_cache``) of q's dtype, ``QH % KH == 0``.
+        ``rope_reshape_and_cache``) of q's dtype, or both ``float8_e4m3fn``
+        (then ``k_scale`` and ``v_scale`` are required); ``QH % KH == 0``.
     token_indices: ``[R, W]`` int32/int64 logical token positions.  ``-1``, a
         position past the block table, an unmapped (``-1``) or out-of-range
         page are skipped; a position listed twice is attended twice.
@@ -51,6 +63,14 @@ Args:
         is ``-1`` or ``>= B`` attends nothing.
     softmax_scale: Python number multiplying q.k; defaults to ``D ** -0.5``.[jax:  A
         compile-time constant under ``jax.jit``.]
+    k_scale, v_scale: for fp8 caches only (else they must be None): 0-d or
+        1-element float tensors, the scales stage 1 divided by (cache =
+        value / scale).  q.k is computed on the fp8 keys converted exactly to
+        q's dtype, accumulated in float32 and multiplied by ``softmax_scale *
+        k_scale``; P.V likewise on the converted values (probabilities rounded
+        to q's dtype, float32 accumulation), and the float32 output of each
+        split is multiplied by ``v_scale`` once.  (fp8 caches hold no NaN:
+        stage 1 saturates; the two NaN codes read as +-480 with bf16 q.)
 
 Returns:
     ``out [R, QH, D]`` of q's dtype; rows with no valid token are zeros.
@@ -89,11 +109,12 @@ def _dot(a, b, acc, INTERPRET: tl.constexpr):
 def sparse_attention_partial_kernel(
     # inputs
     q_ptr,  # [R, QH, D] bf16/fp16
-    k_cache_ptr,  # [num_blocks, P, KH, D] q's dtype
-    v_cache_ptr,  # [num_blocks, P, KH, D] q's dtype
+    k_cache_ptr,  # [num_blocks, P, KH, D] q's dtype or fp8 e4m3
+    v_cache_ptr,  # [num_blocks, P, KH, D] k_cache's dtype
     token_indices_ptr,  # [R, W] int32/int64
     block_table_ptr,  # [B, max_pages] int32/int64
     token_to_req_ptr,  # [R] int32/int64
+    k_scale_ptr, v_scale_ptr,  # [] or [1] each (read only when FP8_CACHE)
     # outputs: `out` itself (one split) or float32 partial outputs; log2-sum-exp
     o_ptr,  # [R, QH, D] q's dtype, or [S, R, QH, D] float32
     lse_ptr,  # [S, R, QH] float32
@@ -104,7 +125,7 @@ def sparse_attention_partial_kernel(
     # constexprs
     GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, WIDTH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, FP8_CACHE: tl.constexpr, BIT_TRICK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
@@ -123,6 +144,10 @@ def sparse_attention_partial_kernel(
     index_row = token_indices_ptr + row * ti_sr
     k_head = k_cache_ptr + kv_head * k_sh
     v_head = v_cache_ptr + kv_head * v_sh
+
+    if FP8_CACHE:
+        # fp8 stores value / scale: k_scale joins the float32 score scale.
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr).to(tl.float32)
 
     running_max = tl.full((BLOCK_M,), MASKED_SCORE, tl.float32)
     normaliser = tl.zeros((BLOCK_M,), tl.float32)
@@ -147,6 +172,9 @@ def sparse_attention_partial_kernel(
         v_rows = v_head + page * v_sb + offset * v_sp
         keys = tl.load(k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         values = tl.load(v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        if FP8_CACHE:  # widened to q's dtype (exact) for the 16-bit dots
+            keys = widen_e4m3(keys, q.dtype, BIT_TRICK)
+            values = widen_e4m3(values, q.dtype, BIT_TRICK)
 
         scores = _dot(q, tl.trans(keys), None, INTERPRET) * scale_log2
         scores = tl.where(valid[None, :], scores, MASKED_SCORE)
@@ -168,6 +196,9 @@ def sparse_attention_partial_kernel(
     has_tokens = tl.sum(valid_tokens, axis=0) > 0
     zero_mass = normaliser == 0.0
     out = acc / tl.where(has_tokens, normaliser, 1.0)[:, None]
+    if FP8_CACHE:
+        # v_scale scales the float32 output once, not every value.
+        out = out * tl.load(v_scale_ptr).to(tl.float32)
     lse = tl.where(has_tokens & ~zero_mass, running_max + tl.math.log2(tl.where(zero_mass, 1.0, normaliser)),
                    -float("inf"))
     tl.store(o_ptr + split * o_ss + row * o_sr + heads[:, None] * o_sh + d[None, :],
@@ -217,10 +248,29 @@ def merge_splits_kernel(
     tl.store(out_ptr + row * out_sr + head * out_sh + d, (merged / denominator).to(out_ptr.dtype.element_ty))
 
 
-def _launch_config(rows: int, kv_heads: int, width: int, d: int, tuning: AttentionTuning):
+def _check_cache_dtypes(check: Checker, q, k_cache, v_cache, k_scale, v_scale) -> bool:
+    """Both caches of q's dtype and no scales, or both fp8 e4m3 with both scales: whether fp8."""
+    if k_cache.dtype not in (q.dtype, FP8_DTYPE):
+        check.fail("k_cache", f"must have q's dtype {q.dtype} or be {FP8_DTYPE}", k_cache.dtype)
+    fp8 = k_cache.dtype == FP8_DTYPE
+    if v_cache.dtype != k_cache.dtype:
+        like = f"be {FP8_DTYPE} like k_cache" if fp8 else f"have q's dtype {q.dtype} like k_cache"
+        check.fail("v_cache", f"must {like}", v_cache.dtype)
+    for name, info in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if fp8 and info is None:
+            check.fail(name, f"must be given (a 0-d or 1-element float tensor) for {FP8_DTYPE} caches", None)
+        if not fp8 and info is not None:
+            check.fail(name, f"must be None for {k_cache.dtype} caches (scales are for {FP8_DTYPE} caches)",
+                       f"an array of shape {info.shape}")
+        if info is not None:
+            check.scalar_array(name, info)
+    return fp8
+
+
+def _launch_config(rows: int, kv_heads: int, width: int, d: int, tuning: AttentionTuning, fp8: bool = False):
     """``(BLOCK_N, tiles per split, splits, warps, stages)`` from the tuning's table."""
     programs = rows * kv_heads
-    for most, tile_bytes, num_warps, num_stages in tuning.launch_table:
+    for most, tile_bytes, num_warps, num_stages in tuning.fp8_launch_table if fp8 else tuning.launch_table:
         if most is None or programs <= most:
             break
     if tuning.tile_bytes is not None:
@@ -242,6 +292,7 @@ def plan_sparse_paged_attention(
     q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, token_indices: ArrayInfo,
     block_table: ArrayInfo, token_to_req: ArrayInfo, softmax_scale: float | None = None,
     *, tuning: AttentionTuning | None = None,
+    k_scale: ArrayInfo | None = None, v_scale: ArrayInfo | None = None,
 ) -> Program:
     """Validate stage-4 arguments and describe the launches (see docs/api.md).
 
@@ -253,8 +304,7 @@ def plan_sparse_paged_attention(
     check.rank("k_cache", k_cache, 4, "[num_blocks, P, KH, D] (flash layout)")
     check.rank("v_cache", v_cache, 4, "[num_blocks, P, KH, D] (flash layout)")
     check.dtype("q", q, ("bfloat16", "float16"))
-    check.same_dtype("k_cache", k_cache, "q", q)
-    check.same_dtype("v_cache", v_cache, "q", q)
+    fp8 = _check_cache_dtypes(check, q, k_cache, v_cache, k_scale, v_scale)
     rows, qh, d = q.shape
     num_blocks, page, kh, cache_d = k_cache.shape
     check.power_of_two("q", d, "head dim D")
@@ -280,7 +330,7 @@ def plan_sparse_paged_attention(
     width = token_indices.shape[1]
     group = qh // kh
     block_m = max(16, triton.next_power_of_2(group))
-    block_n, tiles_per_split, splits, num_warps, num_stages = _launch_config(rows, kh, width, d, tuning)
+    block_n, tiles_per_split, splits, num_warps, num_stages = _launch_config(rows, kh, width, d, tuning, fp8)
 
     out = Buffer("out", (rows, qh, d), q.dtype)
     # The log2-sum-exps of one split are the rows' own: kept for a later
@@ -301,7 +351,8 @@ def plan_sparse_paged_attention(
         kernel=sparse_attention_partial_kernel,
         # Rows vary fastest (see the table).
         grid=(rows, splits, kh),
-        inputs=tuple(arrays),
+        # Without fp8 caches the scale pointers are stand-ins FP8_CACHE never reads.
+        inputs=tuple(arrays) + (("k_scale", "v_scale") if fp8 else ("q", "q")),
         outputs=(partial_out.name, partial_lse.name),
         scalars=dict(
             num_blocks=num_blocks, num_requests=block_table.shape[0], table_width=block_table.shape[1],
@@ -314,7 +365,8 @@ def plan_sparse_paged_attention(
         ),
         constexprs=dict(
             GROUP=group, D=d, PAGE=page, WIDTH=width, BLOCK_M=block_m, BLOCK_N=block_n,
-            TILES_PER_SPLIT=tiles_per_split, INTERPRET=runtime.INTERPRETED,
+            TILES_PER_SPLIT=tiles_per_split, INTERPRET=runtime.INTERPRETED, FP8_CACHE=fp8,
+            BIT_TRICK=bit_trick(fp8, q.dtype),
         ),
         num_warps=num_warps,
         num_stages=num_stages,

@@ -17,23 +17,34 @@ import triton
 import triton.language as tl
 
 from . import runtime
+from .fp8 import bit_trick, widen_e4m3
 from .launch import ArrayInfo, Buffer, Launch, Program
 from .memo import cached_plan
 from .rows import count_visible_blocks, row_request
-from .validate import FINITE_POSITIVE_NUMBER, FLOAT_DTYPES, NONNEGATIVE_INT, POSITIVE_INT, Checker
+from .validate import FINITE_POSITIVE_NUMBER, FLOAT_DTYPES, FP8_DTYPE, NONNEGATIVE_INT, POSITIVE_INT, Checker
 
 #: Options of the scorer's arguments (select_paged_tokens shares them).
 SCORING_OPTIONS = dict(compress_ratio=POSITIVE_INT)
 
 SCORES_DOC_ARGS = """\
     q: ``[R, H, D]`` bf16, fp16 or fp32 indexer queries.
-    k_cache: ``[num_pages, P, 1, D]`` compressed keys (bf16, fp16 or fp32).
+    k_cache: ``[num_pages, P, 1, D]`` compressed keys (bf16, fp16 or fp32,
+        or fp8 e4m3 with ``k_scale``: see ``store_cache_rows``).
     page_table: ``[B, W]`` int32/int64 physical pages of each request's
         compressed blocks (block ``c`` is page ``c // P``, offset ``c % P``);
         ``-1`` and out-of-range pages are skipped.
     token_to_req: ``[R]`` request of each row; ``-1`` / out of range: none.
     query_positions: ``[R]`` token position of each row.
     sequence_lengths: ``[B]`` tokens of each request."""
+
+SCALE_DOC = """\
+    k_scale: for a ``float8_e4m3fn`` k_cache only (required then, else it
+        must be None): the cache's one positive per-tensor scale, a 0-d or
+        1-element float tensor (keys = stored values * k_scale, as
+        ``store_cache_rows(..., scale=)`` wrote them).  The fp8 keys are
+        converted exactly to q's dtype for the dot (float32 accumulation) and
+        k_scale is folded into the float32 divisor: ``score_divisor /
+        k_scale`` (``relu`` commutes with a positive scale)."""
 
 SCORES_DOC = f"""\
 Score every compressed block of each row's request (QSA indexer).
@@ -49,6 +60,7 @@ Args:
     compress_ratio: tokens per compressed block (positive int).
     num_columns: logits width ``C``; default ``W * P``.
     score_divisor: positive divisor of the scores; default ``sqrt(D)``.
+{SCALE_DOC}
 
 Returns:
     ``(logits [R, C] float32, visible_blocks [R] int32)``.
@@ -89,7 +101,8 @@ def _score_row(q_ptr, k_cache_ptr, page_table_ptr, token_to_req_ptr, query_posit
                row_begin, num_columns, num_pages, num_requests, table_width,
                q_sr, q_sh, kc_sb, kc_sp, pt_sr, lg_sr, score_divisor,
                HEADS: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-               PAGE: tl.constexpr, RATIO: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+               PAGE: tl.constexpr, RATIO: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+               FP8_KEYS: tl.constexpr, BIT_TRICK: tl.constexpr):
     """One row against a column tile: its heads padded to a dot of HEADS_P >= 16 rows."""
     row = row_begin + local_row.to(tl.int64)
     request, request_ok, length = row_request(token_to_req_ptr, sequence_lengths_ptr, row, True, num_requests)
@@ -103,6 +116,8 @@ def _score_row(q_ptr, k_cache_ptr, page_table_ptr, token_to_req_ptr, query_posit
         dims = tl.arange(0, BLOCK_D)
         q = tl.load(q_ptr + row * q_sr + heads[:, None] * q_sh + dims[None, :],
                     mask=(heads[:, None] < HEADS) & (dims[None, :] < D), other=0.0)
+        if FP8_KEYS:
+            keys = widen_e4m3(keys, q.dtype, BIT_TRICK)  # exact: q's dtype holds every e4m3 value
         # Padded heads are zero rows: relu(0) adds nothing.
         total = tl.sum(tl.maximum(_dot(q, tl.trans(keys), UPCAST), 0.0), axis=0)
         scores = tl.where(present, total / score_divisor, float("-inf"))
@@ -113,11 +128,12 @@ def _score_row(q_ptr, k_cache_ptr, page_table_ptr, token_to_req_ptr, query_posit
 def scores_kernel(
     # inputs
     q_ptr,  # [R, H, D] bf16/fp16/fp32
-    k_cache_ptr,  # [num_pages, P, 1, D] bf16/fp16/fp32
+    k_cache_ptr,  # [num_pages, P, 1, D] bf16/fp16/fp32/fp8 e4m3
     page_table_ptr,  # [B, W] int32/int64
     token_to_req_ptr,  # [R] int32/int64
     query_positions_ptr,  # [R] int32/int64
     sequence_lengths_ptr,  # [B] int32/int64
+    k_scale_ptr,  # [] or [1] float (read only when FP8_KEYS)
     # outputs (rows local to the launch: row_begin + i is row i)
     logits_ptr,  # [num_rows (or a chunk's rows), C] float32
     visible_ptr,  # [num_rows] int32
@@ -127,9 +143,12 @@ def scores_kernel(
     # constexprs
     HEADS: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, RATIO: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, FP8_KEYS: tl.constexpr, BIT_TRICK: tl.constexpr,
 ):
     """Rows ``row_begin + [0, num_rows)``; their logits and visible rows are local (0-based)."""
+    if FP8_KEYS:
+        # keys = stored * k_scale > 0, and relu(k_scale * x) = k_scale * relu(x).
+        score_divisor = score_divisor / tl.load(k_scale_ptr).to(tl.float32)
     first = tl.program_id(0) * BLOCK_R
     local = first + tl.arange(0, BLOCK_R)
     row_ok = local < num_rows
@@ -146,7 +165,7 @@ def scores_kernel(
                    sequence_lengths_ptr, logits_ptr, first, col_start,
                    row_begin, num_columns, num_pages, num_requests, table_width,
                    q_sr, q_sh, kc_sb, kc_sp, pt_sr, lg_sr, score_divisor,
-                   HEADS, HEADS_P, D, BLOCK_D, PAGE, RATIO, BLOCK_N, UPCAST)
+                   HEADS, HEADS_P, D, BLOCK_D, PAGE, RATIO, BLOCK_N, UPCAST, FP8_KEYS, BIT_TRICK)
     else:
         # A tile whose valid rows share one request (a prefill chunk) loads
         # the keys once for all its rows; any other tile is scored row by row.
@@ -159,7 +178,10 @@ def scores_kernel(
                                          cols, limit, num_pages, table_width, kc_sb, kc_sp, pt_sr,
                                          D, BLOCK_D, PAGE)
             if col_start < limit:
-                keys_t = tl.trans(keys)
+                if FP8_KEYS:  # exact, as in _score_row (a new name: keys' type is fixed out here)
+                    keys_t = tl.trans(widen_e4m3(keys, q_ptr.dtype.element_ty, BIT_TRICK))
+                else:
+                    keys_t = tl.trans(keys)
                 dims = tl.arange(0, BLOCK_D)
                 q_rows = q_ptr + rows[:, None] * q_sr + dims[None, :]
                 q_mask = row_ok[:, None] & (dims[None, :] < D)
@@ -177,7 +199,7 @@ def scores_kernel(
                                sequence_lengths_ptr, logits_ptr, first + i, col_start,
                                row_begin, num_columns, num_pages, num_requests, table_width,
                                q_sr, q_sh, kc_sb, kc_sp, pt_sr, lg_sr, score_divisor,
-                               HEADS, HEADS_P, D, BLOCK_D, PAGE, RATIO, BLOCK_N, UPCAST)
+                               HEADS, HEADS_P, D, BLOCK_D, PAGE, RATIO, BLOCK_N, UPCAST, FP8_KEYS, BIT_TRICK)
 
 
 def check_scoring(check: Checker, q, k_cache, page_table, token_to_req, query_positions,
@@ -187,7 +209,7 @@ def check_scoring(check: Checker, q, k_cache, page_table, token_to_req, query_po
     rows, heads, dim = q.shape
     if heads < 1 or dim < 1:
         check.fail("q", "must have at least one head and a head dim D >= 1", f"shape {q.shape}")
-    check.array("k_cache", k_cache, 4, "[num_pages, P, 1, D]", FLOAT_DTYPES)
+    check.array("k_cache", k_cache, 4, "[num_pages, P, 1, D]", FLOAT_DTYPES + (FP8_DTYPE,))
     if k_cache.shape[2] != 1:
         check.fail("k_cache", "must have one key head (dimension 2 of size 1)", f"shape {k_cache.shape}")
     if k_cache.shape[3] != dim:
@@ -200,6 +222,19 @@ def check_scoring(check: Checker, q, k_cache, page_table, token_to_req, query_po
     check.index_vector("sequence_lengths", sequence_lengths, page_table.shape[0], "B")
 
 
+def check_key_scale(check: Checker, k_cache: ArrayInfo, k_scale: ArrayInfo | None) -> bool:
+    """``k_scale`` given exactly when ``k_cache`` is fp8, as a scalar array: whether it is."""
+    fp8 = k_cache.dtype == FP8_DTYPE
+    if fp8 and k_scale is None:
+        check.fail("k_scale", f"must be given (a 0-d or 1-element float tensor) for a {FP8_DTYPE} k_cache", None)
+    if not fp8 and k_scale is not None:
+        check.fail("k_scale", f"must be None for a {k_cache.dtype} k_cache (a scale is for {FP8_DTYPE} keys)",
+                   f"an array of shape {k_scale.shape}")
+    if k_scale is not None:
+        check.scalar_array("k_scale", k_scale)
+    return fp8
+
+
 def score_tiling(q: ArrayInfo, k_cache: ArrayInfo, page_table: ArrayInfo, num_columns: int):
     """(rows per tile, columns per tile, upcast operands) of the scorer.
 
@@ -209,20 +244,24 @@ def score_tiling(q: ArrayInfo, k_cache: ArrayInfo, page_table: ArrayInfo, num_co
     Register use of these tiles was checked offline for sm_90 (no spills).
     """
     rows, dim = q.shape[0], q.shape[2]
-    exact = q.dtype != k_cache.dtype or q.dtype == "float32"
+    # fp8 keys are widened exactly to q's dtype: not a mixed-precision dot.
+    exact = (q.dtype != k_cache.dtype and k_cache.dtype != FP8_DTYPE) or q.dtype == "float32"
     if exact or rows <= page_table.shape[0]:
         block_r = 1
     else:
         block_r = 64 if rows >= 1024 else 16
-    block_n = 32 if exact else (128 if block_r == 1 else 64)
+    # fp8 keys scored row by row: twice the columns, so a program moves as
+    # many key bytes as with 16-bit keys (96 registers on sm_90, no spill).
+    wide = 2 if k_cache.dtype == FP8_DTYPE and block_r == 1 and not exact else 1
+    block_n = wide * (32 if exact else (128 if block_r == 1 else 64))
     block_d = max(16, triton.next_power_of_2(dim))
-    block_n = max(16, min(block_n, 16384 // block_d, triton.next_power_of_2(max(num_columns, 1))))
+    block_n = max(16, min(block_n, wide * 16384 // block_d, triton.next_power_of_2(max(num_columns, 1))))
     # The interpreter's bf16 dots are wrong: it always multiplies in fp32.
     return block_r, block_n, exact or runtime.INTERPRETED
 
 
 def score_launches(q, k_cache, page_table, compress_ratio, num_columns, score_divisor,
-                   row_ranges, logits_stride):
+                   row_ranges, logits_stride, fp8_keys=False):
     """Scorer launches over ``row_ranges`` [(first row, rows)], writing local logits/visible rows."""
     heads, dim = q.shape[1], q.shape[2]
     pages, page = k_cache.shape[0], k_cache.shape[1]
@@ -231,7 +270,9 @@ def score_launches(q, k_cache, page_table, compress_ratio, num_columns, score_di
     return [Launch(
         kernel=scores_kernel,
         grid=(triton.cdiv(count, block_r), max(1, triton.cdiv(num_columns, block_n))),
-        inputs=("q", "k_cache", "page_table", "token_to_req", "query_positions", "sequence_lengths"),
+        inputs=("q", "k_cache", "page_table", "token_to_req", "query_positions", "sequence_lengths",
+                # Without fp8 keys: a stand-in pointer FP8_KEYS never reads.
+                "k_scale" if fp8_keys else "q"),
         outputs=("logits", "visible_blocks"),
         scalars=dict(row_begin=first, num_rows=count, num_columns=num_columns, num_pages=pages,
                      num_requests=requests, table_width=table_width,
@@ -240,7 +281,8 @@ def score_launches(q, k_cache, page_table, compress_ratio, num_columns, score_di
                      score_divisor=float(score_divisor)),
         constexprs=dict(HEADS=heads, HEADS_P=max(16, triton.next_power_of_2(heads)), D=dim,
                         BLOCK_D=max(16, triton.next_power_of_2(dim)), PAGE=page, RATIO=compress_ratio,
-                        BLOCK_R=block_r, BLOCK_N=block_n, UPCAST=upcast),
+                        BLOCK_R=block_r, BLOCK_N=block_n, UPCAST=upcast, FP8_KEYS=fp8_keys,
+                        BIT_TRICK=bit_trick(fp8_keys, q.dtype)),
         num_warps=8,
         num_stages=1,
     ) for first, count in row_ranges]
@@ -251,10 +293,11 @@ def score_launches(q, k_cache, page_table, compress_ratio, num_columns, score_di
 def plan_mqa_paged_scores(q: ArrayInfo, k_cache: ArrayInfo, page_table: ArrayInfo,
                           token_to_req: ArrayInfo, query_positions: ArrayInfo,
                           sequence_lengths: ArrayInfo, compress_ratio: int, num_columns: int | None = None,
-                          score_divisor: float | None = None) -> Program:
+                          score_divisor: float | None = None, *, k_scale: ArrayInfo | None = None) -> Program:
     """Validate ``mqa_paged_scores`` arguments and describe its launch (see docs/api.md)."""
     check = Checker("mqa_paged_scores")
     check_scoring(check, q, k_cache, page_table, token_to_req, query_positions, sequence_lengths)
+    fp8_keys = check_key_scale(check, k_cache, k_scale)
     if num_columns is None:
         num_columns = page_table.shape[1] * k_cache.shape[1]
     if score_divisor is None:
@@ -263,5 +306,5 @@ def plan_mqa_paged_scores(q: ArrayInfo, k_cache: ArrayInfo, page_table: ArrayInf
     logits = Buffer("logits", (rows, num_columns), "float32")
     visible = Buffer("visible_blocks", (rows,), "int32")
     launches = score_launches(q, k_cache, page_table, compress_ratio, num_columns, score_divisor,
-                              [(0, rows)], logits.info.strides[0])
+                              [(0, rows)], logits.info.strides[0], fp8_keys)
     return Program("mqa_paged_scores", (logits, visible), tuple(launches), ("logits", "visible_blocks"))

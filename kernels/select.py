@@ -14,7 +14,8 @@ import math
 from .expand import EXPAND_OPTIONS, check_token_topk, expand_launches
 from .launch import ArrayInfo, Buffer, Program
 from .memo import cached_plan
-from .score import SCORES_DOC_ARGS, SCORING_OPTIONS, check_scoring, score_launches, score_tiling
+from .score import (SCALE_DOC, SCORES_DOC_ARGS, SCORING_OPTIONS, check_key_scale, check_scoring, score_launches,
+                    score_tiling)
 from .topk import topk_parts
 from .tuning import SelectTuning, TopkTuning
 from .validate import Checker
@@ -32,6 +33,7 @@ Args:
 {SCORES_DOC_ARGS}
     token_topk: selected tokens, a multiple of ``compress_ratio``.
     compress_ratio: tokens per compressed block (positive int).
+{SCALE_DOC}
 
 Returns:
     ``[R, token_topk + compress_ratio - 1]`` int32 token indices.
@@ -43,7 +45,8 @@ def plan_select_paged_tokens(q: ArrayInfo, k_cache: ArrayInfo, page_table: Array
                              token_to_req: ArrayInfo, query_positions: ArrayInfo,
                              sequence_lengths: ArrayInfo, token_topk: int, compress_ratio: int, *,
                              tuning: SelectTuning | None = None,
-                             topk_tuning: TopkTuning | None = None) -> Program:
+                             topk_tuning: TopkTuning | None = None,
+                             k_scale: ArrayInfo | None = None) -> Program:
     """Validate ``select_paged_tokens`` arguments and describe its chunked launches (see docs/api.md).
 
     Each chunk of rows is scored into one logits workspace, ranked and
@@ -52,6 +55,7 @@ def plan_select_paged_tokens(q: ArrayInfo, k_cache: ArrayInfo, page_table: Array
     check = Checker("select_paged_tokens")
     check_scoring(check, q, k_cache, page_table, token_to_req, query_positions, sequence_lengths)
     check_token_topk(check, token_topk, compress_ratio)
+    fp8_keys = check_key_scale(check, k_cache, k_scale)
     rows = q.shape[0]
     columns = page_table.shape[1] * k_cache.shape[1]
     block_topk = token_topk // compress_ratio
@@ -64,7 +68,7 @@ def plan_select_paged_tokens(q: ArrayInfo, k_cache: ArrayInfo, page_table: Array
     out = Buffer("out", (rows, token_topk + compress_ratio - 1), "int32")
     stride = logits.info.strides[0]
     score = score_launches(q, k_cache, page_table, compress_ratio, columns, math.sqrt(q.shape[2]),
-                           ranges, stride)
+                           ranges, stride, fp8_keys)
     topk_buffers, topk = topk_parts(chunk, columns, block_topk, stride, [n for _, n in ranges],
                                     "logits", "visible_blocks", "blocks", topk_tuning)
     expand = expand_launches(block_topk, compress_ratio, max(block_topk, 1), out.shape[1],

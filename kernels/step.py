@@ -39,10 +39,13 @@ from .launch import ArrayInfo, Buffer, Launch, Program, cached_plan
 from .paging import METADATA_FIELDS, STATE_FIELDS
 from .rope_cache import plan_rope_reshape_and_cache
 from .select import plan_select_paged_tokens
-from .validate import BOOL, FINITE_NUMBER, POSITIVE_INT, Checker
+from .validate import BOOL, FINITE_NUMBER, FP8_DTYPE, POSITIVE_INT, Checker
 
 __all__ = ["plan_qsa_attention_step", "state_arguments", "step_results", "STEP_DOC", "STATE_DOC",
-           "METADATA_DOC", "METADATA_FIELDS", "STATE_FIELDS", "STEP_ARRAYS", "LABELS"]
+           "METADATA_DOC", "METADATA_FIELDS", "STATE_FIELDS", "SCALE_FIELDS", "STEP_ARRAYS", "LABELS"]
+
+#: QSAState's optional scales, after its four caches (``None`` for 16-bit caches).
+SCALE_FIELDS = ("k_scale", "v_scale", "compressed_key_scale")
 
 FUNCTION = "qsa_attention_step"
 
@@ -105,8 +108,18 @@ Fields:
     compressed_key_cache: ``[num_compressed_pages, Pc, 1, DI]`` mean-pooled,
         rotated index keys, one per completed group.
 
+    k_scale, v_scale: ``None`` for 16-bit K/V caches; for ``float8_e4m3fn``
+        ones (both fp8 or neither), their per-tensor scales, 0-d or 1-element
+        float arrays: stage 1 stores value / scale, attention multiplies back.
+    compressed_key_scale: likewise for the compressed-key cache (fp8 or of
+        the index keys' dtype); the compressor-state ring is never fp8.
+
 ``QSAState.zeros(geometry, kv_heads=, head_dim=, index_head_dim=, dtype=,
-index_dtype=None, device=None)`` allocates zero caches.
+index_dtype=None, device=None, cache_dtype=None, compressed_key_dtype=None,
+k_scale=1.0, v_scale=1.0, compressed_key_scale=1.0)`` allocates zero caches:
+K/V in ``cache_dtype`` (default ``dtype``), the compressed keys in
+``compressed_key_dtype`` (default ``index_dtype``), and float32 scales of
+the given values for the fp8 ones.
 """
 
 METADATA_DOC = """\
@@ -137,15 +150,35 @@ class StateFields:
     value_cache: Any
     compressor_state_cache: Any
     compressed_key_cache: Any
+    k_scale: Any = None
+    v_scale: Any = None
+    compressed_key_scale: Any = None
 
     @classmethod
-    def zeros(cls, geometry, *, kv_heads, head_dim, index_head_dim, dtype, index_dtype=None, device=None):
-        """Zero caches of ``geometry``'s sizes: K/V in ``dtype``, the index caches in ``index_dtype``."""
+    def zeros(cls, geometry, *, kv_heads, head_dim, index_head_dim, dtype, index_dtype=None, device=None,
+              cache_dtype=None, compressed_key_dtype=None, k_scale=1.0, v_scale=1.0, compressed_key_scale=1.0):
+        """Zero caches of ``geometry``'s sizes (see :data:`STATE_DOC`), with scales for the fp8 ones.
+
+        A subclass also sets ``_scale(value, device)``: a 0-d float32 array.
+        """
         shapes = geometry.state_shapes(kv_heads, head_dim, index_head_dim)
         index_dtype = dtype if index_dtype is None else index_dtype
-        dtypes = dict(key_cache=dtype, value_cache=dtype, compressor_state_cache=index_dtype,
-                      compressed_key_cache=index_dtype)
-        return cls(**{name: cls._zeros(shape, dtypes[name], device) for name, shape in shapes.items()})
+        cache_dtype = dtype if cache_dtype is None else cache_dtype
+        compressed_key_dtype = index_dtype if compressed_key_dtype is None else compressed_key_dtype
+        dtypes = dict(key_cache=cache_dtype, value_cache=cache_dtype, compressor_state_cache=index_dtype,
+                      compressed_key_cache=compressed_key_dtype)
+        caches = {name: cls._zeros(shape, dtypes[name], device) for name, shape in shapes.items()}
+        scales = {}
+        if _is_fp8(cache_dtype):
+            scales.update(k_scale=cls._scale(k_scale, device), v_scale=cls._scale(v_scale, device))
+        if _is_fp8(compressed_key_dtype):
+            scales.update(compressed_key_scale=cls._scale(compressed_key_scale, device))
+        return cls(**caches, **scales)
+
+
+def _is_fp8(dtype) -> bool:
+    """Whether a torch / JAX / NumPy dtype (or an ArrayInfo's dtype name) is float8_e4m3fn."""
+    return str(dtype).removeprefix("torch.").endswith(FP8_DTYPE) or getattr(dtype, "__name__", "") == FP8_DTYPE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +210,7 @@ class MetadataFields:
         return cls(**{name: cls._to_device(np.asarray(getattr(host, name)), device) for name in METADATA_FIELDS})
 
 
-assert tuple(f.name for f in dataclasses.fields(StateFields)) == STATE_FIELDS
+assert tuple(f.name for f in dataclasses.fields(StateFields)) == STATE_FIELDS + SCALE_FIELDS
 assert tuple(f.name for f in dataclasses.fields(MetadataFields)) == METADATA_FIELDS
 
 
@@ -190,7 +223,7 @@ assert tuple(f.name for f in dataclasses.fields(MetadataFields)) == METADATA_FIE
 STEP_ARRAYS = ("q", "k", "v", "index_q", "index_k") + STATE_FIELDS + METADATA_FIELDS + ("cos_sin", "index_cos_sin")
 #: How errors name each array argument: as the caller wrote it.
 LABELS = {**{name: name for name in STEP_ARRAYS},
-          **{name: f"state.{name}" for name in STATE_FIELDS},
+          **{name: f"state.{name}" for name in STATE_FIELDS + SCALE_FIELDS},
           **{name: f"metadata.{name}" for name in METADATA_FIELDS}}
 
 class _Composer:
@@ -333,6 +366,8 @@ def plan_qsa_attention_step(
     cos_sin: ArrayInfo, index_cos_sin: ArrayInfo,
     *, compress_ratio: int, token_topk: int, is_neox: bool = True, softmax_scale=None,
     return_token_indices: bool = False,
+    k_scale: ArrayInfo | None = None, v_scale: ArrayInfo | None = None,
+    compressed_key_scale: ArrayInfo | None = None,
 ) -> Program:
     """Validate every stage of the step and compose their launches into one Program.
 
@@ -343,13 +378,18 @@ def plan_qsa_attention_step(
     arrays = {name: value for name, value in locals().items() if name in STEP_ARRAYS}
     check = Checker(FUNCTION)
     _check_step(check, arrays, compress_ratio, token_topk, return_token_indices)
-    step = _Composer(arrays)
+    scales = dict(k_scale=k_scale, v_scale=v_scale, compressed_key_scale=compressed_key_scale)
+    _check_scales(check, key_cache, compressed_key_cache, scales)
+    step = _Composer({**arrays, **{name: info for name, info in scales.items() if info is not None}})
+    # fp8 caches: their scales bound to the stages that write and read them.
+    kv_scales = dict(k_scale="k_scale", v_scale="v_scale") if k_scale is not None else {}
+    key_scale = "compressed_key_scale" if compressed_key_scale is not None else None
     rows, _, index_dim = index_k.shape
 
     # 1. RoPE + KV cache.
     rope = step.stage("rope", plan_rope_reshape_and_cache, dict(
         q="q", k="k", v="v", key_cache="key_cache", value_cache="value_cache",
-        slot_mapping="slot_mapping", positions="positions", cos_sin="cos_sin"), dict(is_neox=is_neox))
+        slot_mapping="slot_mapping", positions="positions", cos_sin="cos_sin", **kv_scales), dict(is_neox=is_neox))
 
     # 2. Pool first, then overwrite the ring with this step's raw keys.
     compress = step.stage("compress", plan_compress_groups, dict(
@@ -366,24 +406,40 @@ def plan_qsa_attention_step(
                      labels=dict(q="index_k", positions="metadata.raw_positions"),
                      positions_stride=step.info(first_positions).strides[0])
     step.stage("compressed", plan_store_cache_rows, dict(
-        cache="compressed_key_cache", slot_mapping="compressed_slots", rows=pooled), {},
-        labels=dict(rows="index_k"))
+        cache="compressed_key_cache", slot_mapping="compressed_slots", rows=pooled,
+        **(dict(scale=key_scale) if key_scale else {})), {}, labels=dict(rows="index_k"))
 
     # 3. Selection over the compressed keys, this step's groups included.
     rotated_index_q = _rotate(step, "rotate_index_q", "index_q", "positions", is_neox)
     select = step.stage("select", plan_select_paged_tokens, dict(
         q=rotated_index_q, k_cache="compressed_key_cache", page_table="compressed_block_table",
-        token_to_req="token_to_req", query_positions="positions", sequence_lengths="sequence_lengths"),
+        token_to_req="token_to_req", query_positions="positions", sequence_lengths="sequence_lengths",
+        **(dict(k_scale=key_scale) if key_scale else {})),
         dict(token_topk=token_topk, compress_ratio=compress_ratio), labels=dict(q="index_q"))
 
     # 4. Attention over the selected tokens (this step's K/V included).
     attention = step.stage("attention", plan_sparse_paged_attention, dict(
         q=rope["q_out"], k_cache="key_cache", v_cache="value_cache", token_indices=select["out"],
-        block_table="block_table", token_to_req="token_to_req"), dict(softmax_scale=softmax_scale),
+        block_table="block_table", token_to_req="token_to_req", **kv_scales), dict(softmax_scale=softmax_scale),
         labels=dict(q="q", token_indices="token_topk"))
 
     results = (attention["out"],) + STATE_FIELDS + ((select["out"],) if return_token_indices else ())
     return step.program(results)
+
+
+def _check_scales(check: Checker, key_cache: ArrayInfo, compressed_key_cache: ArrayInfo, scales: dict) -> None:
+    """Scales exactly for the fp8 caches (stage 1 alone would accept fp8 caches without
+    scales, which attention then refuses): a clear error naming the state's field."""
+    for cache, info, names in (("key_cache", key_cache, ("k_scale", "v_scale")),
+                               ("compressed_key_cache", compressed_key_cache, ("compressed_key_scale",))):
+        for name in names:
+            scale = scales[name]
+            if _is_fp8(info.dtype) and scale is None:
+                check.fail(f"state.{name}", f"must be given (a 0-d or 1-element float array) for a {FP8_DTYPE} "
+                           f"state.{cache}", None)
+            if not _is_fp8(info.dtype) and scale is not None:
+                check.fail(f"state.{name}", f"must be None for a {info.dtype} state.{cache} (scales are for "
+                           f"{FP8_DTYPE} caches)", f"an array of shape {scale.shape}")
 
 
 def _rotate(step: _Composer, tag: str, x: str, positions: str, is_neox: bool, *,
@@ -425,7 +481,7 @@ def state_arguments(function_arguments: dict, state_type: type, metadata_type: t
     for name, value, expected in (("state", state, state_type), ("metadata", metadata, metadata_type)):
         if not isinstance(value, expected):
             raise TypeError(f"{FUNCTION}: {name} must be a {_type_name(expected)}, got {_type_name(type(value))}")
-    arguments.update({name: getattr(state, name) for name in STATE_FIELDS})
+    arguments.update({name: getattr(state, name) for name in STATE_FIELDS + SCALE_FIELDS})
     arguments.update({name: getattr(metadata, name) for name in METADATA_FIELDS})
     return arguments
 

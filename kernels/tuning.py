@@ -94,16 +94,27 @@ class AttentionTuning:
     num_splits: int | None = None
     #: float32 elements of one merge chunk (SPLIT_CHUNK x D): 32 registers per thread.
     merge_chunk_elements: int = 4096
+    #: fp8 caches: tiles sized as for 16-bit ones (widened to q's dtype in
+    #: registers, registers bound them).  Not yet swept on the H200; compiled
+    #: for sm_90 offline: launch_table's prefill row spills with fp8 (16
+    #: registers), so fp8 takes 16 KB tiles there (255 registers, no spill).
+    fp8_launch_table: tuple = (
+        (132, 32 * 1024, 8, 3),
+        (4095, 16 * 1024, 2, 3),
+        (None, 16 * 1024, 2, 2),
+    )
 
     def __post_init__(self):
         _positive_int("AttentionTuning", "target_programs", self.target_programs)
         _positive_int("AttentionTuning", "tile_bytes", self.tile_bytes, optional=True)
         _positive_int("AttentionTuning", "num_splits", self.num_splits, optional=True)
         _positive_int("AttentionTuning", "merge_chunk_elements", self.merge_chunk_elements)
-        object.__setattr__(self, "launch_table", tuple(tuple(row) for row in self.launch_table))
-        if not self.launch_table or self.launch_table[-1][0] is not None:
-            raise ValueError("AttentionTuning: launch_table must end with a row whose bound is None, "
-                             f"got {self.launch_table!r}")
+        for name in ("launch_table", "fp8_launch_table"):
+            table = tuple(tuple(row) for row in getattr(self, name))
+            object.__setattr__(self, name, table)
+            if not table or table[-1][0] is not None:
+                raise ValueError(f"AttentionTuning: {name} must end with a row whose bound is None, "
+                                 f"got {table!r}")
 
 
 @_tuning_value

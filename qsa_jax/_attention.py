@@ -16,7 +16,8 @@ from . import _launch
 
 def sparse_paged_attention(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike, token_indices: ArrayLike,
                            block_table: ArrayLike, token_to_req: ArrayLike,
-                           softmax_scale: float | None = None) -> Array:
+                           softmax_scale: float | None = None, *, k_scale: ArrayLike | None = None,
+                           v_scale: ArrayLike | None = None) -> Array:
     return _launch.call(plan_sparse_paged_attention, locals())  # every argument, by name
 
 

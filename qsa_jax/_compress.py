@@ -22,7 +22,8 @@ def compress_groups(raw_keys: ArrayLike, raw_positions: ArrayLike, compressor_st
     return _launch.call(plan_compress_groups, locals())  # every argument, by name
 
 
-def store_cache_rows(cache: ArrayLike, slot_mapping: ArrayLike, rows: ArrayLike) -> Array:
+def store_cache_rows(cache: ArrayLike, slot_mapping: ArrayLike, rows: ArrayLike, *,
+                     scale: ArrayLike | None = None) -> Array:
     return _launch.call(plan_store_cache_rows, locals())  # every argument, by name
 
 

@@ -20,7 +20,8 @@ from . import _launch
 def mqa_paged_scores(q: ArrayLike, k_cache: ArrayLike, page_table: ArrayLike, token_to_req: ArrayLike,
                      query_positions: ArrayLike, sequence_lengths: ArrayLike, compress_ratio: int,
                      num_columns: int | None = None,
-                     score_divisor: float | None = None) -> tuple[Array, Array]:
+                     score_divisor: float | None = None, *,
+                     k_scale: ArrayLike | None = None) -> tuple[Array, Array]:
     return _launch.call(plan_mqa_paged_scores, locals())  # every argument, by name
 
 
@@ -35,7 +36,7 @@ def expand_block_indices(block_indices: ArrayLike, query_positions: ArrayLike, s
 
 def select_paged_tokens(q: ArrayLike, k_cache: ArrayLike, page_table: ArrayLike, token_to_req: ArrayLike,
                         query_positions: ArrayLike, sequence_lengths: ArrayLike, token_topk: int,
-                        compress_ratio: int) -> Array:
+                        compress_ratio: int, *, k_scale: ArrayLike | None = None) -> Array:
     return _launch.call(plan_select_paged_tokens, locals())  # every argument, by name
 
 

@@ -23,6 +23,7 @@ from . import _launch
 @dataclasses.dataclass(frozen=True)
 class QSAState(_step.StateFields):
     _zeros = staticmethod(lambda shape, dtype, device: jnp.zeros(shape, dtype, device=device))
+    _scale = staticmethod(lambda value, device: jnp.full((), value, jnp.float32, device=device))
 
 
 @jax.tree_util.register_dataclass

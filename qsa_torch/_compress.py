@@ -27,8 +27,9 @@ def compress_groups(raw_keys: ArrayLike, raw_positions: ArrayLike, compressor_st
                                                    compress_ratio=compress_ratio, rope_cache=rope_cache))
 
 
-def store_cache_rows(cache: ArrayLike, slot_mapping: ArrayLike, rows: ArrayLike) -> Array:
-    return _launch.call(plan_store_cache_rows, dict(cache=cache, slot_mapping=slot_mapping, rows=rows))
+def store_cache_rows(cache: ArrayLike, slot_mapping: ArrayLike, rows: ArrayLike, *,
+                     scale: ArrayLike | None = None) -> Array:
+    return _launch.call(plan_store_cache_rows, dict(cache=cache, slot_mapping=slot_mapping, rows=rows, scale=scale))
 
 
 compress_groups.__doc__ = torch_doc(COMPRESS_GROUPS_DOC)

@@ -19,13 +19,14 @@ from . import _launch
 def mqa_paged_scores(q: ArrayLike, k_cache: ArrayLike, page_table: ArrayLike, token_to_req: ArrayLike,
                      query_positions: ArrayLike, sequence_lengths: ArrayLike, compress_ratio: int,
                      num_columns: int | None = None,
-                     score_divisor: float | None = None) -> tuple[Array, Array]:
+                     score_divisor: float | None = None, *,
+                     k_scale: ArrayLike | None = None) -> tuple[Array, Array]:
     return _launch.call(plan_mqa_paged_scores, dict(q=q, k_cache=k_cache, page_table=page_table,
                                                     token_to_req=token_to_req,
                                                     query_positions=query_positions,
                                                     sequence_lengths=sequence_lengths,
                                                     compress_ratio=compress_ratio, num_columns=num_columns,
-                                                    score_divisor=score_divisor))
+                                                    score_divisor=score_divisor, k_scale=k_scale))
 
 
 def topk_blocks(logits: ArrayLike, visible_blocks: ArrayLike, k: int) -> Array:
@@ -43,12 +44,12 @@ def expand_block_indices(block_indices: ArrayLike, query_positions: ArrayLike, s
 
 def select_paged_tokens(q: ArrayLike, k_cache: ArrayLike, page_table: ArrayLike, token_to_req: ArrayLike,
                         query_positions: ArrayLike, sequence_lengths: ArrayLike, token_topk: int,
-                        compress_ratio: int) -> Array:
+                        compress_ratio: int, *, k_scale: ArrayLike | None = None) -> Array:
     return _launch.call(plan_select_paged_tokens, dict(q=q, k_cache=k_cache, page_table=page_table,
                                                        token_to_req=token_to_req,
                                                        query_positions=query_positions,
                                                        sequence_lengths=sequence_lengths,
-                                                       token_topk=token_topk, compress_ratio=compress_ratio))
+                                                       token_topk=token_topk, compress_ratio=compress_ratio, k_scale=k_scale))
 
 
 mqa_paged_scores.__doc__ = torch_doc(SCORES_DOC)

@@ -20,6 +20,7 @@ from . import _launch
 @dataclasses.dataclass(frozen=True)
 class QSAState(_step.StateFields):
     _zeros = staticmethod(lambda shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device))
+    _scale = staticmethod(lambda value, device: torch.full((), value, dtype=torch.float32, device=device))
 
 
 @dataclasses.dataclass(frozen=True)

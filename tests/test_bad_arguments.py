@@ -42,7 +42,7 @@ from .util import DEVICE, host, to_jax
 
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 
-BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+BF16, FP16, FP32, FP8 = torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn
 I32, I64 = torch.int32, torch.int64
 
 
@@ -133,6 +133,43 @@ def attention():
     return dict(q=floats(3, 4, 16), k_cache=floats(4, 4, 2, 16), v_cache=floats(4, 4, 2, 16),
                 token_indices=ints([[0, 1, 2, -1, 5]] * 3), block_table=ints([[0, 1], [3, 2]]),
                 token_to_req=ints([0, 1, 0])), dict(softmax_scale=None)
+
+
+def store_fp8():
+    """As store, quantising bf16 rows into an fp8 cache with a scale."""
+    arrays, options = store()
+    arrays.update(cache=arrays["cache"].to(FP8), scale=torch.full((), 0.5, device=DEVICE))
+    return arrays, options
+
+
+def scores_fp8():
+    """As scores, over an fp8 k_cache with its scale."""
+    arrays, options = scores()
+    arrays.update(k_cache=arrays["k_cache"].to(FP8), k_scale=torch.full((1,), 0.5, device=DEVICE))
+    return arrays, options
+
+
+def select_fp8():
+    arrays, options = select()
+    arrays.update(k_cache=arrays["k_cache"].to(FP8), k_scale=torch.full((), 0.5, device=DEVICE))
+    return arrays, options
+
+
+def attention_fp8():
+    """As attention, over fp8 K/V caches with their scales."""
+    arrays, options = attention()
+    arrays.update(k_cache=arrays["k_cache"].to(FP8), v_cache=arrays["v_cache"].to(FP8),
+                  k_scale=torch.full((), 0.5, device=DEVICE), v_scale=torch.full((1,), 2.0, device=DEVICE))
+    return arrays, options
+
+
+#: Valid calls with fp8 caches (rows of the table break them; test_fp8 runs them).
+FP8_BASES: dict[str, Callable] = {
+    "store_cache_rows": store_fp8,
+    "mqa_paged_scores": scores_fp8,
+    "select_paged_tokens": select_fp8,
+    "sparse_paged_attention": attention_fp8,
+}
 
 
 BASES: dict[str, Callable] = {
@@ -293,6 +330,7 @@ def _compress_rows():
 
 def _store_rows():
     r = _rows("store_cache_rows")
+    fp8 = _rows("store_cache_rows", store_fp8)
     return [
         r("cache_rank", lambda a: dict(cache=a["cache"][:, :, 0]), "cache must be [pages, P, 1, W] (rank 4)"),
         r("cache_heads", lambda a: dict(cache=a["cache"].expand(-1, -1, 2, -1).contiguous()), "cache must have heads = 1 in dimension 2"),
@@ -309,6 +347,14 @@ def _store_rows():
         r("rows_count", lambda a: dict(rows=a["rows"][:2]), "rows must have one row per slot_mapping entry (R = 3) of cache's width W = 5"),
         r("rows_width", lambda a: dict(rows=a["rows"][:, :4]), "rows must have one row per slot_mapping entry (R = 3) of cache's width W = 5"),
         r("rows_dtype", lambda a: dict(rows=a["rows"].half()), "rows must have cache's dtype bfloat16"),
+        # fp8 caches: quantising stores take a scale, and only they do.
+        r("scale_for_bf16_cache", lambda a: dict(scale=torch.ones((), device=DEVICE)), "scale must be None for a bfloat16 cache (a scale quantises rows into a float8_e4m3fn cache), got an array of shape ()"),
+        r("fp8_cache_bf16_rows_no_scale", lambda a: dict(cache=a["cache"].to(FP8)), "scale must be given to store bfloat16 rows into a float8_e4m3fn cache, got None"),
+        r("fp8_cache_int_rows_no_scale", lambda a: dict(cache=a["cache"].to(FP8), rows=a["rows"].to(I32)), "rows must have cache's dtype float8_e4m3fn, got int32"),
+        fp8("scale_two_elements", lambda a: dict(scale=torch.ones(2, device=DEVICE)), "scale must be a 0-d or 1-element tensor, got shape (2,)"),
+        fp8("scale_dtype", lambda a: dict(scale=ints([1])), "scale must have dtype bfloat16 or float16 or float32, got int32"),
+        fp8("quantised_rows_int", lambda a: dict(rows=a["rows"].to(I32)), "rows must have dtype bfloat16 or float16 or float32, got int32"),
+        fp8("quantised_rows_fp8", lambda a: dict(rows=a["rows"].to(FP8)), "rows must have dtype bfloat16 or float16 or float32, got float8_e4m3fn"),
     ]
 
 
@@ -339,9 +385,21 @@ def _scoring_rows(function: str):
     ]
 
 
+def _key_scale_rows(function: str, base, fp8_base):
+    """k_scale: given exactly for an fp8 k_cache, as a scalar float array."""
+    r, fp8 = _rows(function, base), _rows(function, fp8_base)
+    return [
+        r("k_scale_for_bf16_keys", lambda a: dict(k_scale=torch.ones((), device=DEVICE)), "k_scale must be None for a bfloat16 k_cache (a scale is for float8_e4m3fn keys), got an array of shape ()"),
+        fp8("k_scale_missing", lambda a: dict(k_scale=None), "k_scale must be given (a 0-d or 1-element float tensor) for a float8_e4m3fn k_cache, got None"),
+        fp8("k_scale_matrix", lambda a: dict(k_scale=torch.ones(1, 1, device=DEVICE)), "k_scale must be a 0-d or 1-element tensor, got shape (1, 1)"),
+        fp8("k_scale_dtype", lambda a: dict(k_scale=torch.ones((), dtype=torch.float64, device=DEVICE)), "k_scale must have dtype bfloat16 or float16 or float32, got float64"),
+        fp8("fp8_queries", lambda a: dict(q=a["q"].to(FP8)), "q must have dtype bfloat16 or float16 or float32, got float8_e4m3fn"),
+    ]
+
+
 def _scores_rows():
     r = _rows("mqa_paged_scores")
-    return _scoring_rows("mqa_paged_scores") + [
+    return _scoring_rows("mqa_paged_scores") + _key_scale_rows("mqa_paged_scores", scores, scores_fp8) + [
         r("num_columns_negative", lambda a: dict(num_columns=-1), "num_columns must be a non-negative int or None, got -1"),
         r("num_columns_float", lambda a: dict(num_columns=8.0), "num_columns must be a non-negative int or None, got 8.0"),
         r("num_columns_bool", lambda a: dict(num_columns=True), "num_columns must be a non-negative int or None, got True"),
@@ -358,7 +416,7 @@ def _scores_rows():
 
 def _select_rows():
     r = _rows("select_paged_tokens")
-    return _scoring_rows("select_paged_tokens") + [
+    return _scoring_rows("select_paged_tokens") + _key_scale_rows("select_paged_tokens", select, select_fp8) + [
         r("token_topk_negative", lambda a: dict(token_topk=-2), "token_topk must be a non-negative int, got -2"),
         r("token_topk_float", lambda a: dict(token_topk=4.0), "token_topk must be a non-negative int, got 4.0"),
         r("token_topk_not_multiple", lambda a: dict(token_topk=5), "token_topk must be a multiple of compress_ratio = 2, got 5"),
@@ -410,6 +468,7 @@ def _expand_rows():
 
 def _attention_rows():
     r = _rows("sparse_paged_attention")
+    fp8 = _rows("sparse_paged_attention", attention_fp8)
     d8 = lambda a: dict(q=floats(3, 4, 8), k_cache=floats(4, 4, 2, 8), v_cache=floats(4, 4, 2, 8))  # noqa: E731
     d24 = lambda a: dict(q=floats(3, 4, 24), k_cache=floats(4, 4, 2, 24), v_cache=floats(4, 4, 2, 24))  # noqa: E731
     d0 = lambda a: dict(q=floats(3, 4, 0), k_cache=floats(4, 4, 2, 0), v_cache=floats(4, 4, 2, 0))  # noqa: E731
@@ -444,6 +503,20 @@ def _attention_rows():
         r("softmax_scale_complex", lambda a: dict(softmax_scale=1j), "softmax_scale must be a finite Python number or None, got 1j"),
         r("softmax_scale_list", lambda a: dict(softmax_scale=[0.1]), "softmax_scale must be a finite Python number or None, got [0.1]"),
         r("softmax_scale_numpy_inf", lambda a: dict(softmax_scale=np.float32("inf")), "softmax_scale must be a finite Python number or None, got np.float32(inf)"),
+        # fp8 caches: both fp8, both scales, and scales only for them.
+        r("k_cache_fp8_v_cache_bf16", lambda a: dict(k_cache=a["k_cache"].to(FP8)), "v_cache must be float8_e4m3fn like k_cache, got bfloat16"),
+        r("k_cache_fp16_with_bf16_q", lambda a: dict(k_cache=a["k_cache"].half(), v_cache=a["v_cache"].half()), "k_cache must have q's dtype bfloat16 or be float8_e4m3fn, got float16"),
+        r("k_scale_for_bf16_caches", lambda a: dict(k_scale=torch.ones((), device=DEVICE)), "k_scale must be None for bfloat16 caches (scales are for float8_e4m3fn caches), got an array of shape ()"),
+        r("v_scale_for_bf16_caches", lambda a: dict(v_scale=torch.ones(1, device=DEVICE)), "v_scale must be None for bfloat16 caches (scales are for float8_e4m3fn caches), got an array of shape (1,)"),
+        fp8("k_scale_missing", lambda a: dict(k_scale=None), "k_scale must be given (a 0-d or 1-element float tensor) for float8_e4m3fn caches, got None"),
+        fp8("v_scale_missing", lambda a: dict(v_scale=None), "v_scale must be given (a 0-d or 1-element float tensor) for float8_e4m3fn caches, got None"),
+        fp8("k_scale_two_elements", lambda a: dict(k_scale=torch.ones(2, device=DEVICE)), "k_scale must be a 0-d or 1-element tensor, got shape (2,)"),
+        fp8("v_scale_empty", lambda a: dict(v_scale=torch.ones(0, device=DEVICE)), "v_scale must be a 0-d or 1-element tensor, got shape (0,)"),
+        fp8("v_scale_dtype", lambda a: dict(v_scale=ints([2])), "v_scale must have dtype bfloat16 or float16 or float32, got int32"),
+        fp8("v_cache_bf16", lambda a: dict(v_cache=a["v_cache"].to(BF16)), "v_cache must be float8_e4m3fn like k_cache, got bfloat16"),
+        fp8("fp8_q", lambda a: dict(q=a["q"].to(FP8)), "q must have dtype bfloat16 or float16, got float8_e4m3fn"),
+        fp8("fp32_q", lambda a: dict(q=a["q"].float()), "q must have dtype bfloat16 or float16, got float32"),
+        fp8("fp8_cache_shape", lambda a: dict(v_cache=a["v_cache"][:3]), "v_cache must have k_cache's shape (4, 4, 2, 16)"),
     ]
 
 

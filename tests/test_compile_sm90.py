@@ -80,16 +80,19 @@ def _compress(rows, d, requests, rope_cache=True, index=I32, dtype=BF16, ratio=4
         rope_cache=a((requests, ring, 1, 3), index) if rope_cache else None)
 
 
-def _store(rows, width, dtype, index=I32, squeezed=True):
+def _store(rows, width, dtype, index=I32, squeezed=True, quantise_from=None):
+    row_dtype = quantise_from or dtype
+    scale = dict(scale=a((1,), FP32)) if quantise_from else {}
     return plan_store_cache_rows, dict(cache=a((8192, 64, 1, width), dtype), slot_mapping=a((rows,), index),
-                                       rows=a((rows, width) if squeezed else (rows, 1, width), dtype))
+                                       rows=a((rows, width) if squeezed else (rows, 1, width), row_dtype), **scale)
 
 
 def _scoring(rows, requests, context, heads=4, d=128, q=BF16, k=BF16, page=64, index=I32):
     pages = -(-context // 4 // page)
+    scale = dict(k_scale=a((), FP32)) if k == FP8 else {}
     return dict(q=a((rows, heads, d), q), k_cache=a((65536, page, 1, d), k),
                 page_table=a((requests, pages), index), token_to_req=a((rows,), index),
-                query_positions=a((rows,), index), sequence_lengths=a((requests,), index))
+                query_positions=a((rows,), index), sequence_lengths=a((requests,), index), **scale)
 
 
 def _scores(rows, requests, context, num_columns=None, score_divisor=None, **kw):
@@ -113,11 +116,13 @@ def _select(rows, requests, context, token_topk=2048, **kw):
                                           compress_ratio=4)
 
 
-def _attention(rows, qh=24, kh=2, d=256, dtype=BF16, index=I32, width=2051, page=64, scale=None):
+def _attention(rows, qh=24, kh=2, d=256, dtype=BF16, index=I32, width=2051, page=64, scale=None, cache=None):
+    cache = cache or dtype
+    scales = dict(k_scale=a((), FP32), v_scale=a((1,), FP32)) if cache == FP8 else {}
     return plan_sparse_paged_attention, dict(
-        q=a((rows, qh, d), dtype), k_cache=a((4096, page, kh, d), dtype), v_cache=a((4096, page, kh, d), dtype),
+        q=a((rows, qh, d), dtype), k_cache=a((4096, page, kh, d), cache), v_cache=a((4096, page, kh, d), cache),
         token_indices=a((rows, width), index), block_table=a((max(rows, 8), 2048), index),
-        token_to_req=a((rows,), index), softmax_scale=scale)
+        token_to_req=a((rows,), index), softmax_scale=scale, **scales)
 
 
 CASES = {
@@ -139,6 +144,8 @@ CASES = {
     "store/bf16-d128-decode-256": _store(256, 128, BF16),
     "store/fp8-d256-prefill-2048-3d-rows": _store(2048, 256, FP8, squeezed=False),
     "store/int64-positions-1-row": _store(1, 3, I64, index=I64),
+    "store/fp8-from-bf16-d128-decode-256": _store(256, 128, FP8, quantise_from=BF16),
+    "store/fp8-from-fp32-d128-prefill-2048-3d-rows": _store(2048, 128, FP8, squeezed=False, quantise_from=FP32),
     "store/int32-positions-2048": _store(2048, 3, I32),
     # Stage 3: scoring tilings (rows per tile 1 / 16 / 64; exact fp32 dot).
     "scores/decode-256-128k": _scores(256, 256, 1 << 17),
@@ -149,6 +156,10 @@ CASES = {
     "scores/fp32-int64": _scores(256, 256, 1 << 17, q=FP32, k=FP32, index=I64),
     "scores/mixed-bf16-fp32": _scores(8, 8, 1 << 15, k=FP32),
     "scores/fp16-d64-8-heads": _scores(512, 2, 1 << 15, heads=8, d=64, q=FP16, k=FP16),
+    "scores/fp8-decode-256-128k": _scores(256, 256, 1 << 17, k=FP8),
+    "scores/fp8-prefill-2048-128k": _scores(2048, 1, 1 << 17, k=FP8),
+    "scores/fp8-fp16-prefill-256-d64": _scores(256, 1, 1 << 15, heads=8, d=64, q=FP16, k=FP8),
+    "scores/fp8-fp32-queries": _scores(8, 8, 1 << 15, q=FP32, k=FP8),
     # Stage 3: top-k (a top-k set takes ~20 s of compiling: few shapes).
     "topk/decode-1-1m-k512": _topk(1, 1 << 18, 512),
     "topk/decode-256-128k-k512": _topk(256, 1 << 15, 512),
@@ -162,6 +173,7 @@ CASES = {
     "select/decode-256-128k": _select(256, 256, 1 << 17),
     "select/decode-256-fp32-int64": _select(256, 256, 1 << 17, q=FP32, k=FP32, index=I64),
     "select/prefill-2048-1m-chunked": _select(2048, 1, 1 << 20),
+    "select/fp8-decode-256-128k": _select(256, 256, 1 << 17, k=FP8),
     # Stage 4: sparse_paged_attention (split + merge where programs are few).
     "attention/decode-1": _attention(1),
     "attention/decode-64": _attention(64),
@@ -170,6 +182,10 @@ CASES = {
     "attention/d128-32q-8kv": _attention(32, qh=32, kh=8, d=128),
     "attention/d64-fp16-int64": _attention(8, qh=16, kh=4, d=64, dtype=FP16, index=I64, page=16),
     "attention/mqa-d128-narrow-scale": _attention(4, qh=16, kh=1, d=128, width=20, scale=0.1),
+    "attention/fp8-decode-1": _attention(1, cache=FP8),
+    "attention/fp8-decode-256": _attention(256, cache=FP8),
+    "attention/fp8-prefill-2048": _attention(2048, cache=FP8),
+    "attention/fp8-fp16-d64-int64": _attention(8, qh=16, kh=4, d=64, dtype=FP16, index=I64, page=16, cache=FP8),
 }
 
 #: Cases whose launches may spill registers on sm_90: label -> why.  Any

@@ -1,0 +1,414 @@
+"""fp8 e4m3 caches: attention and the scorer read them; store_cache_rows and stage 1 write them.
+
+Readers are compared with the float64 references (tests/reference.py) run on
+the *dequantised* caches (stored fp8 value x scale), and, with power-of-two
+scales, bitwise with the same kernels over a 16-bit cache holding those
+dequantised values (which it holds exactly): the scales are then applied
+without rounding, so any difference is a bug, not rounding.
+
+Where they run: Triton's interpreter decodes every finite e4m3 value exactly
+(checked below; it reads the two NaN codes as +-480, and its float32 -> fp8
+rounding is wrong), so the reading tests run on the CPU too, over caches
+quantised by torch's own casts.  Tests that make the kernels *write* fp8
+(quantising stores, stage 1 feeding attention) carry the ``gpu`` marker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import qsa_jax
+import qsa_torch
+from qsa_kernels import runtime
+from qsa_kernels.fp8 import widen_e4m3
+
+from . import reference as R
+from .test_attention import Case, force_splits, make_inputs, planned_splits  # noqa: F401 (fixture)
+from qsa_kernels.paging import STATE_FIELDS, PagedRequests
+from qsa_kernels.step import SCALE_FIELDS
+
+from .test_bad_arguments import FP8_BASES, _jax_inputs, step_arguments, step_to_jax
+from .test_select import assert_scores_close, jax_args, numpy_args, scoring_case
+from .test_step import GEOMETRY, Model, clone_state, random_inputs, random_state, rope_table
+from .util import DEVICE, assert_bitwise_equal, assert_close, f64, host, to_jax, tolerance
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+
+
+def quantise(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """torch's (correct) fp8 cast of ``x / scale``, saturated as the kernels do."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def quantise_view(view: torch.Tensor, scale: float) -> torch.Tensor:
+    """An fp8 cache with ``view``'s strides and offset (a view stays a view)."""
+    base = view if view._base is None else view._base
+    return quantise(base, scale).as_strided(view.shape, view.stride(), view.storage_offset())
+
+
+def dequantised(x8: torch.Tensor, scale) -> np.ndarray:
+    return f64(x8) * float(scale)
+
+
+def scale_tensor(value: float, dtype=torch.float32, shape=()):
+    return torch.full(shape, value, dtype=dtype, device=DEVICE)
+
+
+@triton.jit
+def _widen_kernel(x_ptr, bf16_ptr, fp16_ptr, N: tl.constexpr, BIT_TRICK: tl.constexpr):
+    i = tl.arange(0, N)
+    x = tl.load(x_ptr + i)
+    tl.store(bf16_ptr + i, widen_e4m3(x, tl.bfloat16, BIT_TRICK).to(tl.float32))
+    tl.store(fp16_ptr + i, widen_e4m3(x, tl.float16, False).to(tl.float32))
+
+
+@pytest.mark.parametrize("bit_trick", [False, pytest.param(True, marks=pytest.mark.gpu)])
+def test_every_finite_e4m3_value_widens_exactly(bit_trick):
+    """The readers' widening (Triton's cast, or the bf16 bit trick the GPU uses): every finite
+    code, zeros and subnormals included, in a tile of codes repeated in every order of the
+    packing (the bit trick takes 4 bytes at a time).  On the CPU, the premise of running the
+    reading tests there."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = torch.cat([codes, codes.flip(0), codes.roll(1), codes.roll(2)]).view(FP8).to(DEVICE)
+    as_bf16, as_fp16 = (torch.zeros(codes.numel(), device=DEVICE) for _ in range(2))
+    with runtime.interpreter_lock if runtime.INTERPRETED else torch.cuda.device(DEVICE):
+        _widen_kernel[(1,)](codes, as_bf16, as_fp16, N=codes.numel(), BIT_TRICK=bit_trick)
+    expected = codes.float()
+    finite = torch.isfinite(expected)
+    assert finite.sum() == 4 * 254
+    assert torch.equal(as_bf16[finite], expected[finite]), "bf16"
+    assert torch.equal(as_fp16[finite], expected[finite]), "fp16"
+    signs = torch.signbit(as_bf16[finite]) == torch.signbit(expected[finite])
+    assert signs.all(), "the sign of zero"
+
+
+# --------------------------------------------------------------------------
+# sparse_paged_attention
+# --------------------------------------------------------------------------
+
+def fp8_attention_inputs(c: Case, k_scale: float, v_scale: float, v_scale_dtype=torch.float32):
+    """test_attention's inputs with the caches quantised; scales as the kernel reads them."""
+    args = make_inputs(c)
+    v_tensor = scale_tensor(v_scale, v_scale_dtype, (1,))
+    k_scale, v_scale = float(k_scale), float(v_tensor.float())  # rounded to the scale's dtype
+    args.update(k_cache=quantise_view(args["k_cache"], k_scale), v_cache=quantise_view(args["v_cache"], v_scale))
+    return args, dict(k_scale=scale_tensor(k_scale), v_scale=v_tensor), (k_scale, v_scale)
+
+
+def run_jax_attention(args, scales, softmax_scale=None):
+    call = jax.jit(lambda a, s: qsa_jax.sparse_paged_attention(**a, **s, softmax_scale=softmax_scale))
+    return call({n: to_jax(x) for n, x in args.items()}, {n: to_jax(x) for n, x in scales.items()})
+
+
+FP8_ATTENTION_CASES = {
+    # case, k_scale, v_scale (not powers of two: rounding of the scale products included)
+    "g4_d64_bf16_2splits": (Case(QH=8, KH=2, D=64, W=150, splits=2), 0.37, 1.9),
+    "g12_d128_fp16_unsplit_scale": (Case(QH=24, KH=2, D=128, W=100, dtype=torch.float16, splits=1, R=5,
+                                         scale=0.07), 0.05, 3.0),
+    "g1_d256_bf16_3splits_views_int64": (Case(QH=1, KH=1, D=256, W=100, splits=3, views=True,
+                                              index_dtype=torch.int64), 1.0, 0.011),
+}
+
+
+@pytest.mark.parametrize("name", list(FP8_ATTENTION_CASES))
+def test_attention_fp8_matches_dequantised_reference(name, force_splits):  # noqa: F811
+    """Tolerance: q's dtype's (1e-2 bf16, 2e-3 fp16), as for 16-bit caches: the fp8
+    values are exact in q's dtype, so only the 16-bit kernel's roundings remain."""
+    c, k_scale, v_scale = FP8_ATTENTION_CASES[name]
+    args, scales, (k_scale, v_scale) = fp8_attention_inputs(c, k_scale, v_scale, torch.bfloat16)
+    force_splits(c.splits)
+    out = qsa_torch.sparse_paged_attention(**args, **scales, softmax_scale=c.scale)
+    ref = R.sparse_paged_attention(f64(args["q"]), dequantised(args["k_cache"], k_scale),
+                                   dequantised(args["v_cache"], v_scale), host(args["token_indices"]),
+                                   host(args["block_table"]), host(args["token_to_req"]), softmax_scale=c.scale)
+    assert out.dtype == c.dtype and out.shape == (c.R, c.QH, c.D)
+    assert np.abs(ref).sum() > 0, "the case attends nothing: it tests nothing"
+    assert_close(out, ref, tolerance(c.dtype), "fp8 attention vs reference on the dequantised caches")
+    assert_bitwise_equal(run_jax_attention(args, scales, c.scale), out, "torch vs JAX")
+
+
+@pytest.mark.parametrize("dtype, splits", [(torch.bfloat16, 1), (torch.float16, 3)])
+def test_attention_fp8_equals_16bit_cache_of_its_values(dtype, splits, force_splits):  # noqa: F811
+    """Power-of-two scales: exactly the 16-bit kernel on the dequantised caches."""
+    c = Case(QH=12, KH=1, D=128, W=300, R=4, dtype=dtype, splits=splits)
+    args, scales, (k_scale, v_scale) = fp8_attention_inputs(c, 0.125, 4.0)
+    widened = dict(args, k_cache=(args["k_cache"].to(dtype) * k_scale).to(dtype),
+                   v_cache=(args["v_cache"].to(dtype) * v_scale).to(dtype))
+    assert planned_splits(widened, splits) == splits  # small shapes: the fp8 table's row is the same
+    force_splits(splits)
+    out = qsa_torch.sparse_paged_attention(**args, **scales)
+    assert np.array_equal(f64(widened["k_cache"]), dequantised(args["k_cache"], k_scale)), "not exact: a bad case"
+    assert_bitwise_equal(out, qsa_torch.sparse_paged_attention(**widened), "fp8 vs 16-bit cache")
+
+
+# --------------------------------------------------------------------------
+# mqa_paged_scores, select_paged_tokens
+# --------------------------------------------------------------------------
+
+def fp8_scoring_case(seed, scale, **kwargs):
+    case = scoring_case(seed, **kwargs)
+    case["k_cache"] = quantise(case["k_cache"], scale)
+    return case
+
+
+@pytest.mark.parametrize("dtype, heads, dim, ratio, prefill, scale", [
+    (torch.bfloat16, 4, 64, 4, False, 0.03),   # decode: one row per tile, 256-column tiles
+    (torch.bfloat16, 1, 128, 8, True, 2.5),    # prefill: tiles of rows sharing one request
+    (torch.float16, 4, 64, 4, True, 0.3),
+    (torch.float32, 4, 128, 4, False, 0.7),    # fp32 queries: the exact fp32 dot
+])
+def test_scores_fp8_match_dequantised_reference(dtype, heads, dim, ratio, prefill, scale):
+    """Tolerance 1e-5: the products of q and the widened keys are exact, sums are float32."""
+    case = fp8_scoring_case(11, scale, heads=heads, dim=dim, dtype=dtype, prefill=prefill)
+    k_scale = scale_tensor(scale)
+    logits, visible = qsa_torch.mqa_paged_scores(**case, compress_ratio=ratio, k_scale=k_scale)
+    expected, expected_visible = R.mqa_paged_scores(
+        **dict(numpy_args(case), k_cache=dequantised(case["k_cache"], float(k_scale))), compress_ratio=ratio)
+    assert np.array_equal(host(visible), expected_visible)
+    assert np.isfinite(expected).sum() > 10, "no visible column: the case tests nothing"
+    assert_scores_close(logits, expected, 1e-5, "fp8 logits vs reference on the dequantised keys")
+    # Positional arrays: a dict through jax.jit comes back with its keys sorted.
+    scores = jax.jit(lambda s, *arrays: qsa_jax.mqa_paged_scores(*arrays, ratio, k_scale=s))
+    jax_logits, jax_visible = scores(to_jax(k_scale), *jax_args(case).values())
+    assert_bitwise_equal(logits, jax_logits, "logits torch vs jax")
+    assert_bitwise_equal(visible, jax_visible, "visible torch vs jax")
+
+
+@pytest.mark.parametrize("prefill", [False, True])
+def test_scores_and_selection_fp8_equal_bf16_keys_of_their_values(prefill):
+    """Power-of-two scale: logits bitwise those of bf16 keys holding the dequantised values
+    (with the default divisor and a custom one), so the selection is the same too (checked
+    on the decode case: the interpreter is slow at prefill selections)."""
+    case = fp8_scoring_case(12, 0.25, prefill=prefill)
+    k_scale = scale_tensor(0.25, shape=(1,))
+    widened = dict(case, k_cache=(case["k_cache"].to(torch.bfloat16) * 0.25))
+    for divisor in (None, 3.0):
+        logits, _ = qsa_torch.mqa_paged_scores(**case, compress_ratio=4, score_divisor=divisor, k_scale=k_scale)
+        expected, _ = qsa_torch.mqa_paged_scores(**widened, compress_ratio=4, score_divisor=divisor)
+        assert_bitwise_equal(logits, expected, f"fp8 vs bf16 logits (divisor {divisor})")
+    if prefill and runtime.INTERPRETED:
+        return
+    tokens = qsa_torch.select_paged_tokens(**case, token_topk=8, compress_ratio=4, k_scale=k_scale)
+    assert_bitwise_equal(tokens, qsa_torch.select_paged_tokens(**widened, token_topk=8, compress_ratio=4),
+                         "fp8 vs bf16 selection")
+    select = jax.jit(lambda s, *arrays: qsa_jax.select_paged_tokens(*arrays, 8, 4, k_scale=s))
+    assert_bitwise_equal(select(to_jax(k_scale), *jax_args(case).values()), tokens, "selection torch vs jax")
+
+
+# --------------------------------------------------------------------------
+# Writers: store_cache_rows(..., scale=), stage 1 -> attention (GPU: the
+# interpreter's fp8 rounding is wrong)
+# --------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_store_cache_rows_quantises_like_torch(rows_dtype):
+    """Rows / scale, saturated at +-448, rounded to nearest even (torch's cast), bitwise;
+    skipped slots leave the cache as it was."""
+    g = torch.Generator().manual_seed(5)
+    pages, page, width, rows = 6, 4, 96, 9
+    cache = torch.randn(pages, page, 1, width, generator=g).to(FP8).to(DEVICE)
+    values = torch.randn(rows, width, generator=g) * 3.0
+    values[0, :5] = torch.tensor([1e4, -1e4, 500 * 0.3, 0.0, -0.0])  # saturate (at scale 0.3), zeros
+    values = values.to(rows_dtype).to(DEVICE)
+    slots = torch.tensor([3, -1, 17, 0, pages * page, 22, 9, 5, 11], dtype=torch.int64, device=DEVICE)
+    scale = scale_tensor(0.3, shape=(1,))
+    expected_cache, written = R.store_cache_rows(host(cache), host(slots), host(quantise(values, float(scale))))
+    jax_cache = jax.jit(lambda c, s, r, k: qsa_jax.store_cache_rows(c, s, r, scale=k))(
+        to_jax(cache), to_jax(slots), to_jax(values), to_jax(scale))
+    out = qsa_torch.store_cache_rows(cache, slots, values, scale=scale)
+    assert out is cache and written.sum() == rows - 2
+    assert_bitwise_equal(out, expected_cache, "quantising store vs torch's cast")
+    assert_bitwise_equal(jax_cache, out, "torch vs JAX")
+
+
+def fp8_stage1_then_attention(dtype):
+    """One request of T tokens through rope_reshape_and_cache into fp8 flash caches
+    (shuffled pages), then rows attending random subsets of them."""
+    g = torch.Generator().manual_seed(8)
+    T, QH, KH, D, P, R_ = 40, 8, 2, 64, 8, 6
+    pages = T // P + 2
+    table = torch.randperm(pages, generator=g)[: T // P].to(torch.int32)[None]
+    tokens = torch.arange(T)
+    slots = table[0, tokens // P].long() * P + tokens % P
+    angles = torch.rand(64, D // 2, generator=g, dtype=torch.float64) * 6.3
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1).float()
+    q, k, v = (torch.randn(T, h, D, generator=g).to(dtype) for h in (QH, KH, KH))
+    key_cache, value_cache = (torch.zeros(pages, P, KH, D).to(FP8) for _ in range(2))
+    k_scale, v_scale = scale_tensor(0.02), scale_tensor(0.0125, shape=(1,))
+    args = dict(q=q, k=k, v=v, key_cache=key_cache, value_cache=value_cache, slot_mapping=slots,
+                positions=tokens, cos_sin=cos_sin)
+    args = {n: x.to(DEVICE) for n, x in args.items()}
+    indices = torch.stack([torch.randperm(T, generator=g)[:24] for _ in range(R_)]).to(torch.int32)
+    attention_q = torch.randn(R_, QH, D, generator=g).to(dtype)
+    rest = dict(token_indices=indices.to(DEVICE), block_table=table.to(DEVICE),
+                token_to_req=torch.zeros(R_, dtype=torch.int32, device=DEVICE))
+    return args, attention_q.to(DEVICE), rest, k_scale, v_scale
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_stage1_writes_fp8_caches_that_attention_reads(dtype):
+    """Tight: attention vs the reference on the caches stage 1 wrote (dequantised).
+    Loose (fp8's 3-bit mantissa: 3.6e-2 with torch's casts on the CPU): vs the float64
+    pipeline that never rounds to fp8; a misapplied scale is off by O(1).
+    torch and JAX agree bitwise on the caches and on the output."""
+    args, q, rest, k_scale, v_scale = fp8_stage1_then_attention(dtype)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    jax_call = jax.jit(lambda a, s, q, r: (lambda out: (out[2], out[3], qsa_jax.sparse_paged_attention(
+        q, out[2], out[3], **r, **s)))(qsa_jax.rope_reshape_and_cache(**a, is_neox=True, **s)))
+    jax_caches_out = jax_call({n: to_jax(x) for n, x in args.items()}, {n: to_jax(x) for n, x in scales.items()},
+                              to_jax(q), {n: to_jax(x) for n, x in rest.items()})
+    _, _, key_cache, value_cache = qsa_torch.rope_reshape_and_cache(**args, is_neox=True, **scales)
+    out = qsa_torch.sparse_paged_attention(q, key_cache, value_cache, **rest, **scales)
+    tight = R.sparse_paged_attention(f64(q), dequantised(key_cache, float(k_scale)),
+                                     dequantised(value_cache, float(v_scale)), *(host(x) for x in rest.values()))
+    assert_close(out, tight, tolerance(dtype), "attention vs reference on the written caches")
+    _, _, ref_k, ref_v, _ = R.rope_reshape_and_cache(
+        *(f64(args[n]) for n in ("q", "k", "v", "key_cache", "value_cache")), host(args["slot_mapping"]),
+        host(args["positions"]), f64(args["cos_sin"]), is_neox=True, layout="flash",
+        k_scale=float(k_scale), v_scale=float(v_scale), fp8=True)
+    exact = R.sparse_paged_attention(f64(q), ref_k * float(k_scale), ref_v * float(v_scale),
+                                     *(host(x) for x in rest.values()))
+    assert_close(out, exact, 8e-2, "attention vs the float64 pipeline (no fp8 rounding)")
+    for i, (a, b) in enumerate(zip(jax_caches_out, (key_cache, value_cache, out))):
+        assert_bitwise_equal(a, b, f"torch vs JAX ({('key_cache', 'value_cache', 'out')[i]})")
+
+
+# --------------------------------------------------------------------------
+# The fp8 valid calls of test_bad_arguments' table work in both adapters
+# --------------------------------------------------------------------------
+
+@pytest.mark.skipif(not runtime.INTERPRETED, reason="shape checks; the GPU would only compile kernels")
+@pytest.mark.parametrize("function", list(FP8_BASES))
+def test_fp8_bases_are_valid(function):
+    arrays, options = FP8_BASES[function]()
+    getattr(qsa_torch, function)(**arrays, **options)
+    with jax.enable_x64(True):
+        jax_arrays, jax_options = _jax_inputs(arrays, options)
+        jax.block_until_ready(getattr(qsa_jax, function)(**jax_arrays, **jax_options))
+
+
+# --------------------------------------------------------------------------
+# The composed step with fp8 caches (QSAState's scales)
+# --------------------------------------------------------------------------
+
+def fp8_state(state, k_scale=0.05, v_scale=0.02, compressed_key_scale=0.03):
+    """The K/V and compressed-key caches of ``state`` quantised, with their float32 scales."""
+    return dataclasses.replace(
+        state, key_cache=quantise(state.key_cache, k_scale), value_cache=quantise(state.value_cache, v_scale),
+        compressed_key_cache=quantise(state.compressed_key_cache, compressed_key_scale),
+        k_scale=scale_tensor(k_scale), v_scale=scale_tensor(v_scale, shape=(1,)),
+        compressed_key_scale=scale_tensor(compressed_key_scale))
+
+
+def test_step_fp8_caches_torch_jax_bitwise_and_close_to_bf16():
+    """Steps over fp8 caches: torch and JAX (jit, donated state) bit-identical (out, indices,
+    every cache).  With token_topk covering every group, the selection cannot depend on the
+    scores, so it equals the bf16 run's and out is within fp8's rounding of it (GPU: the
+    interpreter rounds to fp8 wrongly)."""
+    model = Model(token_topk=48, index_dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(21)
+    pager = PagedRequests(GEOMETRY, seed=2)
+    cos_sin, index_cos_sin = rope_table(model.D), rope_table(model.DI)
+    bf16_state = random_state(model, g)
+    state = fp8_state(clone_state(bf16_state))
+    jax_state = qsa_jax.QSAState(**{f.name: None if getattr(state, f.name) is None else to_jax(getattr(state, f.name))
+                                    for f in dataclasses.fields(state)})
+    jax_step = jax.jit(lambda i, s, m, c, ic: qsa_jax.qsa_attention_step(
+        **i, state=s, metadata=m, cos_sin=c, index_cos_sin=ic, return_token_indices=True, **model.options()),
+        donate_argnums=(1,))
+    for schedule in ({"a": 9, "b": 6}, {"a": 1, "b": 1, "c": 5}):  # prefill chunks; decode rows and a join
+        host_meta = pager.step(schedule)
+        inputs = random_inputs(model, host_meta.num_rows, g)
+        meta = qsa_torch.StepMetadata.from_host(host_meta, DEVICE)
+        step = dict(metadata=meta, cos_sin=cos_sin, index_cos_sin=index_cos_sin, return_token_indices=True,
+                    **model.options())
+        out, state, indices = qsa_torch.qsa_attention_step(**inputs, state=state, **step)
+        bf16_out, bf16_state, bf16_indices = qsa_torch.qsa_attention_step(**inputs, state=bf16_state, **step)
+        jax_out, jax_state, jax_indices = jax_step({n: to_jax(a) for n, a in inputs.items()}, jax_state,
+                                                   qsa_jax.StepMetadata.from_host(host_meta), to_jax(cos_sin),
+                                                   to_jax(index_cos_sin))
+        assert state.key_cache.dtype == FP8 and state.compressed_key_cache.dtype == FP8
+        assert_bitwise_equal(out, jax_out, "torch vs JAX out")
+        assert_bitwise_equal(indices, jax_indices, "torch vs JAX token_indices")
+        for name in STATE_FIELDS + SCALE_FIELDS:
+            assert_bitwise_equal(getattr(state, name), getattr(jax_state, name), f"torch vs JAX {name}")
+        assert_bitwise_equal(indices, bf16_indices, "every group selected: the same tokens as bf16")
+        if not runtime.INTERPRETED:
+            assert_close(out, f64(bf16_out), 8e-2, "fp8 step vs bf16 step")
+
+
+@pytest.mark.gpu
+def test_step_fp8_selection_close_to_bf16():
+    """A real choice of blocks (top 8 tokens of up to 11 groups): fp8 compressed keys select
+    most of bf16's blocks (on random data; measured on the benchmark data: ~0.97)."""
+    model = Model(token_topk=8, index_dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(22)
+    pager = PagedRequests(GEOMETRY, seed=4)
+    cos_sin, index_cos_sin = rope_table(model.D), rope_table(model.DI)
+    bf16_state = random_state(model, g)
+    state = fp8_state(clone_state(bf16_state))
+    step = dict(cos_sin=cos_sin, index_cos_sin=index_cos_sin, return_token_indices=True, **model.options())
+    host_meta = pager.step({"a": 44, "b": 40, "c": 37})
+    inputs = random_inputs(model, host_meta.num_rows, g)
+    meta = qsa_torch.StepMetadata.from_host(host_meta, DEVICE)
+    _, _, indices = qsa_torch.qsa_attention_step(**inputs, state=state, metadata=meta, **step)
+    _, _, bf16_indices = qsa_torch.qsa_attention_step(**inputs, state=bf16_state, metadata=meta, **step)
+    same = [len(set(a[a >= 0]) & set(b[b >= 0])) / max(1, (b >= 0).sum()) for a, b in zip(host(indices), host(bf16_indices))]
+    assert np.mean(same) >= 0.8, f"fp8 selection matches bf16's on {np.mean(same):.2f} of the tokens"
+
+
+def test_step_scale_errors_same_in_both_adapters():
+    """Scales exactly for the fp8 caches, checked before any stage writes."""
+    base = step_arguments()
+    bf16 = base["state"]
+    fp8 = dataclasses.replace(bf16, key_cache=bf16.key_cache.to(FP8), value_cache=bf16.value_cache.to(FP8),
+                              k_scale=scale_tensor(0.5), v_scale=scale_tensor(0.5))
+    cases = [
+        (dataclasses.replace(fp8, k_scale=None),
+         "qsa_attention_step: state.k_scale must be given (a 0-d or 1-element float array) for a float8_e4m3fn "
+         "state.key_cache, got None"),
+        (dataclasses.replace(fp8, v_scale=None), "qsa_attention_step: state.v_scale must be given"),
+        (dataclasses.replace(bf16, k_scale=scale_tensor(0.5)),
+         "qsa_attention_step: state.k_scale must be None for a bfloat16 state.key_cache (scales are for "
+         "float8_e4m3fn caches), got an array of shape ()"),
+        (dataclasses.replace(bf16, compressed_key_cache=bf16.compressed_key_cache.to(FP8)),
+         "qsa_attention_step: state.compressed_key_scale must be given"),
+        (dataclasses.replace(bf16, compressed_key_scale=scale_tensor(1.0, shape=(1,))),
+         "qsa_attention_step: state.compressed_key_scale must be None for a float32 state.compressed_key_cache"),
+    ]
+    for state, expected in cases:
+        originals = [getattr(state, n).clone() for n in STATE_FIELDS]
+        arguments = dict(base, state=state)
+        messages = []
+        for adapter, args in ((qsa_torch, arguments), (qsa_jax, step_to_jax(arguments))):
+            with pytest.raises(ValueError) as info:
+                adapter.qsa_attention_step(**args)
+            messages.append(str(info.value))
+        assert messages[0] == messages[1] and messages[0].startswith(expected), messages
+        for name, original in zip(STATE_FIELDS, originals):
+            assert_bitwise_equal(getattr(state, name), original, f"{name} written before the error")
+
+
+def test_state_zeros_with_fp8_caches():
+    geometry = GEOMETRY
+    for adapter, fp8_dtype, bf16 in ((qsa_torch, FP8, torch.bfloat16), (qsa_jax, jax.numpy.float8_e4m3fn, jax.numpy.bfloat16)):
+        state = adapter.QSAState.zeros(geometry, kv_heads=2, head_dim=32, index_head_dim=16, dtype=bf16,
+                                       cache_dtype=fp8_dtype, compressed_key_dtype=fp8_dtype, k_scale=0.5,
+                                       v_scale=0.25, compressed_key_scale=2.0)
+        assert str(state.key_cache.dtype).endswith("float8_e4m3fn") and str(state.compressed_key_cache.dtype).endswith("float8_e4m3fn")
+        assert str(state.compressor_state_cache.dtype).endswith("bfloat16")
+        assert [float(np.asarray(host(s) if isinstance(s, torch.Tensor) else s)) for s in
+                (state.k_scale, state.v_scale, state.compressed_key_scale)] == [0.5, 0.25, 2.0]
+        plain = adapter.QSAState.zeros(geometry, kv_heads=2, head_dim=32, index_head_dim=16, dtype=bf16)
+        assert plain.k_scale is None and plain.v_scale is None and plain.compressed_key_scale is None
