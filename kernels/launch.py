@@ -329,7 +329,7 @@ def execute(program: Program, arrays: Mapping[str, Any], *, adapter: str,
 
 def split_arguments(plan, arguments: Mapping[str, Any]) -> tuple[dict, dict]:
     """A public call's arguments, by name, as ``(arrays, options)`` for ``plan``."""
-    arrays = {name: arguments[name] for name in plan.array_arguments}
+    arrays = {name: arguments.get(name) for name in plan.array_arguments}  # absent: None (optional arrays)
     options = {name: value for name, value in arguments.items() if name not in arrays}
     return arrays, options
 

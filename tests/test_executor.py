@@ -17,7 +17,7 @@ from qsa_kernels import compress, select
 from qsa_kernels.launch import ArrayInfo, Buffer, Launch, Program, execute, observe_launches
 from qsa_torch import _launch as torch_launch
 
-KERNEL = compress.store_cache_rows_kernel  # (cache, slot_mapping, rows, cache_out, sizes..., constexprs...)
+KERNEL = compress.store_cache_rows_kernel  # (cache, slot_mapping, rows, scale, cache_out, sizes..., constexprs...)
 # The names the shipped plan binds (so these tests follow a renamed parameter).
 _SHIPPED = compress.plan_store_cache_rows(ArrayInfo.contiguous((3, 4, 1, 8), "float32"),
                                           ArrayInfo.contiguous((3,), "int32"),
@@ -27,7 +27,7 @@ A_SCALAR, A_CONSTEXPR = next(iter(SCALARS)), next(iter(CONSTEXPRS))
 
 
 def store_launch(**changes):
-    fields = dict(kernel=KERNEL, grid=(1,), inputs=("cache", "slot_mapping", "rows"), outputs=("cache",),
+    fields = dict(kernel=KERNEL, grid=(1,), inputs=_SHIPPED.inputs, outputs=("cache",),
                   scalars=dict(SCALARS), constexprs=dict(CONSTEXPRS))
     fields.update(changes)
     return Launch(**fields)
@@ -44,7 +44,7 @@ def test_launch_accepts_its_kernels_parameters():
     (dict(scalars=dict(SCALARS, **{A_CONSTEXPR: 1}), constexprs={k: v for k, v in CONSTEXPRS.items() if k != A_CONSTEXPR}),
      f"'{A_CONSTEXPR}' is given in scalars but is a tl.constexpr parameter"),
     (dict(scalars=dict(SCALARS, cache_out_ptr=0)), "'cache_out_ptr' is also bound positionally"),
-    (dict(outputs=("cache", "rows")), f"'{A_SCALAR}' is also bound positionally"),
+    (dict(outputs=("cache", "rows")), f"'{A_SCALAR}' is also bound positionally"),  # one pointer too many
 ])
 def test_launch_refuses_names_that_do_not_match_the_kernel(change, message):
     with pytest.raises(TypeError, match="Launch of store_cache_rows_kernel") as error:
@@ -53,7 +53,7 @@ def test_launch_refuses_names_that_do_not_match_the_kernel(change, message):
 
 
 def test_program_refuses_writing_an_argument_it_does_not_read():
-    launch = store_launch(inputs=("slot_mapping", "slot_mapping", "rows"))
+    launch = store_launch(inputs=("slot_mapping",) + _SHIPPED.inputs[1:])  # writes cache, never reads it
     with pytest.raises(ValueError, match="writes argument 'cache' without reading it"):
         Program("store_cache_rows", (), (launch,), ("cache",))
 
@@ -80,9 +80,10 @@ def test_execute_threads_outputs_skips_empty_launches_and_fills_unwritten_result
         return [inputs[0] + 1]
 
     plus = KERNEL  # any kernel whose parameters fit (the fake launch ignores it)
-    first = Launch(plus, (1,), ("x", "a", "a"), ("a",), dict(SCALARS), dict(CONSTEXPRS))
-    second = Launch(plus, (2,), ("a", "x", "x"), ("b",), dict(SCALARS), dict(CONSTEXPRS))
-    never = Launch(plus, (0,), ("x", "x", "x"), ("c",), dict(SCALARS), dict(CONSTEXPRS))
+    pad = ("x",) * (len(_SHIPPED.inputs) - 3)  # the kernel's other pointers: unread by the fake launch
+    first = Launch(plus, (1,), ("x", "a", "a") + pad, ("a",), dict(SCALARS), dict(CONSTEXPRS))
+    second = Launch(plus, (2,), ("a", "x", "x") + pad, ("b",), dict(SCALARS), dict(CONSTEXPRS))
+    never = Launch(plus, (0,), ("x", "x", "x") + pad, ("c",), dict(SCALARS), dict(CONSTEXPRS))
     program = Program("toy", (Buffer("a", (2,), "int32"), Buffer("b", (2,), "int32"), Buffer("c", (2,), "int32", fill=5)),
                       (first, second, never), ("b", "c"))
     assert program.runnable_launches == (first, second)
