@@ -1,8 +1,32 @@
 """Stage 3b: exact top-k blocks of each row (``topk_blocks``).
 
 An exact radix select on order-preserving uint32 keys
-(``-0.0 == +0.0``; NaN below ``-inf``), in four phases, each a launch over
-``(row, slice)`` programs so that one long row still spreads over many SMs:
+(``-0.0 == +0.0``; NaN below ``-inf``), by one of two paths that the plan
+chooses from the static shape (:func:`topk_path`):
+
+**Row path** (one launch, one program per row; rows up to
+``TOPK_ROW_MAX_COLUMNS`` wide, or any width once there are
+``TOPK_ROW_MIN_ROWS`` rows to fill the GPU).  The program streams its row
+in tiles (L2-resident after the first pass):
+
+1. group maxima of G >= 2k strided groups, kept in registers, and a bound
+   ``L`` <= the k-th largest key: the k-th largest group maximum truncated
+   to its top ``8 * TOPK_BOUND_PASSES`` bits (still a lower bound, and
+   cheaper than the exact maximum);
+2. one pass compacts the keys >= ``L`` (typically ~1.4k of them) into a
+   per-row candidate buffer in column order; a block barrier makes them
+   visible to the whole program;
+3. a radix select over the candidates (in registers when they fit one tile)
+   finds the k-th largest key ``T`` and writes the selection, then ``-1``
+   padding.
+
+If the candidates overflow the buffer (many keys equal to ``L``), the row
+itself is selected from (one more placement pass when ``T == L``, else a
+radix select streamed over the row).  Rows so narrow that the groups would
+be single columns skip the bound: the radix select runs on the row directly.
+
+**Sliced path** (four launches over ``(row, slice)`` programs, so that one
+long row still spreads over many SMs):
 
 1. group maxima: every slice reduces its columns to the maxima of G strided
    groups (column ``c`` is in group ``c % G``);
@@ -39,6 +63,20 @@ TOPK_TARGET_PROGRAMS = 256
 TOPK_MAX_SLICES = 64
 TOPK_MAX_GROUPS = 4096
 RADIX_BITS = 8
+# Top-k path: "auto" (by shape, see topk_path), "row" or "sliced" (forced;
+# benchmarks compare them).
+TOPK_PATH = "auto"
+# One program per row for rows at most this wide, or for any width once
+# there are this many rows (enough programs to fill an H200 without slicing).
+TOPK_ROW_MAX_COLUMNS = 65536
+TOPK_ROW_MIN_ROWS = 32
+# Columns a row program handles per step (at most 16384: its prefix sums
+# pack two counts in 16 bits each); halved from this many rows on, so that
+# several programs share an SM.
+TOPK_ROW_TILE = 16384
+TOPK_ROW_MANY_ROWS = 264
+# Radix passes (of RADIX_BITS) of the row path's group-maximum bound.
+TOPK_BOUND_PASSES = 2
 
 TOPK_DOC = """\
 Exact top-k blocks of each row, in ascending column order.
@@ -100,19 +138,33 @@ def _choose_digit(histogram, prefix, remaining, PASS: tl.constexpr, BITS: tl.con
     """Digit of the ``remaining``-th largest key; returns the extended prefix and what remains to take."""
     SHIFT: tl.constexpr = 32 - (PASS + 1) * BITS
     at_or_above = tl.sum(histogram, 0) - tl.cumsum(histogram, 0) + histogram
-    # Fewer than ``remaining`` keys in all: digit 0 (the key ends up 0 and
-    # every key equal to it is taken).
-    digit = tl.maximum(tl.sum((at_or_above >= remaining).to(tl.int32), 0) - 1, 0)
-    above = tl.sum(tl.where(tl.arange(0, 1 << BITS) > digit, histogram, 0), 0)
+    # at_or_above never increases with the digit: the chosen digit is the
+    # last one with at_or_above >= remaining, and the keys above it are
+    # those of the digits after it.  Fewer than ``remaining`` keys in all:
+    # digit 0 (the key ends up 0 and every key equal to it is taken).  Both
+    # counts come from one reduction (the count of digits in the low half).
+    reaching = at_or_above >= remaining
+    beyond = tl.where((at_or_above < remaining) & (tl.arange(0, 1 << BITS) > 0), histogram, 0)
+    packed = tl.sum(reaching.to(tl.int64) + (beyond.to(tl.int64) << 32), 0)
+    digit = tl.maximum((packed & 0xFFFFFFFF).to(tl.int32) - 1, 0)
+    above = (packed >> 32).to(tl.int32)
     return prefix | (digit.to(tl.uint32) << SHIFT), remaining - above
 
 
 @triton.jit
 def _kth_largest_resident(keys, valid, k, BITS: tl.constexpr):
     """(k-th largest key, how many keys equal to it are among the top k) of a register tensor."""
+    return _kth_largest_prefix(keys, valid, k, 32 // BITS, BITS)
+
+
+@triton.jit
+def _kth_largest_prefix(keys, valid, k, PASSES: tl.constexpr, BITS: tl.constexpr):
+    """The top ``PASSES * BITS`` bits of the k-th largest key of a register
+    tensor, low bits zero (a lower bound of it; 0 if there are fewer than k
+    keys), and what remains to take of the keys matching them."""
     prefix = tl.full((), 0, tl.uint32)
     remaining = tl.full((), 0, tl.int32) + k
-    for p in tl.static_range(32 // BITS):
+    for p in tl.static_range(PASSES):
         histogram = _digit_histogram(keys, valid, prefix, p, BITS)
         prefix, remaining = _choose_digit(histogram, prefix, remaining, p, BITS)
     return prefix, remaining
@@ -300,19 +352,206 @@ def topk_finish_kernel(
         tl.store(out_row + cols, tl.full((PAD_TILE,), -1, tl.int32), mask=(cols >= selected) & (cols < K))
 
 
+# --------------------------------------------------------------------------
+# Row path: one program per row, one launch.
+# --------------------------------------------------------------------------
+
+@triton.jit
+def _place_tile(keys, cols, valid, threshold, take_equal, equal_before, position, out_ptr):
+    """:func:`_place` of one register tile: writes, from ``position`` on in
+    tile order, the columns with key > threshold and those equal to it whose
+    rank among equal keys (``equal_before`` earlier) is below ``take_equal``.
+    Returns the next position and equal count.  One prefix sum: the counts
+    above and equal (each < 2**16 in a tile) are packed in one int32."""
+    above = (valid & (keys > threshold)).to(tl.int32)
+    equal = (valid & (keys == threshold)).to(tl.int32)
+    packed = above + (equal << 16)
+    before = tl.cumsum(packed, 0) - packed
+    above_before = before & 0xFFFF
+    equal_rank = equal_before + (before >> 16)
+    # Equal keys taken before this one: those of rank below take_equal.
+    taken_equal = tl.minimum(equal_rank, take_equal) - tl.minimum(equal_before, take_equal)
+    take = (above != 0) | ((equal != 0) & (equal_rank < take_equal))
+    tl.store(out_ptr + position + above_before + taken_equal, cols, mask=take)
+    totals = tl.sum(packed, 0)
+    equal_total = totals >> 16
+    taken = (totals & 0xFFFF) + tl.minimum(equal_before + equal_total, take_equal) - tl.minimum(equal_before, take_equal)
+    return position + taken, equal_before + equal_total
+
+
+@triton.jit
+def _select_and_place(key_ptr, col_ptr, n, k, out_ptr, FROM_LOGITS: tl.constexpr,
+                      TILE: tl.constexpr, BITS: tl.constexpr):
+    """Writes the columns of the k largest of source entries ``[0, n)``
+    (a logits row or a candidate list) in source order; in registers when
+    they fit one tile, else streamed a tile at a time."""
+    zero = tl.full((), 0, tl.int32)
+    if n <= TILE:
+        keys, cols, valid = _source(key_ptr, col_ptr, tl.arange(0, TILE), n, FROM_LOGITS)
+        threshold, take_equal = _kth_largest_resident(keys, valid, k, BITS)
+        _place_tile(keys, cols, valid, threshold, take_equal, zero, zero, out_ptr)
+    else:
+        threshold, take_equal = _kth_largest_streamed(key_ptr, col_ptr, n, k, FROM_LOGITS, TILE, BITS)
+        position = zero
+        equal_before = zero
+        start = zero
+        while start < n:
+            keys, cols, valid = _source(key_ptr, col_ptr, start + tl.arange(0, TILE), n, FROM_LOGITS)
+            position, equal_before = _place_tile(keys, cols, valid, threshold, take_equal, equal_before,
+                                                 position, out_ptr)
+            start += TILE
+
+
+@triton.jit
+def _group_max_bound(logits_row, width, k, GROUPS: tl.constexpr, TILE: tl.constexpr,
+                     PASSES: tl.constexpr, BITS: tl.constexpr):
+    """A lower bound of the row's k-th largest key (0 if fewer than k keys):
+    the k-th largest of G strided group maxima (k groups have a maximum at
+    or above it), truncated to its top ``PASSES * BITS`` bits."""
+    # A tile viewed as [TILE // G, G]: column c lands in group c % G.
+    offsets = tl.arange(0, TILE // GROUPS)[:, None] * GROUPS + tl.arange(0, GROUPS)[None, :]
+    maxima = tl.zeros((GROUPS,), tl.uint32)
+    start = tl.full((), 0, tl.int32)
+    while start < width:
+        keys, _cols, _valid = _source(logits_row, logits_row, start + offsets, width, True)
+        maxima = tl.maximum(maxima, tl.max(keys, 0))
+        start += TILE
+    groups = tl.arange(0, GROUPS)
+    # Empty groups (maximum 0, the lowest key) can only lower the bound.
+    bound, _remaining = _kth_largest_prefix(maxima, groups < GROUPS, k, PASSES, BITS)
+    return bound
+
+
+@triton.jit
+def _compact_at_least(logits_row, width, bound, cand_key_ptr, cand_col_ptr, capacity, TILE: tl.constexpr):
+    """Writes the keys >= bound and their columns, in column order, to the
+    candidates (the first ``capacity`` of them).  Returns (keys >= bound,
+    keys > bound)."""
+    count = tl.full((), 0, tl.int32)
+    above = tl.full((), 0, tl.int32)
+    start = tl.full((), 0, tl.int32)
+    while start < width:
+        keys, cols, valid = _source(logits_row, logits_row, start + tl.arange(0, TILE), width, True)
+        at_least = (valid & (keys >= bound)).to(tl.int32)
+        beyond = (valid & (keys > bound)).to(tl.int32)
+        slot = count + tl.cumsum(at_least, 0) - at_least
+        keep = (at_least != 0) & (slot < capacity)
+        tl.store(cand_key_ptr + slot, keys.to(tl.int32, bitcast=True), mask=keep)
+        tl.store(cand_col_ptr + slot, cols, mask=keep)
+        totals = tl.sum(at_least + (beyond << 16), 0)
+        count += totals & 0xFFFF
+        above += totals >> 16
+        start += TILE
+    return count, above
+
+
+@triton.jit
+def _pad(out_row, selected, K: tl.constexpr, PAD_TILE: tl.constexpr):
+    """-1 in ``out_row[selected:K]``."""
+    for t in range((K + PAD_TILE - 1) // PAD_TILE):
+        cols = t * PAD_TILE + tl.arange(0, PAD_TILE)
+        tl.store(out_row + cols, tl.full((PAD_TILE,), -1, tl.int32), mask=(cols >= selected) & (cols < K))
+
+
+@triton.jit
+def topk_row_kernel(
+    logits_ptr, visible_ptr,
+    out_ptr, cand_key_ptr, cand_col_ptr,
+    num_columns, lg_sr, capacity,
+    K: tl.constexpr, GROUPS: tl.constexpr, TILE: tl.constexpr, CAND_TILE: tl.constexpr,
+    BITS: tl.constexpr, BOUND_PASSES: tl.constexpr, BOUNDED: tl.constexpr, PAD_TILE: tl.constexpr,
+):
+    """The whole top-k of one row (module docstring, row path).
+
+    logits [R, C] (row stride lg_sr), visible [R], out [R, K],
+    cand_key / cand_col [R, capacity] (workspace: order keys, columns).
+    """
+    row = tl.program_id(0).to(tl.int64)
+    width = _row_width(visible_ptr, row, num_columns)
+    logits_row = logits_ptr + row * lg_sr
+    out_row = out_ptr + row * K
+    if BOUNDED:
+        bound = _group_max_bound(logits_row, width, K, GROUPS, TILE, BOUND_PASSES, BITS)
+        cand_keys = cand_key_ptr + row * capacity
+        cand_cols = cand_col_ptr + row * capacity
+        count, above = _compact_at_least(logits_row, width, bound, cand_keys, cand_cols, capacity, TILE)
+        # Every thread reads candidates that others wrote.
+        tl.debug_barrier()
+        if count <= capacity:
+            _select_and_place(cand_keys, cand_cols, count, K, out_row, False, CAND_TILE, BITS)
+        elif above < K:
+            # Too many keys equal the bound, and it is the k-th largest: all
+            # keys above it, then the first K - above equal to it.
+            zero = tl.full((), 0, tl.int32)
+            _place(logits_row, logits_row, zero, width, bound, K - above, zero, zero,
+                   out_row, out_row, TILE, True, False)
+        else:
+            _select_and_place(logits_row, logits_row, width, K, out_row, True, TILE, BITS)
+    else:
+        _select_and_place(logits_row, logits_row, width, K, out_row, True, TILE, BITS)
+    _pad(out_row, tl.minimum(width, K), K, PAD_TILE)
+
+
+def topk_path(rows: int, columns: int, k: int) -> str:
+    """``"row"`` (one program per row) or ``"sliced"`` (rows split over
+    programs), from the static shape unless ``TOPK_PATH`` forces one."""
+    if TOPK_PATH != "auto":
+        return TOPK_PATH
+    return "row" if columns <= TOPK_ROW_MAX_COLUMNS or rows >= TOPK_ROW_MIN_ROWS else "sliced"
+
+
+def topk_groups(columns: int, k: int) -> int:
+    """G >= 2k strided groups keep the candidates (keys at or above the k-th
+    largest group maximum) near k; G >= C makes single-column groups."""
+    return min(triton.next_power_of_2(2 * k), triton.next_power_of_2(max(columns, 1)), TOPK_MAX_GROUPS)
+
+
 def topk_parts(rows: int, columns: int, k: int, logits_stride: int, row_counts,
                logits: str, visible: str, out: str):
     """Workspaces and launches of an exact top-k over ``logits`` ``[rows, columns]``.
 
-    The tiling is chosen for ``rows``; ``row_counts`` are the rows of each
-    run of the four launches (several runs reuse the workspaces).
+    The path and tiling are chosen for ``rows``; ``row_counts`` are the rows
+    of each run of the launches (several runs reuse the workspaces).
     """
     if rows == 0 or k == 0:
         return (), ()
+    if topk_path(rows, columns, k) == "row":
+        return _row_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out)
+    return _sliced_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out)
+
+
+def _row_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out):
+    """The row path: one launch of one program per row."""
     width = max(columns, 1)
-    # G >= 2k strided groups keep the candidates (keys above the k-th
-    # largest group maximum) near k; G >= C makes single-column groups.
-    groups = min(triton.next_power_of_2(2 * k), triton.next_power_of_2(width), TOPK_MAX_GROUPS)
+    groups = topk_groups(columns, k)
+    limit = TOPK_ROW_TILE if rows < TOPK_ROW_MANY_ROWS else TOPK_ROW_TILE // 2
+    tile = max(groups, min(limit, max(16, triton.next_power_of_2(width))))
+    assert tile <= 16384, "row-path prefix sums pack two 16-bit counts"
+    # Single-column groups: the bound would be the answer itself.
+    bounded = groups < triton.next_power_of_2(width)
+    capacity = min(triton.cdiv(width, tile) * tile, max(TOPK_MIN_CANDIDATES, 4 * k)) if bounded else 1
+    # Typically about 1.4k keys reach the bound: one register tile of 2k.
+    cand_tile = min(tile, max(16, triton.next_power_of_2(2 * k)))
+    cand_key, cand_col = "topk_cand_key", "topk_cand_col"
+    buffers = (
+        Buffer(cand_key, (rows, capacity), "int32"),
+        Buffer(cand_col, (rows, capacity), "int32"),
+    )
+    launches = tuple(
+        Launch(topk_row_kernel, (count,), (logits, visible), (out, cand_key, cand_col),
+               dict(num_columns=columns, lg_sr=logits_stride, capacity=capacity),
+               dict(K=k, GROUPS=groups, TILE=tile, CAND_TILE=cand_tile, BITS=RADIX_BITS,
+                    BOUND_PASSES=TOPK_BOUND_PASSES, BOUNDED=bounded,
+                    PAD_TILE=min(1024, triton.next_power_of_2(k))),
+               num_warps=max(4, min(16, tile // 1024)), num_stages=1)
+        for count in row_counts)
+    return buffers, launches
+
+
+def _sliced_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out):
+    """The sliced path: four launches over (row, slice) programs."""
+    width = max(columns, 1)
+    groups = topk_groups(columns, k)
     tile = max(groups, min(TOPK_TILE, max(16, triton.next_power_of_2(width))))
     row_tiles = triton.cdiv(width, tile)
     # Split rows into slices until there are enough programs for the GPU.
