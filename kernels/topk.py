@@ -70,11 +70,15 @@ TOPK_PATH = "auto"
 # there are this many rows (enough programs to fill an H200 without slicing).
 TOPK_ROW_MAX_COLUMNS = 65536
 TOPK_ROW_MIN_ROWS = 32
-# Columns a row program handles per step (at most 16384: its prefix sums
-# pack two counts in 16 bits each); halved from this many rows on, so that
-# several programs share an SM.
-TOPK_ROW_TILE = 16384
+# A row program's warps, and the keys each of its threads handles per step:
+# of the group maxima (a load and a max), and of the other passes (prefix
+# sums and scattered stores: ~7 registers a key on sm_90).  From
+# TOPK_ROW_MANY_ROWS rows on, warps and the other passes' keys are halved,
+# so that several programs share an SM.
+TOPK_ROW_WARPS = 16
 TOPK_ROW_MANY_ROWS = 264
+TOPK_ROW_GROUP_KEYS_PER_THREAD = 32
+TOPK_ROW_KEYS_PER_THREAD = 16
 # Radix passes (of RADIX_BITS) of the row path's group-maximum bound.
 TOPK_BOUND_PASSES = 2
 
@@ -108,14 +112,19 @@ def _order_key(x):
 
 
 @triton.jit
-def _source(key_ptr, col_ptr, idx, n, FROM_LOGITS: tl.constexpr):
-    """(keys, columns, valid) of entries ``idx < n``: a logits row or a candidate list."""
+def _source(key_ptr, col_ptr, idx, n, FROM_LOGITS: tl.constexpr, GATHER: tl.constexpr = False):
+    """(keys, columns, valid) of entries ``idx < n``: a logits row, a
+    candidate list of keys and columns, or (GATHER) a list of columns of
+    the logits row ``key_ptr``."""
     valid = idx < n
     if FROM_LOGITS:
         # Entries outside the source get key 0, the lowest: they can only
         # lower a group maximum, never raise it.
         keys = tl.where(valid, _order_key(tl.load(key_ptr + idx, mask=valid, other=0.0).to(tl.float32)), 0)
         cols = idx
+    elif GATHER:
+        cols = tl.load(col_ptr + idx, mask=valid, other=0)
+        keys = tl.where(valid, _order_key(tl.load(key_ptr + cols, mask=valid, other=0.0).to(tl.float32)), 0)
     else:
         keys = tl.load(key_ptr + idx, mask=valid, other=0).to(tl.uint32, bitcast=True)
         cols = tl.load(col_ptr + idx, mask=valid, other=-1)
@@ -172,7 +181,7 @@ def _kth_largest_prefix(keys, valid, k, PASSES: tl.constexpr, BITS: tl.constexpr
 
 @triton.jit
 def _kth_largest_streamed(key_ptr, col_ptr, n, k, FROM_LOGITS: tl.constexpr,
-                          TILE: tl.constexpr, BITS: tl.constexpr):
+                          TILE: tl.constexpr, BITS: tl.constexpr, GATHER: tl.constexpr = False):
     """As :func:`_kth_largest_resident` over source entries ``[0, n)``, a tile at a time."""
     prefix = tl.full((), 0, tl.uint32)
     remaining = tl.full((), 0, tl.int32) + k
@@ -180,7 +189,7 @@ def _kth_largest_streamed(key_ptr, col_ptr, n, k, FROM_LOGITS: tl.constexpr,
         histogram = tl.zeros((1 << BITS,), tl.int32)
         start = tl.full((), 0, tl.int32)
         while start < n:
-            keys, _cols, valid = _source(key_ptr, col_ptr, start + tl.arange(0, TILE), n, FROM_LOGITS)
+            keys, _cols, valid = _source(key_ptr, col_ptr, start + tl.arange(0, TILE), n, FROM_LOGITS, GATHER)
             histogram += _digit_histogram(keys, valid, prefix, p, BITS)
             start += TILE
         prefix, remaining = _choose_digit(histogram, prefix, remaining, p, BITS)
@@ -380,23 +389,25 @@ def _place_tile(keys, cols, valid, threshold, take_equal, equal_before, position
 
 
 @triton.jit
-def _select_and_place(key_ptr, col_ptr, n, k, out_ptr, FROM_LOGITS: tl.constexpr,
-                      TILE: tl.constexpr, BITS: tl.constexpr):
+def _select_and_place(logits_row, candidates, n, k, out_ptr, FROM_LOGITS: tl.constexpr,
+                      TILE: tl.constexpr, BITS: tl.constexpr, RESIDENT: tl.constexpr):
     """Writes the columns of the k largest of source entries ``[0, n)``
-    (a logits row or a candidate list) in source order; in registers when
-    they fit one tile, else streamed a tile at a time."""
+    (the logits row, or the candidate columns of it) in source order; in
+    registers when they fit one tile (and RESIDENT), else streamed a tile at
+    a time."""
     zero = tl.full((), 0, tl.int32)
-    if n <= TILE:
-        keys, cols, valid = _source(key_ptr, col_ptr, tl.arange(0, TILE), n, FROM_LOGITS)
+    GATHER: tl.constexpr = not FROM_LOGITS
+    if RESIDENT and n <= TILE:
+        keys, cols, valid = _source(logits_row, candidates, tl.arange(0, TILE), n, FROM_LOGITS, GATHER)
         threshold, take_equal = _kth_largest_resident(keys, valid, k, BITS)
         _place_tile(keys, cols, valid, threshold, take_equal, zero, zero, out_ptr)
     else:
-        threshold, take_equal = _kth_largest_streamed(key_ptr, col_ptr, n, k, FROM_LOGITS, TILE, BITS)
+        threshold, take_equal = _kth_largest_streamed(logits_row, candidates, n, k, FROM_LOGITS, TILE, BITS, GATHER)
         position = zero
         equal_before = zero
         start = zero
         while start < n:
-            keys, cols, valid = _source(key_ptr, col_ptr, start + tl.arange(0, TILE), n, FROM_LOGITS)
+            keys, cols, valid = _source(logits_row, candidates, start + tl.arange(0, TILE), n, FROM_LOGITS, GATHER)
             position, equal_before = _place_tile(keys, cols, valid, threshold, take_equal, equal_before,
                                                  position, out_ptr)
             start += TILE
@@ -423,10 +434,11 @@ def _group_max_bound(logits_row, width, k, GROUPS: tl.constexpr, TILE: tl.conste
 
 
 @triton.jit
-def _compact_at_least(logits_row, width, bound, cand_key_ptr, cand_col_ptr, capacity, TILE: tl.constexpr):
-    """Writes the keys >= bound and their columns, in column order, to the
-    candidates (the first ``capacity`` of them).  Returns (keys >= bound,
-    keys > bound)."""
+def _compact_at_least(logits_row, width, bound, cand_ptr, capacity, TILE: tl.constexpr):
+    """Writes the columns of the keys >= bound, in column order, to the
+    candidates (the first ``capacity`` of them; their keys are loaded again
+    from the row, which is cheaper in registers than storing them).
+    Returns (keys >= bound, keys > bound)."""
     count = tl.full((), 0, tl.int32)
     above = tl.full((), 0, tl.int32)
     start = tl.full((), 0, tl.int32)
@@ -436,8 +448,7 @@ def _compact_at_least(logits_row, width, bound, cand_key_ptr, cand_col_ptr, capa
         beyond = (valid & (keys > bound)).to(tl.int32)
         slot = count + tl.cumsum(at_least, 0) - at_least
         keep = (at_least != 0) & (slot < capacity)
-        tl.store(cand_key_ptr + slot, keys.to(tl.int32, bitcast=True), mask=keep)
-        tl.store(cand_col_ptr + slot, cols, mask=keep)
+        tl.store(cand_ptr + slot, cols, mask=keep)
         totals = tl.sum(at_least + (beyond << 16), 0)
         count += totals & 0xFFFF
         above += totals >> 16
@@ -456,29 +467,33 @@ def _pad(out_row, selected, K: tl.constexpr, PAD_TILE: tl.constexpr):
 @triton.jit
 def topk_row_kernel(
     logits_ptr, visible_ptr,
-    out_ptr, cand_key_ptr, cand_col_ptr,
+    out_ptr, cand_ptr,
     num_columns, lg_sr, capacity,
-    K: tl.constexpr, GROUPS: tl.constexpr, TILE: tl.constexpr, CAND_TILE: tl.constexpr,
-    BITS: tl.constexpr, BOUND_PASSES: tl.constexpr, BOUNDED: tl.constexpr, PAD_TILE: tl.constexpr,
+    K: tl.constexpr, GROUPS: tl.constexpr, GROUP_TILE: tl.constexpr, TILE: tl.constexpr,
+    CAND_TILE: tl.constexpr, BITS: tl.constexpr, BOUND_PASSES: tl.constexpr, BOUNDED: tl.constexpr,
+    PAD_TILE: tl.constexpr,
 ):
     """The whole top-k of one row (module docstring, row path).
 
     logits [R, C] (row stride lg_sr), visible [R], out [R, K],
-    cand_key / cand_col [R, capacity] (workspace: order keys, columns).
+    cand [R, capacity] (workspace: candidate columns)
+    Tiles: GROUP_TILE columns per step of the group maxima (a load and a
+    max: wide), TILE per step of the other passes over the row (prefix sums
+    and scattered stores: narrower, for registers), CAND_TILE candidates
+    held in registers.  Without BOUNDED, TILE covers the row.
     """
     row = tl.program_id(0).to(tl.int64)
     width = _row_width(visible_ptr, row, num_columns)
     logits_row = logits_ptr + row * lg_sr
     out_row = out_ptr + row * K
     if BOUNDED:
-        bound = _group_max_bound(logits_row, width, K, GROUPS, TILE, BOUND_PASSES, BITS)
-        cand_keys = cand_key_ptr + row * capacity
-        cand_cols = cand_col_ptr + row * capacity
-        count, above = _compact_at_least(logits_row, width, bound, cand_keys, cand_cols, capacity, TILE)
+        bound = _group_max_bound(logits_row, width, K, GROUPS, GROUP_TILE, BOUND_PASSES, BITS)
+        candidates = cand_ptr + row * capacity
+        count, above = _compact_at_least(logits_row, width, bound, candidates, capacity, TILE)
         # Every thread reads candidates that others wrote.
         tl.debug_barrier()
         if count <= capacity:
-            _select_and_place(cand_keys, cand_cols, count, K, out_row, False, CAND_TILE, BITS)
+            _select_and_place(logits_row, candidates, count, K, out_row, False, CAND_TILE, BITS, True)
         elif above < K:
             # Too many keys equal the bound, and it is the k-th largest: all
             # keys above it, then the first K - above equal to it.
@@ -486,9 +501,9 @@ def topk_row_kernel(
             _place(logits_row, logits_row, zero, width, bound, K - above, zero, zero,
                    out_row, out_row, TILE, True, False)
         else:
-            _select_and_place(logits_row, logits_row, width, K, out_row, True, TILE, BITS)
+            _select_and_place(logits_row, logits_row, width, K, out_row, True, TILE, BITS, False)
     else:
-        _select_and_place(logits_row, logits_row, width, K, out_row, True, TILE, BITS)
+        _select_and_place(logits_row, logits_row, width, K, out_row, True, TILE, BITS, True)
     _pad(out_row, tl.minimum(width, K), K, PAD_TILE)
 
 
@@ -523,27 +538,36 @@ def topk_parts(rows: int, columns: int, k: int, logits_stride: int, row_counts,
 def _row_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out):
     """The row path: one launch of one program per row."""
     width = max(columns, 1)
+    row_width = max(16, triton.next_power_of_2(width))
     groups = topk_groups(columns, k)
-    limit = TOPK_ROW_TILE if rows < TOPK_ROW_MANY_ROWS else TOPK_ROW_TILE // 2
-    tile = max(groups, min(limit, max(16, triton.next_power_of_2(width))))
+    share = 1 if rows < TOPK_ROW_MANY_ROWS else 2
+    warps = max(1, TOPK_ROW_WARPS // share)
+    keys_per_thread = max(1, TOPK_ROW_KEYS_PER_THREAD // share)
+    # Single-column groups: the bound would be the answer itself, so the
+    # radix select runs on the row (TILE covers it: width <= G <= 4096).
+    bounded = groups < row_width
+    if bounded:
+        # G maxima and G // 2 candidates stay in registers: 8 a thread at most.
+        warps = max(warps, min(32, groups // 256))
+        tile = min(row_width, keys_per_thread * 32 * warps)
+    else:
+        tile = row_width
+        warps = max(4, min(warps, tile // (32 * keys_per_thread)))
+    threads = 32 * warps
+    group_tile = max(groups, min(row_width, TOPK_ROW_GROUP_KEYS_PER_THREAD * threads))
     assert tile <= 16384, "row-path prefix sums pack two 16-bit counts"
-    # Single-column groups: the bound would be the answer itself.
-    bounded = groups < triton.next_power_of_2(width)
     capacity = min(triton.cdiv(width, tile) * tile, max(TOPK_MIN_CANDIDATES, 4 * k)) if bounded else 1
     # Typically about 1.4k keys reach the bound: one register tile of 2k.
     cand_tile = min(tile, max(16, triton.next_power_of_2(2 * k)))
-    cand_key, cand_col = "topk_cand_key", "topk_cand_col"
-    buffers = (
-        Buffer(cand_key, (rows, capacity), "int32"),
-        Buffer(cand_col, (rows, capacity), "int32"),
-    )
+    candidates = "topk_candidates"
+    buffers = (Buffer(candidates, (rows, capacity), "int32"),)
     launches = tuple(
-        Launch(topk_row_kernel, (count,), (logits, visible), (out, cand_key, cand_col),
+        Launch(topk_row_kernel, (count,), (logits, visible), (out, candidates),
                dict(num_columns=columns, lg_sr=logits_stride, capacity=capacity),
-               dict(K=k, GROUPS=groups, TILE=tile, CAND_TILE=cand_tile, BITS=RADIX_BITS,
-                    BOUND_PASSES=TOPK_BOUND_PASSES, BOUNDED=bounded,
+               dict(K=k, GROUPS=groups, GROUP_TILE=group_tile, TILE=tile, CAND_TILE=cand_tile,
+                    BITS=RADIX_BITS, BOUND_PASSES=TOPK_BOUND_PASSES, BOUNDED=bounded,
                     PAD_TILE=min(1024, triton.next_power_of_2(k))),
-               num_warps=max(4, min(16, tile // 1024)), num_stages=1)
+               num_warps=warps, num_stages=1)
         for count in row_counts)
     return buffers, launches
 

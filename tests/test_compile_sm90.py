@@ -154,6 +154,14 @@ CASES = {
     "topk/decode-256-128k-k512": _topk(256, 1 << 15, 512),
     "topk/prefill-2048-128k-k2048-bf16": _topk(2048, 1 << 15, 2048, dtype=BF16),
     "topk/short-rows-k-past-row-end-fp16-int64": _topk(8, 100, 128, dtype=FP16, index=I64),
+    # The row path (one program per row): bounded with 16 warps, halved tiles
+    # for many rows, and the direct select of single-column groups; the
+    # sliced path past TOPK_ROW_MAX_COLUMNS with few rows.
+    "topk/row-decode-1-32k-k512": _topk(1, 1 << 15, 512),
+    "topk/row-prefill-2048-8k-k512": _topk(2048, 1 << 11, 512),
+    "topk/row-decode-64-1m-k512": _topk(64, 1 << 18, 512),
+    "topk/row-direct-k2048-4096": _topk(16, 4096, 2048),
+    "topk/sliced-decode-8-512k-k512": _topk(8, 1 << 17, 512),
     # Stage 3: expansion, and the whole selection (chunked past 128 MiB of
     # logits).  Shapes shared with the cases above compile once.
     "expand/decode-256-topk2048": _expand(256, 2048),
