@@ -545,7 +545,7 @@ def _row_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out
     keys_per_thread = max(1, TOPK_ROW_KEYS_PER_THREAD // share)
     # Single-column groups: the bound would be the answer itself, so the
     # radix select runs on the row (TILE covers it: width <= G <= 4096).
-    bounded = groups < row_width
+    bounded = groups < triton.next_power_of_2(width)
     if bounded:
         # G maxima and G // 2 candidates stay in registers: 8 a thread at most.
         warps = max(warps, min(32, groups // 256))

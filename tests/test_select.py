@@ -174,6 +174,7 @@ def test_topk_split_rows(monkeypatch, kind):
     """Small tiles force rows split over slices, and the three finishing paths:
     T equal to the group bound (sorted), candidates (random), candidates
     overflowing the buffer (periodic: the large keys share one group)."""
+    monkeypatch.setattr(topk_plans, "TOPK_PATH", "sliced")
     monkeypatch.setattr(topk_plans, "TOPK_TILE", 16)
     monkeypatch.setattr(topk_plans, "TOPK_MIN_CANDIDATES", 8)
     rows, columns, k = 3, 200, 5
