@@ -423,14 +423,25 @@ def _group_max_bound(logits_row, width, k, GROUPS: tl.constexpr, TILE: tl.conste
     offsets = tl.arange(0, TILE // GROUPS)[:, None] * GROUPS + tl.arange(0, GROUPS)[None, :]
     maxima = tl.zeros((GROUPS,), tl.uint32)
     start = tl.full((), 0, tl.int32)
+    raw = tl.load(logits_row + offsets, mask=offsets < width, other=0.0)
     while start < width:
-        keys, _cols, _valid = _source(logits_row, logits_row, start + offsets, width, True)
+        # Two tiles in flight: the next one is loaded before this one is reduced.
+        idx = start + offsets
+        keys = tl.where(idx < width, _order_key(raw.to(tl.float32)), 0)
+        raw = tl.load(logits_row + TILE + idx, mask=TILE + idx < width, other=0.0)
         maxima = tl.maximum(maxima, tl.max(keys, 0))
         start += TILE
     groups = tl.arange(0, GROUPS)
     # Empty groups (maximum 0, the lowest key) can only lower the bound.
     bound, _remaining = _kth_largest_prefix(maxima, groups < GROUPS, k, PASSES, BITS)
     return bound
+
+
+@triton.jit
+def _prefetch(logits_row, start, width, TILE: tl.constexpr):
+    """Raw logits of columns ``[start, start + TILE)`` below ``width``."""
+    cols = start + tl.arange(0, TILE)
+    return tl.load(logits_row + cols, mask=cols < width, other=0.0)
 
 
 @triton.jit
@@ -442,8 +453,14 @@ def _compact_at_least(logits_row, width, bound, cand_ptr, capacity, TILE: tl.con
     count = tl.full((), 0, tl.int32)
     above = tl.full((), 0, tl.int32)
     start = tl.full((), 0, tl.int32)
+    # The next tile is loaded while this one is counted (its latency hides
+    # behind the prefix sum): the loop carries the raw values.
+    raw = _prefetch(logits_row, start, width, TILE)
     while start < width:
-        keys, cols, valid = _source(logits_row, logits_row, start + tl.arange(0, TILE), width, True)
+        cols = start + tl.arange(0, TILE)
+        valid = cols < width
+        keys = tl.where(valid, _order_key(raw.to(tl.float32)), 0)
+        raw = _prefetch(logits_row, start + TILE, width, TILE)
         at_least = (valid & (keys >= bound)).to(tl.int32)
         beyond = (valid & (keys > bound)).to(tl.int32)
         slot = count + tl.cumsum(at_least, 0) - at_least
