@@ -180,6 +180,24 @@ def _kth_largest_prefix(keys, valid, k, PASSES: tl.constexpr, BITS: tl.constexpr
 
 
 @triton.jit
+def _kth_largest_between(keys, valid, k, lo, hi, PASSES: tl.constexpr, BITS: tl.constexpr):
+    """:func:`_kth_largest_prefix` of keys known to lie in ``[lo, hi]``: the
+    leading digits that ``lo`` and ``hi`` share are every key's, so their
+    passes are skipped (typically the first one or two)."""
+    prefix = tl.full((), 0, tl.uint32)
+    remaining = tl.full((), 0, tl.int32) + k
+    shared = lo ^ hi
+    for p in tl.static_range(PASSES):
+        # Digits 0..p of lo and hi are equal: so are every key's.
+        if (shared >> (32 - (p + 1) * BITS)) == 0:
+            prefix = (hi >> (32 - (p + 1) * BITS)) << (32 - (p + 1) * BITS)
+        else:
+            histogram = _digit_histogram(keys, valid, prefix, p, BITS)
+            prefix, remaining = _choose_digit(histogram, prefix, remaining, p, BITS)
+    return prefix, remaining
+
+
+@triton.jit
 def _kth_largest_streamed(key_ptr, col_ptr, n, k, FROM_LOGITS: tl.constexpr,
                           TILE: tl.constexpr, BITS: tl.constexpr, GATHER: tl.constexpr = False):
     """As :func:`_kth_largest_resident` over source entries ``[0, n)``, a tile at a time."""
@@ -389,17 +407,17 @@ def _place_tile(keys, cols, valid, threshold, take_equal, equal_before, position
 
 
 @triton.jit
-def _select_and_place(logits_row, candidates, n, k, out_ptr, FROM_LOGITS: tl.constexpr,
+def _select_and_place(logits_row, candidates, n, k, lo, hi, out_ptr, FROM_LOGITS: tl.constexpr,
                       TILE: tl.constexpr, BITS: tl.constexpr, RESIDENT: tl.constexpr):
     """Writes the columns of the k largest of source entries ``[0, n)``
-    (the logits row, or the candidate columns of it) in source order; in
-    registers when they fit one tile (and RESIDENT), else streamed a tile at
-    a time."""
+    (the logits row, or the candidate columns of it), whose keys lie in
+    ``[lo, hi]``, in source order; in registers when they fit one tile (and
+    RESIDENT), else streamed a tile at a time."""
     zero = tl.full((), 0, tl.int32)
     GATHER: tl.constexpr = not FROM_LOGITS
     if RESIDENT and n <= TILE:
         keys, cols, valid = _source(logits_row, candidates, tl.arange(0, TILE), n, FROM_LOGITS, GATHER)
-        threshold, take_equal = _kth_largest_resident(keys, valid, k, BITS)
+        threshold, take_equal = _kth_largest_between(keys, valid, k, lo, hi, 32 // BITS, BITS)
         _place_tile(keys, cols, valid, threshold, take_equal, zero, zero, out_ptr)
     else:
         threshold, take_equal = _kth_largest_streamed(logits_row, candidates, n, k, FROM_LOGITS, TILE, BITS, GATHER)
@@ -416,9 +434,10 @@ def _select_and_place(logits_row, candidates, n, k, out_ptr, FROM_LOGITS: tl.con
 @triton.jit
 def _group_max_bound(logits_row, width, k, GROUPS: tl.constexpr, TILE: tl.constexpr,
                      PASSES: tl.constexpr, BITS: tl.constexpr):
-    """A lower bound of the row's k-th largest key (0 if fewer than k keys):
-    the k-th largest of G strided group maxima (k groups have a maximum at
-    or above it), truncated to its top ``PASSES * BITS`` bits."""
+    """(A lower bound of the row's k-th largest key (0 if fewer than k
+    keys), the row's largest key).  The bound is the k-th largest of G
+    strided group maxima (k groups have a maximum at or above it), truncated
+    to its top ``PASSES * BITS`` bits."""
     # A tile viewed as [TILE // G, G]: column c lands in group c % G.
     offsets = tl.arange(0, TILE // GROUPS)[:, None] * GROUPS + tl.arange(0, GROUPS)[None, :]
     maxima = tl.zeros((GROUPS,), tl.uint32)
@@ -432,9 +451,10 @@ def _group_max_bound(logits_row, width, k, GROUPS: tl.constexpr, TILE: tl.conste
         maxima = tl.maximum(maxima, tl.max(keys, 0))
         start += TILE
     groups = tl.arange(0, GROUPS)
+    top = tl.max(maxima, 0)
     # Empty groups (maximum 0, the lowest key) can only lower the bound.
-    bound, _remaining = _kth_largest_prefix(maxima, groups < GROUPS, k, PASSES, BITS)
-    return bound
+    bound, _remaining = _kth_largest_between(maxima, groups < GROUPS, k, tl.min(maxima, 0), top, PASSES, BITS)
+    return bound, top
 
 
 @triton.jit
@@ -503,14 +523,16 @@ def topk_row_kernel(
     width = _row_width(visible_ptr, row, num_columns)
     logits_row = logits_ptr + row * lg_sr
     out_row = out_ptr + row * K
+    lowest = tl.full((), 0, tl.uint32)  # keys lie in [lowest, highest]
+    highest = tl.full((), 0xFFFFFFFF, tl.uint32)
     if BOUNDED:
-        bound = _group_max_bound(logits_row, width, K, GROUPS, GROUP_TILE, BOUND_PASSES, BITS)
+        bound, top = _group_max_bound(logits_row, width, K, GROUPS, GROUP_TILE, BOUND_PASSES, BITS)
         candidates = cand_ptr + row * capacity
         count, above = _compact_at_least(logits_row, width, bound, candidates, capacity, TILE)
         # Every thread reads candidates that others wrote.
         tl.debug_barrier()
         if count <= capacity:
-            _select_and_place(logits_row, candidates, count, K, out_row, False, CAND_TILE, BITS, True)
+            _select_and_place(logits_row, candidates, count, K, bound, top, out_row, False, CAND_TILE, BITS, True)
         elif above < K:
             # Too many keys equal the bound, and it is the k-th largest: all
             # keys above it, then the first K - above equal to it.
@@ -518,9 +540,9 @@ def topk_row_kernel(
             _place(logits_row, logits_row, zero, width, bound, K - above, zero, zero,
                    out_row, out_row, TILE, True, False)
         else:
-            _select_and_place(logits_row, logits_row, width, K, out_row, True, TILE, BITS, False)
+            _select_and_place(logits_row, logits_row, width, K, lowest, highest, out_row, True, TILE, BITS, False)
     else:
-        _select_and_place(logits_row, logits_row, width, K, out_row, True, TILE, BITS, True)
+        _select_and_place(logits_row, logits_row, width, K, lowest, highest, out_row, True, TILE, BITS, True)
     _pad(out_row, tl.minimum(width, K), K, PAD_TILE)
 
 

@@ -162,12 +162,17 @@ def test_row_path_matches_reference(small_tiles, columns, k, special):
 
 @pytest.mark.parametrize("value", [0.5, -0.0, float("-inf"), float("nan")])
 def test_row_path_all_ties(small_tiles, value):
-    """A row of one value: the lowest columns win, on both the bounded and the direct select."""
+    """A row of one value: the lowest columns win, on the bounded select
+    (candidates overflowing, and fitting: every radix pass skipped) and on
+    the direct one."""
     logits = torch.full((2, 100), value)
     logits[1, ::2] = -value if value == value else value  # +0.0 among -0.0, +inf among -inf
     visible = torch.tensor([100, 60], dtype=torch.int32)
     check_topk(logits, visible, 7)
-    check_topk(logits[:, :12], visible.clamp(max=12), 7)
+    (launch,) = plan(2, 20, 5).launches
+    assert launch.constexprs["BOUNDED"] and launch.scalars["capacity"] >= 20
+    check_topk(logits[:, :20].contiguous(), visible.clamp(max=20), 5)
+    check_topk(logits[:, :12].contiguous(), visible.clamp(max=12), 7)
 
 
 def test_k_past_visible_and_k_past_columns(small_tiles):
