@@ -590,8 +590,9 @@ def _row_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out
         warps = max(warps, min(32, groups // 256))
         tile = min(row_width, keys_per_thread * 32 * warps)
     else:
+        # The row stays in registers through the radix passes: 8 keys a thread.
         tile = row_width
-        warps = max(4, min(warps, tile // (32 * keys_per_thread)))
+        warps = max(4, min(16, tile // (32 * min(keys_per_thread, 8))))
     threads = 32 * warps
     group_tile = max(groups, min(row_width, TOPK_ROW_GROUP_KEYS_PER_THREAD * threads))
     assert tile <= 16384, "row-path prefix sums pack two 16-bit counts"
