@@ -13,12 +13,15 @@ in tiles (L2-resident after the first pass):
    ``L`` <= the k-th largest key: the k-th largest group maximum truncated
    to its top ``8 * TOPK_BOUND_PASSES`` bits (still a lower bound, and
    cheaper than the exact maximum);
-2. one pass compacts the keys >= ``L`` (typically ~1.4k of them) into a
-   per-row candidate buffer in column order; a block barrier makes them
-   visible to the whole program;
-3. a radix select over the candidates (in registers when they fit one tile)
-   finds the k-th largest key ``T`` and writes the selection, then ``-1``
-   padding.
+2. one pass compacts the columns of the keys >= ``L`` (typically ~1.4k of
+   them) into a per-row candidate buffer in column order; a block barrier
+   makes them visible to the whole program;
+3. a radix select over the candidates (keys re-read from the row, held in
+   registers when they fit one tile) finds the k-th largest key ``T`` and
+   writes the selection, then ``-1`` padding.  Every candidate lies between
+   ``L`` and the row's maximum, so the leading digits those two share are
+   known: their passes are skipped (the bound's radix does the same with
+   the extreme group maxima).
 
 If the candidates overflow the buffer (many keys equal to ``L``), the row
 itself is selected from (one more placement pass when ``T == L``, else a
@@ -54,7 +57,7 @@ import triton.language as tl
 from .launch import ArrayInfo, Buffer, Launch, Program, cached_plan
 from .validate import FLOAT_DTYPES, Checker
 
-# Columns a top-k program handles per step (raised to G where needed).
+# Columns a sliced-path program handles per step (raised to G where needed).
 TOPK_TILE = 4096
 # Top-k candidate buffer per row: at least this many, or 4k.
 TOPK_MIN_CANDIDATES = 4096
