@@ -148,19 +148,30 @@ def _digit_histogram(keys, valid, prefix, PASS: tl.constexpr, BITS: tl.constexpr
 @triton.jit
 def _choose_digit(histogram, prefix, remaining, PASS: tl.constexpr, BITS: tl.constexpr):
     """Digit of the ``remaining``-th largest key; returns the extended prefix and what remains to take."""
+    prefix, remaining, _exact = _choose_digit_exact(histogram, prefix, remaining, PASS, BITS)
+    return prefix, remaining
+
+
+@triton.jit
+def _choose_digit_exact(histogram, prefix, remaining, PASS: tl.constexpr, BITS: tl.constexpr):
+    """:func:`_choose_digit`, and whether the chosen digit's keys are
+    exactly what remains to take (then every key matching the prefix is
+    taken: the prefix, with ``remaining`` equal keys, is a final answer)."""
     SHIFT: tl.constexpr = 32 - (PASS + 1) * BITS
-    at_or_above = tl.sum(histogram, 0) - tl.cumsum(histogram, 0) + histogram
+    at_or_above = tl.cumsum(histogram, 0, reverse=True)
     # at_or_above never increases with the digit: the chosen digit is the
     # last one with at_or_above >= remaining, and the keys above it are
     # those of the digits after it.  Fewer than ``remaining`` keys in all:
-    # digit 0 (the key ends up 0 and every key equal to it is taken).  Both
-    # counts come from one reduction (the count of digits in the low half).
+    # digit 0 (the key ends up 0 and every key equal to it is taken).  The
+    # chosen digit's at_or_above equals remaining iff some digit's does.
+    # All three counts come from one reduction (16 + 16 + 32 bits).
     reaching = at_or_above >= remaining
+    exact = at_or_above == remaining
     beyond = tl.where((at_or_above < remaining) & (tl.arange(0, 1 << BITS) > 0), histogram, 0)
-    packed = tl.sum(reaching.to(tl.int64) + (beyond.to(tl.int64) << 32), 0)
-    digit = tl.maximum((packed & 0xFFFFFFFF).to(tl.int32) - 1, 0)
+    packed = tl.sum(reaching.to(tl.int64) + (exact.to(tl.int64) << 16) + (beyond.to(tl.int64) << 32), 0)
+    digit = tl.maximum((packed & 0xFFFF).to(tl.int32) - 1, 0)
     above = (packed >> 32).to(tl.int32)
-    return prefix | (digit.to(tl.uint32) << SHIFT), remaining - above
+    return prefix | (digit.to(tl.uint32) << SHIFT), remaining - above, ((packed >> 16) & 0xFFFF) != 0
 
 
 @triton.jit
@@ -184,19 +195,27 @@ def _kth_largest_prefix(keys, valid, k, PASSES: tl.constexpr, BITS: tl.constexpr
 
 @triton.jit
 def _kth_largest_between(keys, valid, k, lo, hi, PASSES: tl.constexpr, BITS: tl.constexpr):
-    """:func:`_kth_largest_prefix` of keys known to lie in ``[lo, hi]``: the
-    leading digits that ``lo`` and ``hi`` share are every key's, so their
-    passes are skipped (typically the first one or two)."""
+    """:func:`_kth_largest_prefix` of keys known to lie in ``[lo, hi]``, as
+    a (threshold, equal keys to take) pair that :func:`_place_tile` accepts
+    (the threshold is the k-th largest key, or a prefix of it that every
+    key it matches shares).  The leading digits that ``lo`` and ``hi``
+    share are every key's, so their passes are skipped (typically the first
+    one or two), and so are the passes after an exact digit."""
     prefix = tl.full((), 0, tl.uint32)
     remaining = tl.full((), 0, tl.int32) + k
     shared = lo ^ hi
+    done = tl.full((), 0, tl.int32)
     for p in tl.static_range(PASSES):
         # Digits 0..p of lo and hi are equal: so are every key's.
         if (shared >> (32 - (p + 1) * BITS)) == 0:
             prefix = (hi >> (32 - (p + 1) * BITS)) << (32 - (p + 1) * BITS)
-        else:
+        elif done == 0:
+            # Once the chosen digit's keys are exactly those remaining, the
+            # prefix (low digits zero) is final: every key matching it is
+            # above it or equal to it, and all of them are taken.
             histogram = _digit_histogram(keys, valid, prefix, p, BITS)
-            prefix, remaining = _choose_digit(histogram, prefix, remaining, p, BITS)
+            prefix, remaining, exact = _choose_digit_exact(histogram, prefix, remaining, p, BITS)
+            done = exact.to(tl.int32)
     return prefix, remaining
 
 
