@@ -454,7 +454,7 @@ def _select_and_place(logits_row, candidates, n, k, lo, hi, out_ptr, FROM_LOGITS
 
 
 @triton.jit
-def _group_max_bound(logits_row, width, k, GROUPS: tl.constexpr, TILE: tl.constexpr,
+def _group_max_bound(logits_row, width, num_columns, k, GROUPS: tl.constexpr, TILE: tl.constexpr,
                      PASSES: tl.constexpr, BITS: tl.constexpr):
     """(A lower bound of the row's k-th largest key (0 if fewer than k
     keys), the row's largest key).  The bound is the k-th largest of G
@@ -464,7 +464,9 @@ def _group_max_bound(logits_row, width, k, GROUPS: tl.constexpr, TILE: tl.conste
     offsets = tl.arange(0, TILE // GROUPS)[:, None] * GROUPS + tl.arange(0, GROUPS)[None, :]
     maxima = tl.zeros((GROUPS,), tl.uint32)
     start = tl.full((), 0, tl.int32)
-    raw = tl.load(logits_row + offsets, mask=offsets < width, other=0.0)
+    # The first load is masked by the row's columns, not its visible width,
+    # so that it need not wait for visible_blocks to arrive.
+    raw = tl.load(logits_row + offsets, mask=offsets < num_columns, other=0.0)
     while start < width:
         # Two tiles in flight: the next one is loaded before this one is reduced.
         idx = start + offsets
@@ -539,7 +541,8 @@ def topk_row_kernel(
     Tiles: GROUP_TILE columns per step of the group maxima (a load and a
     max: wide), TILE per step of the other passes over the row (prefix sums
     and scattered stores: narrower, for registers), CAND_TILE candidates
-    held in registers.  Without BOUNDED, TILE covers the row.
+    held in registers.  Without BOUNDED, TILE covers the row (the plan
+    makes sure: C <= G <= TILE).
     """
     row = tl.program_id(0).to(tl.int64)
     width = _row_width(visible_ptr, row, num_columns)
@@ -548,7 +551,7 @@ def topk_row_kernel(
     lowest = tl.full((), 0, tl.uint32)  # keys lie in [lowest, highest]
     highest = tl.full((), 0xFFFFFFFF, tl.uint32)
     if BOUNDED:
-        bound, top = _group_max_bound(logits_row, width, K, GROUPS, GROUP_TILE, BOUND_PASSES, BITS)
+        bound, top = _group_max_bound(logits_row, width, num_columns, K, GROUPS, GROUP_TILE, BOUND_PASSES, BITS)
         candidates = cand_ptr + row * capacity
         count, above = _compact_at_least(logits_row, width, bound, candidates, capacity, TILE)
         # Every thread reads candidates that others wrote.
@@ -564,7 +567,15 @@ def topk_row_kernel(
         else:
             _select_and_place(logits_row, logits_row, width, K, lowest, highest, out_row, True, TILE, BITS, False)
     else:
-        _select_and_place(logits_row, logits_row, width, K, lowest, highest, out_row, True, TILE, BITS, True)
+        # TILE covers the row: one load, masked by the row's columns so that
+        # it need not wait for visible_blocks.
+        cols = tl.arange(0, TILE)
+        raw = tl.load(logits_row + cols, mask=cols < num_columns, other=0.0)
+        valid = cols < width
+        keys = tl.where(valid, _order_key(raw.to(tl.float32)), 0)
+        threshold, take_equal = _kth_largest_between(keys, valid, K, lowest, highest, 32 // BITS, BITS)
+        zero = tl.full((), 0, tl.int32)
+        _place_tile(keys, cols, valid, threshold, take_equal, zero, zero, out_row)
     _pad(out_row, tl.minimum(width, K), K, PAD_TILE)
 
 
@@ -618,6 +629,7 @@ def _row_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out
     threads = 32 * warps
     group_tile = max(groups, min(row_width, TOPK_ROW_GROUP_KEYS_PER_THREAD * threads))
     assert tile <= 16384, "row-path prefix sums pack two 16-bit counts"
+    assert bounded or tile >= columns, "the direct select holds the whole row"
     capacity = min(triton.cdiv(width, tile) * tile, max(TOPK_MIN_CANDIDATES, 4 * k)) if bounded else 1
     # Typically about 1.4k keys reach the bound: one register tile of 2k.
     cand_tile = min(tile, max(16, triton.next_power_of_2(2 * k)))
