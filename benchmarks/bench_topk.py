@@ -20,7 +20,10 @@ twice (group maxima, compaction) plus ~1.4k candidates a row, the sliced path
 three times.  ``*_gbps`` is one pass's bytes over the time (a lower bound of
 the achieved bandwidth).  The summary gives median speedups over the grid.
 
-    python benchmarks/bench_topk.py [--json PATH] [--smoke]
+    python benchmarks/bench_topk.py [--json PATH] [--smoke] [--sweep]
+
+``--sweep`` instead times the row path's tuning (TOPK_ROW_WARPS x
+TOPK_ROW_KEYS_PER_THREAD x TOPK_BOUND_PASSES) on a few shapes.
 """
 
 from __future__ import annotations
@@ -84,9 +87,52 @@ def lax_topk_us(jax, logits, k, smoke):
     return common.jax_loop_us(step, logits, calls=2 if smoke else 20, smoke=smoke)
 
 
+SWEEP_SHAPES = [(1, 32768), (64, 262144), (2048, 2048), (2048, 32768)]
+SWEEP = dict(TOPK_ROW_WARPS=[8, 16], TOPK_ROW_KEYS_PER_THREAD=[8, 16], TOPK_BOUND_PASSES=[1, 2])
+
+
+def sweep(args):
+    """The row path's µs per tuning, on SWEEP_SHAPES (results checked against the default's)."""
+    import itertools
+
+    import torch
+
+    import qsa_kernels.topk as topk_plans
+    import qsa_torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shapes = [(1, 64), (3, 300)] if args.smoke else SWEEP_SHAPES
+    k = SMOKE["K"] if args.smoke else K
+    generator = torch.Generator(device=device).manual_seed(0)
+    defaults = {name: getattr(topk_plans, name) for name in SWEEP}
+    results = []
+    for rows, columns in shapes:
+        logits = torch.randn(rows, columns, device=device, generator=generator).abs_()
+        visible = torch.full((rows,), columns, device=device, dtype=torch.int32)
+        _, expected = ours_us(topk_plans, qsa_torch, "row", logits, visible, k, args.smoke)
+        for values in itertools.product(*SWEEP.values()):
+            tuning = dict(zip(SWEEP, values))
+            for name, value in tuning.items():
+                setattr(topk_plans, name, value)
+            try:
+                us, out = ours_us(topk_plans, qsa_torch, "row", logits, visible, k, args.smoke)
+            finally:
+                for name, value in defaults.items():
+                    setattr(topk_plans, name, value)
+            row = dict(rows=rows, columns=columns, k=k, **tuning, row_us=us, matches=bool(torch.equal(out, expected)))
+            results.append(row)
+            common.print_table([row], list(row))
+    path = args.json.replace("topk.json", "topk_sweep.json") if args.json.endswith("results/topk.json") else args.json
+    common.write_json(path, "topk_blocks row-path tuning sweep", results,
+                      [f"defaults {defaults}; CUDA-graph replay, median us per call; logits |N(0,1)|"])
+
+
 def main():
     parser = common.parser(__doc__, "topk.json")
+    parser.add_argument("--sweep", action="store_true", help="time the row path's tuning instead of the grid")
     args = parser.parse_args()
+    if args.sweep:
+        return sweep(args)
     import torch
 
     import qsa_kernels.topk as topk_plans
