@@ -161,6 +161,8 @@ CASES = {
     "topk/row-prefill-2048-8k-k512": _topk(2048, 1 << 11, 512),
     "topk/row-decode-64-1m-k512": _topk(64, 1 << 18, 512),
     "topk/row-direct-k2048-4096": _topk(16, 4096, 2048),
+    "topk/row-decode-1-256k-k2048": _topk(1, 1 << 16, 2048),
+    "topk/row-prefill-2048-8k-k1": _topk(2048, 1 << 13, 1, dtype=FP16),
     "topk/sliced-decode-8-512k-k512": _topk(8, 1 << 17, 512),
     # Stage 3: expansion, and the whole selection (chunked past 128 MiB of
     # logits).  Shapes shared with the cases above compile once.
