@@ -42,7 +42,7 @@ LAX_TOPK_SHAPES = JAX_SHAPES | {("decode", 1, 1048576), ("decode", 256, 131072),
 GRAPH_BUDGET_S = 0.2  # per CUDA-graph measurement: fewer calls per graph for slow shapes
 DEADLINE_S = 90.0  # past this, JAX measurements are skipped (noted in the JSON)
 HARD_STOP_S = 110.0  # past this, remaining shapes are skipped (noted in the JSON)
-# DESIGN.md, "What the seed's kernels do on the H200" (CUDA-graph replay).
+# docs/design.md, "What the seed's kernels do on the H200" (CUDA-graph replay).
 SEED_SCORER_US = {("decode", 256, 131072): 850.0, ("prefill", 2048, 131072): 6314.0}
 SEED_TOPK_US = {("decode", 1, 131072): 43.0, ("decode", 256, 131072): 167.0}
 
@@ -169,7 +169,7 @@ def main():
         "jax_*_loop_us: one jitted fori_loop of calls, per call (device-time estimate)",
         f"skipped: prefill at contexts above {max(g['PREFILL_CONTEXTS'])}; JAX selection/top-k only on "
         f"{sorted(g['JAX_SHAPES'])}; lax.top_k only on {sorted(g['LAX_TOPK_SHAPES'])}",
-        "seed_*: DESIGN.md's H200 table (CUDA-graph replay); the seed's top-k is torch.topk at 1 x 32768 cols "
+        "seed_*: docs/design.md's H200 table (CUDA-graph replay); the seed's top-k is torch.topk at 1 x 32768 cols "
         "(43 us) and 256 x 32768 (167 us)",
     ]
     shapes = [("decode", r, c) for c in g["CONTEXTS"] for r in g["DECODE_ROWS"]]

@@ -15,7 +15,7 @@ Reported per shape: the plan's launch choice (splits, BLOCK_N, tiles per
 split, warps, stages); qsa_torch by do_bench (L2 flushed) and CUDA-graph
 replay (L2 warm); qsa_jax by wall clock and fori_loop on a subset; a dense
 baseline (torch SDPA over the whole context, where its K/V fit); the seed's
-H200 time where DESIGN.md has one.  Bytes: each selected K and V row once per
+H200 time where docs/design.md has one.  Bytes: each selected K and V row once per
 KV head, plus q, out and the indices; prefill rows re-read tokens their
 neighbours selected (L2 serves them), so its "% of peak" may pass 100.
 
@@ -32,7 +32,7 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the card
 
 import common  # noqa: E402
-from qsa_kernels.launch import clear_plan_caches  # noqa: E402
+from qsa_kernels.tuning import AttentionTuning  # noqa: E402
 
 QH, KH, D, PAGE = 24, 2, 256, 64
 TOKEN_TOPK, COMPRESS_RATIO = 2048, 4
@@ -43,7 +43,7 @@ POOL_BYTES = 8 << 30  # K+V of the shared page pool
 DENSE_LIMIT_BYTES = 24 << 30  # K+V of the dense baseline
 PREFILL_NOISE = 0.25  # per-row score noise against a shared N(0, 1) block score
 JAX_SHAPES = {("decode", 1, 32768), ("decode", 64, 32768), ("decode", 256, 32768), ("prefill", 2048, 131072)}
-# DESIGN.md, "What the seed's kernels do on the H200" (CUDA-graph replay);
+# docs/design.md, "What the seed's kernels do on the H200" (CUDA-graph replay);
 # decode cost does not depend on the context (2051 tokens per row whatever it is).
 SEED_DECODE_US = {1: 9.7, 64: 121.0, 256: 410.0}
 SEED_PREFILL_US = {(2048, 131072): 1306.0}
@@ -149,30 +149,25 @@ def sweep(qsa_torch, attention, arrays, smoke):
     configs = [(block_n, None, warps, stages)
                for block_n in SWEEP_BLOCK_N for warps in SWEEP_WARPS for stages in SWEEP_STAGES]
     configs += [(None, splits, None, None) for splits in sorted({max(1, planned // 2), 2 * planned} - {planned})]
-    table_tile_bytes = attention.TILE_BYTES
     results = []
-    try:
-        for block_n, splits, warps, stages in configs[:2] if smoke else configs:
-            attention.TILE_BYTES = block_n * 2 * d if block_n else table_tile_bytes
-            clear_plan_caches()  # plans are memoised; TILE_BYTES is not part of their key
-            program = attention.plan_sparse_paged_attention(**infos, num_splits=splits)
-            partial = program.launches[0]
-            partial = dataclasses.replace(partial, num_warps=warps or partial.num_warps,
-                                          num_stages=stages or partial.num_stages)
-            program = dataclasses.replace(program, launches=(partial, *program.launches[1:]))
-            result = dict(block_n=partial.constexprs["BLOCK_N"], splits=partial.grid[1],
-                          tiles_per_split=partial.constexprs["TILES_PER_SPLIT"],
-                          warps=partial.num_warps, stages=partial.num_stages)
-            call = lambda: qsa_torch._launch.run(program, arrays, arrays["q"].device)  # noqa: E731
-            try:
-                # Without CUDA (smoke): the wall clock, to check the path runs.
-                result["graph_us"] = common.torch_graph_us(call, smoke=smoke) or common.torch_median_us(call, smoke)
-            except Exception as error:  # e.g. out of shared memory
-                result["error"] = f"{type(error).__name__}: {str(error)[:120]}"
-            results.append(result)
-    finally:
-        attention.TILE_BYTES = table_tile_bytes
-        clear_plan_caches()
+    for block_n, splits, warps, stages in configs[:2] if smoke else configs:
+        # The tuning is part of the plan's memo key: nothing to restore or clear afterwards.
+        forced = AttentionTuning(tile_bytes=block_n * 2 * d if block_n else None, num_splits=splits)
+        program = attention.plan_sparse_paged_attention(**infos, tuning=forced)
+        partial = program.launches[0]
+        partial = dataclasses.replace(partial, num_warps=warps or partial.num_warps,
+                                      num_stages=stages or partial.num_stages)
+        program = dataclasses.replace(program, launches=(partial, *program.launches[1:]))
+        result = dict(block_n=partial.constexprs["BLOCK_N"], splits=partial.grid[1],
+                      tiles_per_split=partial.constexprs["TILES_PER_SPLIT"],
+                      warps=partial.num_warps, stages=partial.num_stages)
+        call = lambda: qsa_torch._launch.run(program, arrays, arrays["q"].device)  # noqa: E731
+        try:
+            # Without CUDA (smoke): the wall clock, to check the path runs.
+            result["graph_us"] = common.torch_graph_us(call, smoke=smoke) or common.torch_median_us(call, smoke)
+        except Exception as error:  # e.g. out of shared memory
+            result["error"] = f"{type(error).__name__}: {str(error)[:120]}"
+        results.append(result)
     return results
 
 
@@ -213,7 +208,7 @@ def main():
         f"{g['DENSE_LIMIT_BYTES'] / 2**30:.0f} GiB (e.g. 256 requests x 128K: the seed table has 16098 us)",
         f"prefill selection: shared N(0,1) block score + {PREFILL_NOISE} x N(0,1) per row; neighbour_overlap: "
         "fraction of a row's selected block tokens its previous row also selected",
-        "seed_us: DESIGN.md's H200 table (CUDA-graph replay); speedup_vs_seed uses torch_graph_us",
+        "seed_us: docs/design.md's H200 table (CUDA-graph replay); speedup_vs_seed uses torch_graph_us",
     ]
     shapes = [("decode", r, c) for r in g["DECODE_ROWS"] for c in g["CONTEXTS"]]
     shapes += [("prefill", r, c) for r in g["PREFILL_ROWS"] for c in g["CONTEXTS"]]

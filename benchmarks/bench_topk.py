@@ -6,10 +6,11 @@ whose fp32 logits pass MAX_LOGITS_BYTES are skipped.  Logits: half-normal
 scores (|N(0, 1)|, continuous like the scorer's), every column visible.
 
 Per shape, CUDA-graph replay (device time, L2 warm), median µs per call:
-- ``ours_us``: topk_blocks as planned (``TOPK_PATH = "auto"``; ``path`` says
-  which path the plan chose);
+- ``ours_us``: topk_blocks as planned (``TopkTuning.path = "auto"``;
+  ``path`` says which path the plan chose);
 - ``row_us`` / ``sliced_us``: the one-program-per-row path and the old
-  four-launch sliced path, each forced (``TOPK_PATH``), in the same run;
+  four-launch sliced path, each forced (``tuning.override`` of
+  ``TopkTuning.path``), in the same run;
 - ``torch_topk_us``: ``torch.topk(logits, k, sorted=False)`` (values and
   indices, unordered; ours also orders the columns);
 - ``lax_topk_us``: ``jax.lax.top_k`` on the same logits (a jitted fori_loop
@@ -22,12 +23,13 @@ the achieved bandwidth).  The summary gives median speedups over the grid.
 
     python benchmarks/bench_topk.py [--json PATH] [--smoke] [--sweep]
 
-``--sweep`` instead times the row path's tuning (TOPK_ROW_WARPS x
-TOPK_ROW_KEYS_PER_THREAD x TOPK_BOUND_PASSES) on a few shapes.
+``--sweep`` instead times the row path's tuning (``TopkTuning.row_warps`` x
+``row_keys_per_thread`` x ``bound_passes``) on a few shapes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -62,18 +64,16 @@ def timed_us(fn, smoke):
     return common.torch_graph_us(fn, calls=calls, smoke=smoke)
 
 
-def ours_us(topk_plans, qsa_torch, path, logits, visible, k, smoke):
-    """topk_blocks µs with ``TOPK_PATH = path``; the result is checked against the auto path's."""
-    from qsa_kernels.launch import clear_plan_caches
+def ours_us(qsa_torch, topk_tuning, logits, visible, k, smoke):
+    """(topk_blocks µs, its result) planned with ``topk_tuning``.
 
-    topk_plans.TOPK_PATH = path
-    clear_plan_caches()
-    try:
+    The tuning is part of the plan's memo key: nothing to restore or clear afterwards.
+    """
+    from qsa_kernels import tuning
+
+    with tuning.override(topk=topk_tuning):
         out = qsa_torch.topk_blocks(logits, visible, k)
         return timed_us(lambda: qsa_torch.topk_blocks(logits, visible, k), smoke), out
-    finally:
-        topk_plans.TOPK_PATH = "auto"
-        clear_plan_caches()
 
 
 def lax_topk_us(jax, logits, k, smoke):
@@ -88,7 +88,7 @@ def lax_topk_us(jax, logits, k, smoke):
 
 
 SWEEP_SHAPES = [(1, 32768), (64, 262144), (2048, 2048), (2048, 32768)]
-SWEEP = dict(TOPK_ROW_WARPS=[8, 16], TOPK_ROW_KEYS_PER_THREAD=[8, 16], TOPK_BOUND_PASSES=[1, 2])
+SWEEP = dict(row_warps=[8, 16], row_keys_per_thread=[8, 16], bound_passes=[1, 2])  # TopkTuning fields
 
 
 def sweep(args):
@@ -97,31 +97,27 @@ def sweep(args):
 
     import torch
 
-    import qsa_kernels.topk as topk_plans
     import qsa_torch
+    from qsa_kernels.tuning import TopkTuning
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = [(1, 64), (3, 300)] if args.smoke else SWEEP_SHAPES
     k = SMOKE["K"] if args.smoke else K
     generator = torch.Generator(device=device).manual_seed(0)
-    defaults = {name: getattr(topk_plans, name) for name in SWEEP}
+    row = TopkTuning(path="row")
+    defaults = {name: getattr(row, name) for name in SWEEP}
     results = []
     for rows, columns in shapes:
         logits = torch.randn(rows, columns, device=device, generator=generator).abs_()
         visible = torch.full((rows,), columns, device=device, dtype=torch.int32)
-        _, expected = ours_us(topk_plans, qsa_torch, "row", logits, visible, k, args.smoke)
+        _, expected = ours_us(qsa_torch, row, logits, visible, k, args.smoke)
         for values in itertools.product(*SWEEP.values()):
-            tuning = dict(zip(SWEEP, values))
-            for name, value in tuning.items():
-                setattr(topk_plans, name, value)
-            try:
-                us, out = ours_us(topk_plans, qsa_torch, "row", logits, visible, k, args.smoke)
-            finally:
-                for name, value in defaults.items():
-                    setattr(topk_plans, name, value)
-            row = dict(rows=rows, columns=columns, k=k, **tuning, row_us=us, matches=bool(torch.equal(out, expected)))
-            results.append(row)
-            common.print_table([row], list(row))
+            fields = dict(zip(SWEEP, values))
+            us, out = ours_us(qsa_torch, dataclasses.replace(row, **fields), logits, visible, k, args.smoke)
+            result = dict(rows=rows, columns=columns, k=k, **fields, row_us=us,
+                          matches=bool(torch.equal(out, expected)))
+            results.append(result)
+            common.print_table([result], list(result))
     path = args.json.replace("topk.json", "topk_sweep.json") if args.json.endswith("results/topk.json") else args.json
     common.write_json(path, "topk_blocks row-path tuning sweep", results,
                       [f"defaults {defaults}; CUDA-graph replay, median us per call; logits |N(0,1)|"])
@@ -137,6 +133,7 @@ def main():
 
     import qsa_kernels.topk as topk_plans
     import qsa_torch
+    from qsa_kernels.tuning import TopkTuning
 
     try:
         import jax
@@ -151,10 +148,11 @@ def main():
     k = g["K"]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     generator = torch.Generator(device=device).manual_seed(0)
+    auto = TopkTuning()  # the defaults: path "auto"
     started = time.perf_counter()
     notes = [
         f"k = {k}; logits |N(0,1)| fp32, every column visible; CUDA-graph replay, median us per call",
-        "ours_us: TOPK_PATH auto (path = the plan's choice); row_us / sliced_us: each path forced",
+        "ours_us: TopkTuning.path auto (path = the plan's choice); row_us / sliced_us: each path forced",
         "torch_topk_us: torch.topk(sorted=False); lax_topk_us: jax.lax.top_k, jitted fori_loop per call",
         "one pass = R x C x 4 bytes; *_gbps = one pass / time; row path reads a row twice, sliced thrice",
         f"skipped: logits above {g['MAX_LOGITS_BYTES'] >> 20} MiB; lax.top_k above {g['MAX_LAX_BYTES'] >> 20} MiB"
@@ -172,10 +170,11 @@ def main():
             logits = torch.randn(rows, columns, device=device, generator=generator).abs_()
             visible = torch.full((rows,), columns, device=device, dtype=torch.int32)
             row = dict(rows=rows, columns=columns, k=k, bytes_one_pass=nbytes,
-                       path=topk_plans.topk_path(rows, columns, k))
-            row["ours_us"], expected = ours_us(topk_plans, qsa_torch, "auto", logits, visible, k, args.smoke)
+                       path=topk_plans.topk_path(rows, columns, k, auto))
+            row["ours_us"], expected = ours_us(qsa_torch, auto, logits, visible, k, args.smoke)
             for path in ("row", "sliced"):
-                row[f"{path}_us"], out = ours_us(topk_plans, qsa_torch, path, logits, visible, k, args.smoke)
+                forced = dataclasses.replace(auto, path=path)
+                row[f"{path}_us"], out = ours_us(qsa_torch, forced, logits, visible, k, args.smoke)
                 row[f"{path}_matches"] = bool(torch.equal(out, expected))
             row["torch_topk_us"] = timed_us(lambda: torch.topk(logits, k, dim=1, sorted=False), args.smoke)
             if jax_gpu and nbytes <= g["MAX_LAX_BYTES"]:

@@ -1,4 +1,4 @@
-"""Timing and reporting helpers shared by every benchmark (see DESIGN.md).
+"""Timing and reporting helpers shared by every benchmark (see docs/design.md).
 
 torch: ``triton.testing.do_bench`` (median) and CUDA-graph replay.
 JAX: wall clock of N back-to-back jitted calls after ``block_until_ready``

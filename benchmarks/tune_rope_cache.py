@@ -1,7 +1,8 @@
 """Sweep stage 1's tile size and warps on the GPU (CUDA-graph replay, torch).
 
-Prints µs and % of 4300 GB/s per (TILE_ELEMENTS, NUM_WARPS) for the production
-geometries at T = 2048 and 8192, to choose the defaults in kernels/rope_cache.py.
+Prints µs and % of 4300 GB/s per (tile_elements, num_warps) for the production
+geometries at T = 2048 and 8192, to choose the defaults of
+``qsa_kernels.tuning.RopeCacheTuning``.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ def main():
     import torch
 
     import qsa_torch
-    from qsa_kernels import rope_cache
-    from qsa_kernels.launch import clear_plan_caches
+    from qsa_kernels import tuning
 
     rows = []
     for qh, kh, d in [(24, 2, 256), (32, 8, 128)]:
@@ -33,11 +33,11 @@ def main():
             cos_sin = torch.randn(16384, d, device="cuda", dtype=torch.bfloat16)
             for tile in [1024, 2048, 4096, 8192]:
                 for warps in [2, 4, 8]:
-                    rope_cache.TILE_ELEMENTS, rope_cache.NUM_WARPS = tile, warps
-                    clear_plan_caches()
                     fn = lambda: qsa_torch.rope_reshape_and_cache(  # noqa: E731
                         q, k, v, key_cache, value_cache, slots, positions, cos_sin, is_neox=True)
-                    us = common.torch_graph_us(fn)
+                    # Planned (and captured) inside the block: the tuning is in the plan's key.
+                    with tuning.override(rope_cache=tuning.RopeCacheTuning(tile_elements=tile, num_warps=warps)):
+                        us = common.torch_graph_us(fn)
                     row = dict(QH=qh, KH=kh, D=d, T=t, tile=tile, warps=warps, graph_us=us,
                                pct_peak=common.pct_peak(moved_bytes(t, qh, kh, d), us))
                     rows.append(row)

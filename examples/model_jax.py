@@ -21,8 +21,13 @@ def dot(x, w):
     return jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST)
 
 
-def forward(params: dict, tokens: jax.Array, states: list, meta: qsa_jax.StepMetadata, *, config: ModelConfig):
-    """-> (logits of each request's last row [B, vocab], greedy tokens [B], states, token indices per layer)."""
+def forward(params: dict, tokens: jax.Array, states: list, meta: qsa_jax.StepMetadata, *, config: ModelConfig,
+            all_reduce=None):
+    """-> (logits of each request's last row [B, vocab], greedy tokens [B], states, token indices per layer).
+
+    ``all_reduce`` sums the output projection's partial products over devices
+    when the heads are split (``tensor_parallel.py``: a ``psum``); default none.
+    """
     c = config
     rows = tokens.shape[0]
     h = params["embed"][tokens]
@@ -35,7 +40,10 @@ def forward(params: dict, tokens: jax.Array, states: list, meta: qsa_jax.StepMet
             heads(layer["wik"], 1, c.index_head_dim), state, meta, params["cos_sin"], params["index_cos_sin"],
             compress_ratio=c.compress_ratio, token_topk=c.token_topk, return_token_indices=True)
         attention = quantize(out.astype(jnp.float32).reshape(rows, -1))
-        h = jnp.clip(h + quantize(dot(attention, layer["wo"])), -ACT_LIMIT, ACT_LIMIT)
+        projected = dot(attention, layer["wo"])
+        if all_reduce is not None:
+            projected = all_reduce(projected)  # exact: partial sums of fixed-point products (model.py)
+        h = jnp.clip(h + quantize(projected), -ACT_LIMIT, ACT_LIMIT)
         up = jax.nn.relu(quantize(dot(h, layer["wup"])))
         h = jnp.clip(h + quantize(dot(up, layer["wdown"])), -ACT_LIMIT, ACT_LIMIT)
         new_states.append(state)

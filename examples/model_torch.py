@@ -14,9 +14,13 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
 
 
 class TorchModel:
-    def __init__(self, config: ModelConfig, weights: dict, device: torch.device):
+    """``all_reduce``, if given, sums the output projection's partial products over the
+    processes that split the heads (``tensor_parallel.py``: ``torch.distributed.all_reduce``)."""
+
+    def __init__(self, config: ModelConfig, weights: dict, device: torch.device, all_reduce=None):
         self.config = config
         self.device = device
+        self.all_reduce = all_reduce
         to = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
         self.embed, self.lm_head = to(weights["embed"]), to(weights["lm_head"])
         self.layers = [{name: to(w) for name, w in layer.items()} for layer in weights["layers"]]
@@ -43,7 +47,10 @@ class TorchModel:
                 heads(layer["wik"], 1, c.index_head_dim), state, meta, self.cos_sin, self.index_cos_sin,
                 compress_ratio=c.compress_ratio, token_topk=c.token_topk, return_token_indices=True)
             attention = quantize(out.float().view(rows, -1))
-            h = torch.clamp(h + quantize(attention @ layer["wo"]), -ACT_LIMIT, ACT_LIMIT)
+            projected = attention @ layer["wo"]
+            if self.all_reduce is not None:
+                projected = self.all_reduce(projected)  # exact: partial sums of fixed-point products (model.py)
+            h = torch.clamp(h + quantize(projected), -ACT_LIMIT, ACT_LIMIT)
             up = torch.relu(quantize(h @ layer["wup"]))
             h = torch.clamp(h + quantize(up @ layer["wdown"]), -ACT_LIMIT, ACT_LIMIT)
             new_states.append(state)

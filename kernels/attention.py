@@ -19,15 +19,14 @@ for the P.V product while the normaliser sums them in float32.
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import triton
 import triton.language as tl
 
 from . import runtime
-from .launch import ArrayInfo, Buffer, Launch, Program, cached_plan
-from .validate import INDEX_DTYPES, Checker
+from .launch import ArrayInfo, Buffer, Launch, Program
+from .memo import cached_plan
+from .tuning import AttentionTuning
+from .validate import FINITE_NUMBER, Checker
 
 FUNCTION = "sparse_paged_attention"
 DOC = """\
@@ -55,44 +54,18 @@ Args:
 
 Returns:
     ``out [R, QH, D]`` of q's dtype; rows with no valid token are zeros.
+    NaN and inf propagate as in a float64 softmax: a NaN in q, or in a
+    selected K row, or a +inf score, gives NaN heads (all of a KV group's
+    heads for a K row); a valid token set whose scores are all -inf gives NaN.
 """
 
 LOG2_E = 1.4426950408889634
 
-# ---------------------------------------------------------------------------
-# Launch configuration, decided from static shapes only: programs = R x KH
-# (rows x KV heads), selection width W and head dim D.
-#
-# Splits: TARGET_PROGRAMS // programs, a power of two capped at the number of
-# tiles, so that a decode batch too small to fill the H200's 132 SMs still
-# puts ~2 programs on each; no split (and no merge pass) once programs > 132.
-# Grid (rows, splits, KV heads): rows vary fastest, so programs running
-# together are neighbouring rows of one KV head, whose overlapping selections
-# L2 serves once.
-#
-# Tile, warps and stages were swept on the H200 (CUDA-graph replay, 24 Q / 2
-# KV heads x d256, bf16, W = 2051; benchmarks/bench_sparse_attention.py
-# --sweep), best of 18 configurations per shape:
-#
-# | programs  | K/V tile | warps | stages | measured on         | us (table before) |
-# |-----------|----------|-------|--------|---------------------|-------------------|
-# | <= 132    | 32 KB    | 8     | 3      | decode 1 / 64 rows  | 9.5 / 93 (10.9 / 101)  |
-# | 133-4095  | 16 KB    | 2     | 3      | decode 256 rows     | 285 (386)         |
-# | >= 4096   | 32 KB    | 2     | 2      | prefill 2048 rows   | 1206 (2193)       |
-#
-# (32 KB of K or V is BLOCK_N = 64 tokens at D = 256.)  Many small programs
-# favour 2 warps: more of them fit on an SM, so more gathers are in flight.
-# ---------------------------------------------------------------------------
-TARGET_PROGRAMS = 264
-LAUNCH_TABLE = (  # (most programs, tile bytes, warps, stages)
-    (132, 32 * 1024, 8, 3),
-    (4095, 16 * 1024, 2, 3),
-    (None, 32 * 1024, 2, 2),
-)
-#: Set by tuning sweeps to force a tile size; None follows LAUNCH_TABLE.
-TILE_BYTES = None
-#: float32 elements of one merge chunk (SPLIT_CHUNK x D): 32 registers per thread.
-MERGE_CHUNK_ELEMENTS = 4096
+# Launch configuration, decided from static shapes only (programs = R x KH,
+# selection width W, head dim D) by the measured table of
+# qsa_kernels.tuning.AttentionTuning.  Grid (rows, splits, KV heads): rows vary
+# fastest, so programs running together are neighbouring rows of one KV head,
+# whose overlapping selections L2 serves once.
 
 #: Score of a skipped token and initial running max: far below any real
 #: score, yet finite so that exp2(max_old - max_new) never sees inf - inf.
@@ -115,9 +88,15 @@ def _dot(a, b, acc, INTERPRET: tl.constexpr):
 @triton.jit
 def sparse_attention_partial_kernel(
     # inputs
-    q_ptr, k_cache_ptr, v_cache_ptr, token_indices_ptr, block_table_ptr, token_to_req_ptr,
+    q_ptr,  # [R, QH, D] bf16/fp16
+    k_cache_ptr,  # [num_blocks, P, KH, D] q's dtype
+    v_cache_ptr,  # [num_blocks, P, KH, D] q's dtype
+    token_indices_ptr,  # [R, W] int32/int64
+    block_table_ptr,  # [B, max_pages] int32/int64
+    token_to_req_ptr,  # [R] int32/int64
     # outputs: `out` itself (one split) or float32 partial outputs; log2-sum-exp
-    o_ptr, lse_ptr,
+    o_ptr,  # [R, QH, D] q's dtype, or [S, R, QH, D] float32
+    lse_ptr,  # [S, R, QH] float32
     # sizes, strides, scale
     num_blocks, num_requests, table_width, scale_log2,
     q_sr, q_sh, k_sb, k_sp, k_sh, v_sb, v_sp, v_sh, ti_sr, bt_sr,
@@ -148,6 +127,11 @@ def sparse_attention_partial_kernel(
     running_max = tl.full((BLOCK_M,), MASKED_SCORE, tl.float32)
     normaliser = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
+    # Validity is counted apart from the normaliser: a NaN normaliser (NaN or
+    # +inf scores) or a zero one (every valid score -inf) must give NaN like
+    # the float64 softmax, and only "no valid token" gives zeros.  Counted per
+    # column (no reduction inside the loop), summed once after it.
+    valid_tokens = tl.zeros((BLOCK_N,), tl.int32)
     first_column = split * (TILES_PER_SPLIT * BLOCK_N)
     for tile in range(TILES_PER_SPLIT):
         columns = first_column + tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -166,17 +150,26 @@ def sparse_attention_partial_kernel(
 
         scores = _dot(q, tl.trans(keys), None, INTERPRET) * scale_log2
         scores = tl.where(valid[None, :], scores, MASKED_SCORE)
+        # max.f32 drops NaN on the GPU (NumPy's keeps it): either way a NaN
+        # score reaches the normaliser and acc through exp2(NaN - max) below.
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         rescale = tl.math.exp2(running_max - new_max)
         probabilities = tl.where(valid[None, :], tl.math.exp2(scores - new_max[:, None]), 0.0)
         acc = _dot(probabilities.to(values.dtype), values, acc * rescale[:, None], INTERPRET)
         normaliser = normaliser * rescale + tl.sum(probabilities, axis=1)
         running_max = new_max
+        valid_tokens += valid.to(tl.int32)
 
-    has_tokens = normaliser > 0
-    safe_normaliser = tl.maximum(normaliser, 1.0e-20)
-    out = tl.where(has_tokens[:, None], acc / safe_normaliser[:, None], 0.0)
-    lse = tl.where(has_tokens, running_max + tl.math.log2(safe_normaliser), -float("inf"))
+    # With valid tokens: a finite normaliser is >= 1 (the max weighs 1); a NaN
+    # one gives NaN; a zero one gives 0 / 0 = NaN and lse = -inf (a split the
+    # merge weighs 0 unless no split has any weight).
+    # (The 1.0 stand-ins only keep the interpreter's NumPy from warning; a row
+    # without valid tokens has acc = 0.)
+    has_tokens = tl.sum(valid_tokens, axis=0) > 0
+    zero_mass = normaliser == 0.0
+    out = acc / tl.where(has_tokens, normaliser, 1.0)[:, None]
+    lse = tl.where(has_tokens & ~zero_mass, running_max + tl.math.log2(tl.where(zero_mass, 1.0, normaliser)),
+                   -float("inf"))
     tl.store(o_ptr + split * o_ss + row * o_sr + heads[:, None] * o_sh + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=head_ok[:, None])
     tl.store(lse_ptr + split * lse_ss + row * lse_sr + heads, lse, mask=head_ok)
@@ -184,10 +177,11 @@ def sparse_attention_partial_kernel(
 
 @triton.jit
 def merge_splits_kernel(
-    # inputs: partial outputs [S, R, QH, D] and log2-sum-exps [S, R, QH], float32
-    partial_out_ptr, partial_lse_ptr,
+    # inputs
+    partial_out_ptr,  # [S, R, QH, D] float32
+    partial_lse_ptr,  # [S, R, QH] float32: log2-sum-exps
     # outputs
-    out_ptr,
+    out_ptr,  # [R, QH, D] bf16/fp16
     # sizes and strides
     rows, out_sr, out_sh,
     # constexprs
@@ -201,11 +195,13 @@ def merge_splits_kernel(
     lse = tl.load(partial_lse_ptr + (all_splits * rows + row) * QH + head,
                   mask=all_splits < NUM_SPLITS, other=-float("inf"))
     lse_max = tl.max(lse, axis=0)
-    # No split saw a token: every weight is 0 and the row is zeros.
-    lse_max = tl.where(lse_max == -float("inf"), 0.0, lse_max)
-    # The largest split weighs 1, so the denominator is >= 1 unless no split
-    # saw a token (then it is 0, and so is every partial).
-    denominator = tl.maximum(tl.sum(tl.math.exp2(lse - lse_max), axis=0), 1.0)
+    # No split has weight (lse -inf everywhere): each partial is 0 (no valid
+    # token) or NaN (valid tokens, all scores -inf); their plain sum is the
+    # row.  (max.f32 drops a NaN lse on the GPU; its weight is NaN either way.)
+    no_weight = lse_max == -float("inf")
+    lse_max = tl.where(no_weight, 0.0, lse_max)
+    # The largest split weighs 1, so the denominator is >= 1 unless it is NaN.
+    denominator = tl.where(no_weight, 1.0, tl.sum(tl.math.exp2(lse - lse_max), axis=0))
 
     merged = tl.zeros((D,), tl.float32)
     chunk = tl.arange(0, SPLIT_CHUNK)
@@ -214,59 +210,51 @@ def merge_splits_kernel(
         in_range = splits < NUM_SPLITS
         at = (splits * rows + row) * QH + head
         weight = tl.math.exp2(tl.load(partial_lse_ptr + at, mask=in_range, other=-float("inf")) - lse_max)
+        weight = tl.where(no_weight, 1.0, weight)
         partial = tl.load(partial_out_ptr + at[:, None] * D + d[None, :], mask=in_range[:, None], other=0.0)
-        merged += tl.sum(partial * weight[:, None], axis=0)
+        # A weight-0 split drops out even when its partial is NaN (0 / 0).
+        merged += tl.sum(tl.where(weight[:, None] == 0.0, 0.0, partial * weight[:, None]), axis=0)
     tl.store(out_ptr + row * out_sr + head * out_sh + d, (merged / denominator).to(out_ptr.dtype.element_ty))
 
 
-def _softmax_scale(check: Checker, softmax_scale, d: int) -> float:
-    if softmax_scale is None:
-        return d ** -0.5
-    if (not isinstance(softmax_scale, numbers.Real) or isinstance(softmax_scale, bool)
-            or not math.isfinite(float(softmax_scale))):
-        check.fail("softmax_scale", "must be a finite Python number or None", repr(softmax_scale))
-    return float(softmax_scale)
-
-
-def _launch_config(rows: int, kv_heads: int, width: int, d: int, num_splits: int | None):
-    """``(BLOCK_N, tiles per split, splits, warps, stages)`` from the table above."""
+def _launch_config(rows: int, kv_heads: int, width: int, d: int, tuning: AttentionTuning):
+    """``(BLOCK_N, tiles per split, splits, warps, stages)`` from the tuning's table."""
     programs = rows * kv_heads
-    for most, tile_bytes, num_warps, num_stages in LAUNCH_TABLE:
+    for most, tile_bytes, num_warps, num_stages in tuning.launch_table:
         if most is None or programs <= most:
             break
-    if TILE_BYTES is not None:
-        tile_bytes = TILE_BYTES
+    if tuning.tile_bytes is not None:
+        tile_bytes = tuning.tile_bytes
     block_n = max(16, min(128, tile_bytes // (2 * d)))
     block_n = min(block_n, max(16, triton.next_power_of_2(width)))
     tiles = max(1, triton.cdiv(width, block_n))
+    num_splits = tuning.num_splits
     if num_splits is None:
-        wanted = max(1, TARGET_PROGRAMS // max(1, rows * kv_heads))
+        wanted = max(1, tuning.target_programs // max(1, rows * kv_heads))
         num_splits = 1 << (wanted.bit_length() - 1)
     tiles_per_split = triton.cdiv(tiles, min(num_splits, tiles))
     # Re-derive the count so that no split is empty.
     return block_n, tiles_per_split, triton.cdiv(tiles, tiles_per_split), num_warps, num_stages
 
 
-@cached_plan
+@cached_plan(options=dict(softmax_scale=FINITE_NUMBER.or_none()))
 def plan_sparse_paged_attention(
     q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, token_indices: ArrayInfo,
-    block_table: ArrayInfo, token_to_req: ArrayInfo, softmax_scale=None,
-    *, num_splits: int | None = None,
+    block_table: ArrayInfo, token_to_req: ArrayInfo, softmax_scale: float | None = None,
+    *, tuning: AttentionTuning | None = None,
 ) -> Program:
-    """Validate stage-4 arguments and describe the launches (see API.md).
+    """Validate stage-4 arguments and describe the launches (see docs/api.md).
 
-    ``num_splits`` overrides the table's split count (tests only; the public
-    functions do not expose it); it is capped so that no split is empty.
+    ``tuning`` (default: the current :class:`~qsa_kernels.tuning.AttentionTuning`)
+    holds the launch table; its ``num_splits`` forces the split count (tests).
     """
     check = Checker(FUNCTION)
     check.rank("q", q, 3, "[R, QH, D]")
     check.rank("k_cache", k_cache, 4, "[num_blocks, P, KH, D] (flash layout)")
     check.rank("v_cache", v_cache, 4, "[num_blocks, P, KH, D] (flash layout)")
     check.dtype("q", q, ("bfloat16", "float16"))
-    if k_cache.dtype != q.dtype:
-        check.fail("k_cache", f"must have q's dtype {q.dtype}", k_cache.dtype)
-    if v_cache.dtype != q.dtype:
-        check.fail("v_cache", f"must have q's dtype {q.dtype}", v_cache.dtype)
+    check.same_dtype("k_cache", k_cache, "q", q)
+    check.same_dtype("v_cache", v_cache, "q", q)
     rows, qh, d = q.shape
     num_blocks, page, kh, cache_d = k_cache.shape
     check.power_of_two("q", d, "head dim D")
@@ -280,32 +268,23 @@ def plan_sparse_paged_attention(
         check.fail("q", f"must have a number of heads QH divisible by k_cache's KH = {kh}", f"QH = {qh}")
     if page < 1:
         check.fail("k_cache", "must have a page size P >= 1", f"shape {k_cache.shape}")
-    check.rank("token_indices", token_indices, 2, "[R, W]")
-    check.dtype("token_indices", token_indices, INDEX_DTYPES)
+    check.index_array("token_indices", token_indices, 2, "[R, W]")
     if token_indices.shape[0] != rows:
         check.fail("token_indices", f"must have R = {rows} rows like q", f"shape {token_indices.shape}")
-    check.rank("block_table", block_table, 2, "[B, max_pages]")
-    check.dtype("block_table", block_table, INDEX_DTYPES)
-    check.rank("token_to_req", token_to_req, 1, "[R]")
-    check.dtype("token_to_req", token_to_req, INDEX_DTYPES)
-    if token_to_req.shape[0] != rows:
-        check.fail("token_to_req", f"must have R = {rows} entries like q", f"shape {token_to_req.shape}")
-    scale = _softmax_scale(check, softmax_scale, d)
+    check.index_array("block_table", block_table, 2, "[B, max_pages]")
+    check.index_vector("token_to_req", token_to_req, rows, "R", like="q")
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
     arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, token_indices=token_indices,
                   block_table=block_table, token_to_req=token_to_req)
-    for name, info in arrays.items():
-        check.last_dim_contiguous(name, info)
-    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
-        check.fail("num_splits", "must be a positive int or None", repr(num_splits))
 
     width = token_indices.shape[1]
     group = qh // kh
     block_m = max(16, triton.next_power_of_2(group))
-    block_n, tiles_per_split, splits, num_warps, num_stages = _launch_config(rows, kh, width, d, num_splits)
+    block_n, tiles_per_split, splits, num_warps, num_stages = _launch_config(rows, kh, width, d, tuning)
 
     out = Buffer("out", (rows, qh, d), q.dtype)
     # The log2-sum-exps of one split are the rows' own: kept for a later
-    # option to return them (API.md, "Beyond the seeds").
+    # option to return them (docs/api.md, "Beyond the seeds").
     partial_lse = Buffer("partial_lse", (splits, rows, qh), "float32")
     if splits == 1:
         partial_out = out  # written directly, no merge
@@ -351,7 +330,7 @@ def plan_sparse_paged_attention(
             scalars=dict(rows=rows, out_sr=o_sr, out_sh=o_sh),
             constexprs=dict(
                 QH=qh, D=d, NUM_SPLITS=splits, BLOCK_SPLITS=block_splits,
-                SPLIT_CHUNK=min(block_splits, max(1, MERGE_CHUNK_ELEMENTS // d)),
+                SPLIT_CHUNK=min(block_splits, max(1, tuning.merge_chunk_elements // d)),
             ),
             num_warps=4,
             num_stages=1,

@@ -20,8 +20,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .launch import ArrayInfo, Buffer, Launch, Program, cached_plan
-from .validate import FLOAT_DTYPES, FP8_DTYPE, INDEX_DTYPES, Checker
+from .launch import ArrayInfo, Buffer, Launch, Program
+from .memo import cached_plan
+from .tuning import CompressTuning
+from .validate import FLOAT_DTYPES, FP8_DTYPE, INDEX_DTYPES, POSITIVE_INT, Checker
 
 COMPRESS_GROUPS_DOC = """\
 Mean-pool the key groups that end at this step's rows.
@@ -45,10 +47,10 @@ Args:
         of each row.
     compressor_state_cache: ``[blocks, ring, 1, D]`` of raw_keys' dtype, ring
         ``>= compress_ratio``: each request's ring of earlier raw keys.
-    compressor_state_block_table: ``[>= B, >= 1]`` int32; column 0 is the
-        request's ring block.
-    token_to_req: ``[R]`` int32 request of each row.
-    query_start_loc: ``[B + 1]`` int32 first row of each request.
+    compressor_state_block_table: ``[>= B, >= 1]`` int32/int64; column 0 is
+        the request's ring block.
+    token_to_req: ``[R]`` int32/int64 request of each row.
+    query_start_loc: ``[B + 1]`` int32/int64 first row of each request.
     logical_positions: ``[R]`` int32/int64 position of each row.
     compressed_slots: ``[R]`` int32/int64; ``>= 0`` marks a row to pool.
     compress_ratio: group size, a positive int.
@@ -82,16 +84,13 @@ Returns:
 """
 
 STORE_DTYPES = FLOAT_DTYPES + (FP8_DTYPE,) + INDEX_DTYPES
-#: Elements per program: with 4 warps each thread moves 8 elements (one
-#: 16-byte load of bf16 per group member), and a decode batch of 256 rows
-#: still spreads over 32-64 programs.
-TILE_ELEMENTS = 1024
 
 
-def _row_tile(rows: int, width: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_R, BLOCK_W, programs, num_warps)`` for ``rows`` rows of ``width`` elements."""
+def _row_tile(rows: int, width: int, tuning: CompressTuning) -> tuple[int, int, int, int]:
+    """``(BLOCK_R, BLOCK_W, programs, num_warps)`` for ``rows`` rows of ``width`` elements
+    (tiles of about ``tuning.tile_elements``)."""
     block_w = triton.next_power_of_2(max(width, 1))
-    block_r = min(triton.next_power_of_2(max(rows, 1)), max(1, TILE_ELEMENTS // block_w))
+    block_r = min(triton.next_power_of_2(max(rows, 1)), max(1, tuning.tile_elements // block_w))
     num_warps = min(4, max(1, block_r * block_w // 256))
     return block_r, block_w, triton.cdiv(rows, block_r), num_warps
 
@@ -99,13 +98,21 @@ def _row_tile(rows: int, width: int) -> tuple[int, int, int, int]:
 @triton.jit
 def compress_groups_kernel(
     # inputs
-    raw_keys_ptr, raw_positions_ptr, ring_ptr, rope_cache_ptr, block_table_ptr,
-    token_to_req_ptr, query_start_loc_ptr, logical_positions_ptr, compressed_slots_ptr,
+    raw_keys_ptr,  # [R, 1, D] bf16/fp16/fp32
+    raw_positions_ptr,  # [R, 1, 3] int32/int64
+    ring_ptr,  # [blocks, RING, 1, D] raw_keys' dtype (compressor_state_cache: a ring per block)
+    rope_cache_ptr,  # [blocks, RING, 1, 3] raw_positions' dtype (HAS_ROPE_CACHE; else a stand-in)
+    block_table_ptr,  # [>= B, >= 1] int32/int64: column 0, each request's ring block
+    token_to_req_ptr,  # [R] int32/int64
+    query_start_loc_ptr,  # [B + 1] int32/int64
+    logical_positions_ptr,  # [R] int32/int64
+    compressed_slots_ptr,  # [R] int32/int64
     # outputs
-    pooled_ptr, first_positions_ptr,
+    pooled_ptr,  # [R, 1, D] raw_keys' dtype
+    first_positions_ptr,  # [R, 3] raw_positions' dtype
     # sizes and strides
     R, num_requests, num_ring_blocks,
-    raw_st, pos_st, ring_sb, ring_ss, rope_sb, rope_ss, table_st,
+    raw_sr, pos_sr, ring_sb, ring_sp, rope_sb, rope_sp, table_sr,
     # constexprs
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
     RATIO: tl.constexpr, RING: tl.constexpr, HAS_ROPE_CACHE: tl.constexpr,
@@ -123,7 +130,7 @@ def compress_groups_kernel(
     request = tl.where(known, request, 0).to(tl.int64)
     start = tl.load(query_start_loc_ptr + request, mask=known, other=0).to(tl.int64)
     stop = tl.load(query_start_loc_ptr + request + 1, mask=known, other=0).to(tl.int64)
-    block = tl.load(block_table_ptr + request * table_st, mask=known, other=-1).to(tl.int64)
+    block = tl.load(block_table_ptr + request * table_sr, mask=known, other=-1).to(tl.int64)
     ring_ok = (block >= 0) & (block < num_ring_blocks)
     pooled_row = known & (rows >= start) & (rows < stop) & (slot >= 0) & (end >= RATIO - 1)
 
@@ -135,9 +142,9 @@ def compress_groups_kernel(
         from_chunk = (member_row >= start) & (member_row >= 0)
         chunk_mask = (pooled_row & from_chunk)[:, None] & dim_ok[None, :]
         ring_mask = (pooled_row & ~from_chunk & ring_ok)[:, None] & dim_ok[None, :]
-        fresh = tl.load(raw_keys_ptr + member_row[:, None] * raw_st + dims[None, :],
+        fresh = tl.load(raw_keys_ptr + member_row[:, None] * raw_sr + dims[None, :],
                         mask=chunk_mask, other=0.0).to(tl.float32)
-        ring_row = block * ring_sb + ((end - lag) % RING) * ring_ss
+        ring_row = block * ring_sb + ((end - lag) % RING) * ring_sp
         old = tl.load(ring_ptr + ring_row[:, None] + dims[None, :],
                       mask=ring_mask, other=0.0).to(tl.float32)
         total += tl.where(from_chunk[:, None], fresh, old)
@@ -151,9 +158,9 @@ def compress_groups_kernel(
     if HAS_ROPE_CACHE:
         first_row = rows - (RATIO - 1)
         from_chunk = (first_row >= start) & (first_row >= 0)
-        fresh = tl.load(raw_positions_ptr + first_row[:, None] * pos_st + cols[None, :],
+        fresh = tl.load(raw_positions_ptr + first_row[:, None] * pos_sr + cols[None, :],
                         mask=(pooled_row & from_chunk)[:, None] & col_ok[None, :], other=0)
-        rope_row = block * rope_sb + (first % RING) * rope_ss
+        rope_row = block * rope_sb + (first % RING) * rope_sp
         old = tl.load(rope_cache_ptr + rope_row[:, None] + cols[None, :],
                       mask=(pooled_row & ~from_chunk & ring_ok)[:, None] & col_ok[None, :], other=0)
         values = tl.where(from_chunk[:, None], fresh, old)
@@ -167,11 +174,13 @@ def compress_groups_kernel(
 @triton.jit
 def store_cache_rows_kernel(
     # inputs
-    cache_ptr, slot_mapping_ptr, rows_ptr,
+    cache_ptr,  # [pages, P, 1, W] any STORE_DTYPES (read only through its alias)
+    slot_mapping_ptr,  # [R] int32/int64
+    rows_ptr,  # [R, W] or [R, 1, W] cache's dtype
     # outputs (the cache is the input's alias)
-    cache_out_ptr,
+    cache_out_ptr,  # cache
     # sizes and strides
-    R, num_slots, cache_sp, cache_so, rows_st,
+    R, num_slots, cache_sb, cache_sp, rows_sr,
     # constexprs
     W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr,
 ):
@@ -182,36 +191,32 @@ def store_cache_rows_kernel(
     slot = tl.load(slot_mapping_ptr + rows, mask=in_batch, other=-1).to(tl.int64)
     write = in_batch & (slot >= 0) & (slot < num_slots)
     mask = write[:, None] & (cols < W)[None, :]
-    values = tl.load(rows_ptr + rows[:, None] * rows_st + cols[None, :], mask=mask)
-    cache_row = (slot // PAGE) * cache_sp + (slot % PAGE) * cache_so
+    values = tl.load(rows_ptr + rows[:, None] * rows_sr + cols[None, :], mask=mask)
+    cache_row = (slot // PAGE) * cache_sb + (slot % PAGE) * cache_sp
     tl.store(cache_out_ptr + cache_row[:, None] + cols[None, :], values, mask=mask)
 
 
-@cached_plan
+@cached_plan(options=dict(compress_ratio=POSITIVE_INT))
 def plan_compress_groups(
     raw_keys: ArrayInfo, raw_positions: ArrayInfo,
     compressor_state_cache: ArrayInfo, compressor_state_block_table: ArrayInfo,
     token_to_req: ArrayInfo, query_start_loc: ArrayInfo,
     logical_positions: ArrayInfo, compressed_slots: ArrayInfo,
     compress_ratio: int, rope_cache: ArrayInfo | None = None,
+    *, tuning: CompressTuning | None = None,
 ) -> Program:
-    """Validate ``compress_groups`` arguments and describe its launch (see API.md)."""
+    """Validate ``compress_groups`` arguments and describe its launch (see docs/api.md)."""
     check = Checker("compress_groups")
-    if not isinstance(compress_ratio, int) or isinstance(compress_ratio, bool) or compress_ratio <= 0:
-        check.fail("compress_ratio", "must be a positive int", repr(compress_ratio))
-    check.rank("raw_keys", raw_keys, 3, "[R, 1, D]")
-    check.dtype("raw_keys", raw_keys, FLOAT_DTYPES)
+    check.array("raw_keys", raw_keys, 3, "[R, 1, D]", FLOAT_DTYPES)
     r, _, d = raw_keys.shape
     check.dim("raw_keys", raw_keys, 1, 1, "heads")
     if d < 1:
         check.fail("raw_keys", "must have head dim D >= 1", f"shape {raw_keys.shape}")
     check.shape("raw_positions", raw_positions, (r, 1, 3), "[R, 1, 3]")
     check.dtype("raw_positions", raw_positions, INDEX_DTYPES)
-    for name, info, dtypes in (("token_to_req", token_to_req, ("int32",)),
-                               ("logical_positions", logical_positions, INDEX_DTYPES),
-                               ("compressed_slots", compressed_slots, INDEX_DTYPES)):
-        check.shape(name, info, (r,), "[R]")
-        check.dtype(name, info, dtypes)
+    for name, info in (("token_to_req", token_to_req), ("logical_positions", logical_positions),
+                       ("compressed_slots", compressed_slots)):
+        check.index_vector(name, info, r, "R")
 
     cache = compressor_state_cache
     check.rank("compressor_state_cache", cache, 4, "[blocks, ring, 1, D]")
@@ -221,37 +226,26 @@ def plan_compress_groups(
         check.fail("compressor_state_cache", f"must have a ring of at least compress_ratio = {compress_ratio} slots (dimension 1)", f"shape {cache.shape}")
     if cache_d != d:
         check.fail("compressor_state_cache", f"must have raw_keys' head dim D = {d}", f"shape {cache.shape}")
-    if cache.dtype != raw_keys.dtype:
-        check.fail("compressor_state_cache", f"must have raw_keys' dtype {raw_keys.dtype}", cache.dtype)
+    check.same_dtype("compressor_state_cache", cache, "raw_keys", raw_keys)
     if r and not blocks:
         check.fail("compressor_state_cache", "must have at least one block when there are rows", f"shape {cache.shape}")
 
-    check.rank("query_start_loc", query_start_loc, 1, "[B + 1]")
-    check.dtype("query_start_loc", query_start_loc, ("int32",))
+    check.index_vector("query_start_loc", query_start_loc, None, "B + 1")
     if query_start_loc.shape[0] < 2:
         check.fail("query_start_loc", "must have B + 1 >= 2 entries", f"shape {query_start_loc.shape}")
     num_requests = query_start_loc.shape[0] - 1
     table = compressor_state_block_table
-    check.rank("compressor_state_block_table", table, 2, "[>= B, >= 1]")
-    check.dtype("compressor_state_block_table", table, ("int32",))
+    check.index_array("compressor_state_block_table", table, 2, "[>= B, >= 1]")
     if table.shape[0] < num_requests or table.shape[1] < 1:
         check.fail("compressor_state_block_table", f"must have at least B = {num_requests} rows and one column", f"shape {table.shape}")
 
     if rope_cache is not None:
         check.shape("rope_cache", rope_cache, (blocks, ring, 1, 3), "[blocks, ring, 1, 3] like compressor_state_cache")
-        if rope_cache.dtype != raw_positions.dtype:
-            check.fail("rope_cache", f"must have raw_positions' dtype {raw_positions.dtype}", rope_cache.dtype)
-    arrays = dict(raw_keys=raw_keys, raw_positions=raw_positions, compressor_state_cache=cache,
-                  compressor_state_block_table=table, token_to_req=token_to_req,
-                  query_start_loc=query_start_loc, logical_positions=logical_positions,
-                  compressed_slots=compressed_slots, rope_cache=rope_cache)
-    for name, info in arrays.items():
-        if info is not None:
-            check.last_dim_contiguous(name, info)
+        check.same_dtype("rope_cache", rope_cache, "raw_positions", raw_positions)
 
     pooled = Buffer("pooled", (r, 1, d), raw_keys.dtype)
     first_positions = Buffer("first_positions", (r, 3), raw_positions.dtype)
-    block_r, block_d, programs, num_warps = _row_tile(r, d)
+    block_r, block_d, programs, num_warps = _row_tile(r, d, tuning)
     rope = rope_cache if rope_cache is not None else raw_positions
     launch = Launch(
         kernel=compress_groups_kernel,
@@ -266,9 +260,9 @@ def plan_compress_groups(
         outputs=("pooled", "first_positions"),
         scalars=dict(
             R=r, num_requests=num_requests, num_ring_blocks=blocks,
-            raw_st=raw_keys.strides[0], pos_st=raw_positions.strides[0],
-            ring_sb=cache.strides[0], ring_ss=cache.strides[1],
-            rope_sb=rope.strides[0], rope_ss=rope.strides[1], table_st=table.strides[0],
+            raw_sr=raw_keys.strides[0], pos_sr=raw_positions.strides[0],
+            ring_sb=cache.strides[0], ring_sp=cache.strides[1],
+            rope_sb=rope.strides[0], rope_sp=rope.strides[1], table_sr=table.strides[0],
         ),
         constexprs=dict(D=d, BLOCK_D=block_d, BLOCK_R=block_r, RATIO=compress_ratio,
                         RING=ring, HAS_ROPE_CACHE=rope_cache is not None),
@@ -279,8 +273,9 @@ def plan_compress_groups(
 
 
 @cached_plan
-def plan_store_cache_rows(cache: ArrayInfo, slot_mapping: ArrayInfo, rows: ArrayInfo) -> Program:
-    """Validate ``store_cache_rows`` arguments and describe its launch (see API.md)."""
+def plan_store_cache_rows(cache: ArrayInfo, slot_mapping: ArrayInfo, rows: ArrayInfo, *,
+                          tuning: CompressTuning | None = None) -> Program:
+    """Validate ``store_cache_rows`` arguments and describe its launch (see docs/api.md)."""
     check = Checker("store_cache_rows")
     check.rank("cache", cache, 4, "[pages, P, 1, W]")
     pages, page, _, width = cache.shape
@@ -288,27 +283,23 @@ def plan_store_cache_rows(cache: ArrayInfo, slot_mapping: ArrayInfo, rows: Array
     if not all(cache.shape):
         check.fail("cache", "must have nonzero dimensions", f"shape {cache.shape}")
     check.dtype("cache", cache, STORE_DTYPES)
-    check.rank("slot_mapping", slot_mapping, 1, "[R]")
-    check.dtype("slot_mapping", slot_mapping, INDEX_DTYPES)
+    check.index_vector("slot_mapping", slot_mapping, None, "R")
     r = slot_mapping.shape[0]
     check.ranks("rows", rows, (2, 3), "[R, W] or [R, 1, W]")
     if rows.ndim == 3:
         check.dim("rows", rows, 1, 1, "heads")
     if rows.shape[0] != r or rows.shape[-1] != width:
         check.fail("rows", f"must have one row per slot_mapping entry (R = {r}) of cache's width W = {width}", f"shape {rows.shape}")
-    if rows.dtype != cache.dtype:
-        check.fail("rows", f"must have cache's dtype {cache.dtype}", rows.dtype)
-    for name, info in (("cache", cache), ("slot_mapping", slot_mapping), ("rows", rows)):
-        check.last_dim_contiguous(name, info)
+    check.same_dtype("rows", rows, "cache", cache)
 
-    block_r, block_w, programs, num_warps = _row_tile(r, width)
+    block_r, block_w, programs, num_warps = _row_tile(r, width, tuning)
     launch = Launch(
         kernel=store_cache_rows_kernel,
         grid=(programs,),
         inputs=("cache", "slot_mapping", "rows"),
         outputs=("cache",),
-        scalars=dict(R=r, num_slots=pages * page, cache_sp=cache.strides[0],
-                     cache_so=cache.strides[1], rows_st=rows.strides[0]),
+        scalars=dict(R=r, num_slots=pages * page, cache_sb=cache.strides[0],
+                     cache_sp=cache.strides[1], rows_sr=rows.strides[0]),
         constexprs=dict(W=width, BLOCK_W=block_w, BLOCK_R=block_r, PAGE=page),
         num_warps=num_warps,
         num_stages=1,

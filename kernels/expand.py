@@ -9,9 +9,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .launch import ArrayInfo, Buffer, Launch, Program, cached_plan
+from .launch import ArrayInfo, Buffer, Launch, Program
+from .memo import cached_plan
 from .rows import count_visible_blocks, row_request
-from .validate import INDEX_DTYPES, Checker
+from .validate import NONNEGATIVE_INT, POSITIVE_INT, Checker
+
+#: ``token_topk`` and ``compress_ratio`` (select_paged_tokens shares them).
+EXPAND_OPTIONS = dict(compress_ratio=POSITIVE_INT, token_topk=NONNEGATIVE_INT)
 
 EXPAND_DOC = """\
 Expand selected compressed blocks into token indices, then the causal tail.
@@ -21,7 +25,8 @@ block indices (as written by ``topk_blocks``) become ``compress_ratio``
 tokens each (``block * compress_ratio + i``), followed by the tokens of the
 still-open group (positions ``((p + 1) // compress_ratio) * compress_ratio``
 .. ``p``).  Tokens that are negative or at/after the request's sequence
-length, and unused slots, are ``-1``.
+length, tokens past int32 (``>= 2**31``, possible with int64 inputs: the
+output is int32) and unused slots, are ``-1``.
 
 Args:
     block_indices: ``[R, token_topk // compress_ratio]`` int32/int64.
@@ -38,8 +43,12 @@ Returns:
 
 @triton.jit
 def expand_kernel(
-    block_indices_ptr, query_positions_ptr, sequence_lengths_ptr, token_to_req_ptr, previous_ptr,
-    out_ptr,
+    block_indices_ptr,  # [rows of this launch, BLOCK_TOPK] int32/int64 (row stride bi_sr)
+    query_positions_ptr,  # [R] int32/int64
+    sequence_lengths_ptr,  # [B] int32/int64
+    token_to_req_ptr,  # [R] int32/int64
+    previous_ptr,  # [R, WIDTH] int32: out of the earlier chunks (the same buffer; unread)
+    out_ptr,  # [R, WIDTH] int32 (row stride out_sr)
     row_begin, num_requests, bi_sr, out_sr,
     BLOCK_TOPK: tl.constexpr, RATIO: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
@@ -61,12 +70,13 @@ def expand_kernel(
     block_token = tl.where(block_ok, block, 0) * RATIO + cols % RATIO
     tail_token = position - tl.where(in_tail, tail_count - 1 - (cols - expanded), 0)
     token = tl.where(in_blocks, block_token, tail_token)
-    keep = ((in_blocks & block_ok) | in_tail) & (token >= 0) & (token < length)
+    # The output is int32: a token past it is dropped, never wrapped into a valid-looking one.
+    keep = ((in_blocks & block_ok) | in_tail) & (token >= 0) & (token < length) & (token <= 2147483647)
     tl.store(out_ptr + row * out_sr + cols, tl.where(keep, token, -1).to(tl.int32), mask=cols < WIDTH)
 
 
-def check_token_topk(check: Checker, token_topk, compress_ratio: int) -> None:
-    check.nonnegative_int("token_topk", token_topk)
+def check_token_topk(check: Checker, token_topk: int, compress_ratio: int) -> None:
+    """``token_topk`` (a non-negative int, see EXPAND_OPTIONS) selects whole blocks."""
     if token_topk % compress_ratio:
         check.fail("token_topk", f"must be a multiple of compress_ratio = {compress_ratio}", token_topk)
 
@@ -95,28 +105,22 @@ def expand_launches(block_topk: int, compress_ratio: int, block_stride: int, out
     return launches
 
 
-@cached_plan
+@cached_plan(options=EXPAND_OPTIONS)
 def plan_expand_block_indices(block_indices: ArrayInfo, query_positions: ArrayInfo,
                               sequence_lengths: ArrayInfo, token_to_req: ArrayInfo,
-                              compress_ratio, token_topk) -> Program:
-    """Validate ``expand_block_indices`` arguments and describe its launch (see API.md)."""
+                              compress_ratio: int, token_topk: int) -> Program:
+    """Validate ``expand_block_indices`` arguments and describe its launch (see docs/api.md)."""
     check = Checker("expand_block_indices")
-    check.positive_int("compress_ratio", compress_ratio)
     check_token_topk(check, token_topk, compress_ratio)
     block_topk = token_topk // compress_ratio
-    check.rank("block_indices", block_indices, 2, "[R, token_topk // compress_ratio]")
-    check.dtype("block_indices", block_indices, INDEX_DTYPES)
+    check.index_array("block_indices", block_indices, 2, "[R, token_topk // compress_ratio]")
     rows = block_indices.shape[0]
     if block_indices.shape[1] != block_topk:
         check.fail("block_indices", f"must have token_topk // compress_ratio = {block_topk} columns",
                    f"shape {block_indices.shape}")
     check.index_vector("query_positions", query_positions, rows, "R")
-    check.rank("sequence_lengths", sequence_lengths, 1, "[B]")
-    check.dtype("sequence_lengths", sequence_lengths, INDEX_DTYPES)
+    check.index_vector("sequence_lengths", sequence_lengths, None, "B")
     check.index_vector("token_to_req", token_to_req, rows, "R")
-    for name, info in (("block_indices", block_indices), ("query_positions", query_positions),
-                       ("sequence_lengths", sequence_lengths), ("token_to_req", token_to_req)):
-        check.last_dim_contiguous(name, info)
     out = Buffer("out", (rows, token_topk + compress_ratio - 1), "int32")
     launches = expand_launches(block_topk, compress_ratio, block_indices.strides[0], out.shape[1],
                                sequence_lengths.shape[0], [(0, rows)], "block_indices")

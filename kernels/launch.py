@@ -143,29 +143,6 @@ class Program:
         return tuple(launch for launch in self.launches if not launch.empty)
 
 
-_PLAN_CACHES: list = []
-
-
-def cached_plan(plan):
-    """Memoise a plan function: its arguments are hashable metadata and options.
-
-    Plans are pure functions of their arguments and of their module's tuning
-    constants, so a decode loop with steady shapes pays for validation and
-    planning once (most of the torch adapter's host overhead).  Invalid
-    arguments raise every time: exceptions are not cached.  Whoever changes a
-    tuning constant (benchmark sweeps, tests) calls :func:`clear_plan_caches`.
-    """
-    cached = functools.lru_cache(maxsize=4096)(plan)
-    # What adapters need to bind a public function to its plan: its name
-    # (for error messages) and which of its arguments are arrays.
-    cached.function = plan.__name__.removeprefix("plan_")
-    cached.array_arguments = tuple(
-        name for name, parameter in inspect.signature(plan).parameters.items()
-        if "ArrayInfo" in str(parameter.annotation))
-    _PLAN_CACHES.append(cached)
-    return cached
-
-
 def split_arguments(plan, arguments: Mapping[str, Any]) -> tuple[dict, dict]:
     """A public call's arguments, by name, as ``(arrays, options)`` for ``plan``."""
     arrays = {name: arguments[name] for name in plan.array_arguments}
@@ -173,7 +150,4 @@ def split_arguments(plan, arguments: Mapping[str, Any]) -> tuple[dict, dict]:
     return arrays, options
 
 
-def clear_plan_caches() -> None:
-    """Forget every memoised plan (after changing a plan module's constants)."""
-    for cached in _PLAN_CACHES:
-        cached.cache_clear()
+from .memo import cached_plan, clear_plan_caches  # noqa: E402,F401  (moved to memo.py; imports keep working)

@@ -31,6 +31,11 @@ import numpy as np
 
 __all__ = ["CacheGeometry", "HostStepMetadata", "PagedRequests", "METADATA_FIELDS", "STATE_FIELDS"]
 
+def _is_int(value) -> bool:
+    """A Python or NumPy integer, not a bool (``True`` is an int in Python)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 #: The caches of one QSA attention layer, in the order of ``QSAState``'s fields.
 STATE_FIELDS = ("key_cache", "value_cache", "compressor_state_cache", "compressed_key_cache")
 
@@ -53,10 +58,13 @@ class CacheGeometry:
 
     def __post_init__(self):
         for name in ("page_size", "num_pages", "compress_ratio", "compressed_page_size",
-                     "num_compressed_pages", "max_context", "max_requests"):
+                     "num_compressed_pages", "max_context", "max_requests", "ring_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if name == "ring_size" and value is None:
+                continue
+            if not _is_int(value) or value < 1:
                 raise ValueError(f"CacheGeometry: {name} must be a positive int, got {value!r}")
+            object.__setattr__(self, name, int(value))
         if self.ring_size is None:
             object.__setattr__(self, "ring_size", self.compress_ratio)
         if self.ring_size < self.compress_ratio:
@@ -125,108 +133,219 @@ class PagedRequests:
     ``admit(request, length)`` registers a request whose first ``length``
     tokens are already in the caches (written some other way).
 
+    Every call is all or nothing: one that raises (a bad count, past
+    ``max_context``, out of pages or rings) has registered, allocated and
+    changed nothing.
+
     ``seed`` shuffles the free lists, so pages of one request are scattered
     over the pool as in a long-running server.
+
+    Cost: a step costs time in proportion to its rows and newly allocated
+    pages, not to ``max_context``: each request's table row is kept (one row
+    per ring block) and only new pages are written.  So a step of the same
+    batch as the previous one (the same requests in the same order: a decode
+    loop) returns *the same* ``block_table`` and ``compressed_block_table``
+    arrays, with the new pages filled in.  Only entries past every earlier
+    step's lengths change (``-1`` becomes a page), so an earlier step's
+    metadata still describes that step exactly; but copy the tables (or
+    convert them: ``StepMetadata.from_host`` copies) if you need them frozen.
+    A batch of other requests or order gets new arrays.
     """
 
     def __init__(self, geometry: CacheGeometry, *, seed: int | None = None):
         self.geometry = geometry
         order = (lambda n: np.random.default_rng(seed).permutation(n)) if seed is not None else np.arange
-        self._free_pages = list(order(geometry.num_pages)[::-1])
-        self._free_compressed = list(order(geometry.num_compressed_pages)[::-1])
-        self._free_rings = list(order(geometry.max_requests)[::-1])
-        self.lengths: dict[Hashable, int] = {}
-        self._pages: dict[Hashable, list[int]] = {}
-        self._compressed: dict[Hashable, list[int]] = {}
+        self._free_pages = [int(p) for p in order(geometry.num_pages)[::-1]]
+        self._free_compressed = [int(p) for p in order(geometry.num_compressed_pages)[::-1]]
+        self._free_rings = [int(p) for p in order(geometry.max_requests)[::-1]]
         self._ring: dict[Hashable, int] = {}
+        self._lengths = np.zeros(geometry.max_requests, np.int64)  # per ring block
+        # Per ring block (one per request in flight): its table rows and how
+        # many pages of each kind it holds.
+        self._rows = np.full((geometry.max_requests, geometry.table_width), -1, np.int32)
+        self._compressed_rows = np.full((geometry.max_requests, geometry.compressed_table_width), -1, np.int32)
+        self._num_pages = np.zeros(geometry.max_requests, np.int64)
+        self._num_compressed = np.zeros(geometry.max_requests, np.int64)
+        self._batch: _Batch | None = None  # the last step's batch, whose tables the next may reuse
 
-    def _take(self, free: list, count: int, what: str) -> list[int]:
-        if count > len(free):
-            raise ValueError(f"PagedRequests: out of {what}: {count} needed, {len(free)} free")
-        return [int(free.pop()) for _ in range(count)]
+    # -- validation (nothing changes before these pass) ----------------------
 
-    def _grow(self, request: Hashable, length: int) -> None:
+    def _fail(self, message: str):
+        raise ValueError(f"PagedRequests: {message}")
+
+    def _needs(self, lengths: np.ndarray, pages: np.ndarray, compressed: np.ndarray, new_rings: int):
+        """Pages each request needs to reach ``lengths``; raises if the pools cannot give them all."""
         g = self.geometry
-        if length > g.max_context:
-            raise ValueError(f"PagedRequests: request {request!r} would reach {length} tokens, "
-                             f"past max_context = {g.max_context}")
-        if request not in self._ring:
-            self._ring[request] = self._take(self._free_rings, 1, "compressor-state rings (max_requests)")[0]
-            self._pages[request], self._compressed[request] = [], []
-            self.lengths[request] = 0
-        pages, compressed = self._pages[request], self._compressed[request]
-        pages += self._take(self._free_pages, -(-length // g.page_size) - len(pages), "KV pages")
-        groups = length // g.compress_ratio
-        compressed += self._take(self._free_compressed, -(-groups // g.compressed_page_size) - len(compressed),
-                                 "compressed-key pages")
+        new_pages = np.maximum(-(-lengths // g.page_size) - pages, 0)
+        new_compressed = np.maximum(-(-(lengths // g.compress_ratio) // g.compressed_page_size) - compressed, 0)
+        for what, needed, free in (("compressor-state rings (max_requests)", new_rings, self._free_rings),
+                                   ("KV pages", int(new_pages.sum()), self._free_pages),
+                                   ("compressed-key pages", int(new_compressed.sum()), self._free_compressed)):
+            if needed > len(free):
+                self._fail(f"out of {what}: {needed} needed, {len(free)} free")
+        return new_pages, new_compressed
+
+    def _check_context(self, requests, lengths: np.ndarray) -> None:
+        if lengths.max() > self.geometry.max_context:
+            over = np.flatnonzero(lengths > self.geometry.max_context)
+            i = int(over[0])
+            self._fail(f"request {requests[i]!r} would reach {int(lengths[i])} tokens, "
+                       f"past max_context = {self.geometry.max_context}")
+
+    # -- allocation (after validation: cannot fail) --------------------------
+
+    def _allocate(self, rings: np.ndarray, new_pages: np.ndarray, new_compressed: np.ndarray,
+                  batch: "_Batch | None" = None) -> None:
+        """Give each ring block its new pages (in batch order), in its rows and ``batch``'s tables."""
+        for rows, counts, new, free, tables in (
+                (self._rows, self._num_pages, new_pages, self._free_pages, batch and batch.block_table),
+                (self._compressed_rows, self._num_compressed, new_compressed, self._free_compressed,
+                 batch and batch.compressed_block_table)):
+            if not new.any():
+                continue
+            for i in np.flatnonzero(new):
+                ring, first, n = int(rings[i]), int(counts[rings[i]]), int(new[i])
+                pages = [free.pop() for _ in range(n)]
+                rows[ring, first:first + n] = pages
+                if tables is not None:
+                    tables[i, first:first + n] = pages
+                counts[ring] = first + n
+
+    # -- public calls --------------------------------------------------------
+
+    @property
+    def lengths(self) -> dict[Hashable, int]:
+        """Each request in flight and its length (tokens in the caches); a fresh dict."""
+        return {request: int(self._lengths[ring]) for request, ring in self._ring.items()}
 
     def admit(self, request: Hashable, length: int) -> None:
         """Register ``request`` with ``length`` tokens already written into the caches."""
-        if request in self.lengths:
-            raise ValueError(f"PagedRequests: request {request!r} is already in flight")
-        self._grow(request, length)
-        self.lengths[request] = length
+        if not _is_int(length) or length < 0:
+            self._fail(f"admit: length must be a non-negative int, got {length!r}")
+        if request in self._ring:
+            self._fail(f"request {request!r} is already in flight")
+        lengths = np.array([int(length)], np.int64)
+        self._check_context([request], lengths)
+        zero = np.zeros(1, np.int64)
+        new_pages, new_compressed = self._needs(lengths, zero, zero, 1)
+        ring = self._free_rings.pop()
+        self._ring[request] = ring
+        self._allocate(np.array([ring]), new_pages, new_compressed)
+        self._lengths[ring] = int(length)
 
     def release(self, request: Hashable) -> None:
         """Return a finished request's pages and ring block to the pools."""
-        self._free_pages += self._pages.pop(request)[::-1]
-        self._free_compressed += self._compressed.pop(request)[::-1]
-        self._free_rings.append(self._ring.pop(request))
-        del self.lengths[request]
+        if request not in self._ring:
+            self._fail(f"release: request {request!r} is not in flight (never admitted or stepped, or already released)")
+        ring = self._ring.pop(request)
+        for rows, counts, free in ((self._rows, self._num_pages, self._free_pages),
+                                   (self._compressed_rows, self._num_compressed, self._free_compressed)):
+            n = int(counts[ring])
+            free += rows[ring, :n][::-1].tolist()
+            rows[ring, :n] = -1
+            counts[ring] = 0
+        self._free_rings.append(ring)
+        self._lengths[ring] = 0
+        self._batch = None  # its tables hold this request's pages
 
     def step(self, new_tokens: Mapping[Hashable, int]) -> HostStepMetadata:
         """Allocate for and describe one step: ``new_tokens[request]`` rows of each request."""
         g = self.geometry
+        if not isinstance(new_tokens, Mapping):
+            self._fail(f"step: new_tokens must be a mapping of request -> new token count, got {type(new_tokens).__name__}")
         requests = list(new_tokens)
-        counts = np.array([new_tokens[r] for r in requests], np.int64)
-        if len(requests) == 0 or (counts < 1).any():
-            raise ValueError(f"PagedRequests: a step needs at least one request and one token per request, got {dict(new_tokens)}")
-        starts = np.array([self.lengths.get(r, 0) for r in requests], np.int64)
+        values = list(new_tokens.values())
+        if not requests:
+            self._fail("a step needs at least one request and one token per request, got {}")
+        if not set(map(type, values)) <= {int}:  # the common case checks in C; the rest one by one
+            for request, value in zip(requests, values):
+                if not _is_int(value):
+                    self._fail(f"step: the new token count of request {request!r} must be a positive int, got {value!r}")
+        counts = np.array(values, np.int64)
+        if (counts < 1).any():
+            self._fail(f"a step needs at least one request and one token per request, got {dict(new_tokens)}")
+
+        batch = self._batch if self._batch is not None and self._batch.requests == requests else None
+        if batch is not None:  # a decode loop: every request in flight, its rings and tables known
+            starts, rings, new_rings = batch.ends, batch.rings, 0
+        else:
+            known = [self._ring.get(r, -1) for r in requests]
+            rings = np.array(known, np.int64)
+            new_rings = known.count(-1)
+            starts = np.where(rings < 0, 0, self._lengths[rings])
         ends = starts + counts
-        for request, end in zip(requests, ends):
-            self._grow(request, int(end))
+        self._check_context(requests, ends)
+        pages, compressed = self._num_pages[rings], self._num_compressed[rings]
+        if new_rings:
+            fresh = rings < 0
+            pages, compressed = np.where(fresh, 0, pages), np.where(fresh, 0, compressed)
+        new_pages, new_compressed = self._needs(ends, pages, compressed, new_rings)
 
-        block_table = _table([self._pages[r] for r in requests], g.table_width)
-        compressed_table = _table([self._compressed[r] for r in requests], g.compressed_table_width)
-        rings = np.array([[self._ring[r]] for r in requests], np.int64)
-
-        query_start_loc = np.concatenate([[0], np.cumsum(counts)])
-        token_to_req = np.repeat(np.arange(len(requests)), counts)
-        positions = np.arange(query_start_loc[-1]) - query_start_loc[token_to_req] + starts[token_to_req]
-
-        slot_mapping = block_table[token_to_req, positions // g.page_size] * g.page_size + positions % g.page_size
-        # A row completes group `group` when its position is the group's last.
-        ratio, cpage = g.compress_ratio, g.compressed_page_size
-        completes = (positions + 1) % ratio == 0
-        group = np.where(completes, (positions + 1) // ratio - 1, 0)
-        compressed_slots = np.where(
-            completes, compressed_table[token_to_req, group // cpage] * cpage + group % cpage, -1)
-        # The ring keeps the last ring_size positions: distinct slots within a
-        # step, and every member of the still-open group.
-        in_ring = positions >= ends[token_to_req] - g.ring_size
-        ring_slots = np.where(in_ring, rings[token_to_req, 0] * g.ring_size + positions % g.ring_size, -1)
-
-        for request, end in zip(requests, ends):
-            self.lengths[request] = int(end)
-        i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
-        return HostStepMetadata(
-            slot_mapping=i32(slot_mapping),
-            positions=i32(positions),
-            raw_positions=i32(np.repeat(positions[:, None, None], 3, axis=2)),
-            token_to_req=i32(token_to_req),
-            query_start_loc=i32(query_start_loc),
-            sequence_lengths=i32(ends),
-            block_table=i32(block_table),
-            compressed_block_table=i32(compressed_table),
-            compressed_slots=i32(compressed_slots),
-            compressor_state_block_table=i32(rings),
-            compressor_state_slots=i32(ring_slots),
-        )
+        # Everything is checked: from here on nothing can fail.
+        if new_rings:
+            rings = rings.copy()
+            for i in np.flatnonzero(fresh):
+                rings[i] = self._ring[requests[i]] = self._free_rings.pop()
+        if batch is None:
+            self._allocate(rings, new_pages, new_compressed)
+            batch = _Batch(requests, rings, self._rows[rings], self._compressed_rows[rings], ends)
+        else:
+            self._allocate(rings, new_pages, new_compressed, batch)
+            batch.ends = ends
+        self._batch = batch
+        self._lengths[rings] = ends
+        return _describe(g, counts, starts, ends, rings, batch.block_table, batch.compressed_block_table)
 
 
-def _table(pages_per_request: list[list[int]], width: int) -> np.ndarray:
-    """Rows of physical pages, padded with -1 to ``width``."""
-    table = np.full((len(pages_per_request), width), -1, np.int64)
-    for row, pages in enumerate(pages_per_request):
-        table[row, : len(pages)] = pages
-    return table
+class _Batch:
+    """The last step's batch: its requests in order, ring blocks, tables and lengths after it."""
+
+    __slots__ = ("requests", "rings", "block_table", "compressed_block_table", "ends")
+
+    def __init__(self, requests: list, rings: np.ndarray, block_table: np.ndarray,
+                 compressed_block_table: np.ndarray, ends: np.ndarray):
+        self.requests, self.rings, self.ends = requests, rings, ends
+        self.block_table = block_table  # int32 [B, table_width]
+        self.compressed_block_table = compressed_block_table  # int32 [B, compressed_table_width]
+
+
+def _describe(g: CacheGeometry, counts, starts, ends, rings, block_table, compressed_table) -> HostStepMetadata:
+    """A step's index arrays from its counts and tables, in time proportional to its rows."""
+    num_requests = len(counts)
+    query_start_loc = np.zeros(num_requests + 1, np.int64)
+    np.cumsum(counts, out=query_start_loc[1:])
+    rows = int(query_start_loc[-1])
+    if rows == num_requests:  # decode: one row per request
+        token_to_req = np.arange(num_requests)
+        positions = starts
+    else:
+        token_to_req = np.repeat(np.arange(num_requests), counts)
+        positions = np.arange(rows) - query_start_loc[token_to_req] + starts[token_to_req]
+
+    page, ratio, cpage, ring = g.page_size, g.compress_ratio, g.compressed_page_size, g.ring_size
+    slot_mapping = block_table[token_to_req, positions // page].astype(np.int64) * page + positions % page
+    # A row completes group `group` when its position is the group's last.
+    completes = (positions + 1) % ratio == 0
+    group = np.where(completes, (positions + 1) // ratio - 1, 0)
+    compressed_slots = np.where(
+        completes, compressed_table[token_to_req, group // cpage].astype(np.int64) * cpage + group % cpage, -1)
+    # The ring keeps the last ring_size positions: distinct slots within a
+    # step, and every member of the still-open group.
+    in_ring = positions >= ends[token_to_req] - ring
+    ring_slots = np.where(in_ring, rings[token_to_req] * ring + positions % ring, -1)
+
+    i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
+    positions32 = i32(positions)
+    return HostStepMetadata(
+        slot_mapping=i32(slot_mapping),
+        positions=positions32,
+        raw_positions=np.repeat(positions32[:, None, None], 3, axis=2),
+        token_to_req=i32(token_to_req),
+        query_start_loc=i32(query_start_loc),
+        sequence_lengths=i32(ends),
+        block_table=block_table,
+        compressed_block_table=compressed_table,
+        compressed_slots=i32(compressed_slots),
+        compressor_state_block_table=i32(rings[:, None]),
+        compressor_state_slots=i32(ring_slots),
+    )

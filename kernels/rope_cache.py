@@ -1,6 +1,6 @@
 """Stage 1: RoPE on q and k, and k/v written into a paged KV cache.
 
-One program handles one token row and either a block of query heads or all
+One program handles one token row and either a tile of query heads or all
 KV heads of that row, so every byte of q, k and v is read once and the row's
 cos/sin once per program.  The cache address of element ``d`` of a KV head
 at (page, offset) is, for every layout,
@@ -18,17 +18,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .launch import ArrayInfo, Buffer, Launch, Program, cached_plan
-from .validate import FLOAT_DTYPES, FP8_DTYPE, INDEX_DTYPES, Checker
+from .launch import ArrayInfo, Buffer, Launch, Program
+from .memo import cached_plan
+from .tuning import RopeCacheTuning
+from .validate import BOOL, FLOAT_DTYPES, FP8_DTYPE, Checker
 
 FUNCTION = "rope_reshape_and_cache"
-# Query heads per program: a [BLOCK_H, D] tile of about this many elements.
-# Swept on the H200 (benchmarks/tune_rope_cache.py, T = 2048 and 8192, bf16):
-# small tiles on 2 warps keep the most rows in flight: 24 Q / 2 KV x d256
-# reaches 85-87% of 4.3 TB/s, 32 Q / 8 KV x d128 83-85% (4096 on 4 warps:
-# 73-76% and 83-86%).
-TILE_ELEMENTS = 1024
-NUM_WARPS = 2
 DOC = """\
 Apply RoPE to q and k and write k and v into a paged KV cache.
 
@@ -97,28 +92,42 @@ def _to_cache(x, scale, HAS_SCALE: tl.constexpr, SATURATE: tl.constexpr):
 @triton.jit
 def rope_cache_kernel(
     # inputs
-    q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-    positions_ptr, offsets_ptr, cos_sin_ptr, k_scale_ptr, v_scale_ptr, swa_ptr,
+    q_ptr,  # [T, QH, D] bf16/fp16/fp32
+    k_ptr,  # [T_kv, KH, D] q's dtype
+    v_ptr,  # [T_kv, KH, D] q's dtype
+    key_cache_ptr,  # flash [pages, P, KH, D] or paged [pages, KH, D//X, P, X]; k's dtype or fp8
+    value_cache_ptr,  # flash [pages, P, KH, D], paged [pages, KH, D, P] or shuffled [pages, KH, P//X, D, X]
+    slot_mapping_ptr,  # [T_kv] int32/int64
+    positions_ptr,  # [T] int32/int64
+    offsets_ptr,  # [T] int32/int64 (HAS_OFFSETS; else a stand-in, never read)
+    cos_sin_ptr,  # [max_position, 2*F] q's dtype or fp32
+    k_scale_ptr,  # 0-d / [1] float (HAS_K_SCALE; else a stand-in)
+    v_scale_ptr,  # 0-d / [1] float (HAS_V_SCALE; else a stand-in)
+    swa_ptr,  # [num_swa_slots] int32/int64 (HAS_SWA; else a stand-in)
     # outputs (the caches are the inputs' aliases)
-    q_out_ptr, k_out_ptr, key_cache_out_ptr, value_cache_out_ptr, zeros_ptr,
+    q_out_ptr,  # [T, QH, D] q's dtype
+    k_out_ptr,  # [T_kv, KH, D] k's dtype
+    key_cache_out_ptr,  # key_cache
+    value_cache_out_ptr,  # value_cache
+    zeros_ptr,  # [T, QH, D] q's dtype (WRITE_ZEROS; else [1], never written)
     # sizes and strides
     T, max_position, num_slots, swa_len,
-    q_st, q_sh, k_st, k_sh, v_st, v_sh, cs_st, qo_st, qo_sh, ko_st, ko_sh,
+    q_sr, q_sh, k_sr, k_sh, v_sr, v_sh, cs_sr, pos_sr, qo_sr, qo_sh, ko_sr, ko_sh,
     kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2,
     vc_sb, vc_sh, vc_sd1, vc_sd2, vc_sp1, vc_sp2,
     # constexprs
     D: tl.constexpr, F: tl.constexpr, QH: tl.constexpr, KH: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, NUM_Q_BLOCKS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, NUM_Q_TILES: tl.constexpr,
     PAGE: tl.constexpr, IS_NEOX: tl.constexpr, HAS_OFFSETS: tl.constexpr,
     HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr, HAS_SWA: tl.constexpr,
     WRITE_ZEROS: tl.constexpr, SATURATE: tl.constexpr,
     K_DX: tl.constexpr, K_PX: tl.constexpr, V_DX: tl.constexpr, V_PX: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    head_block = tl.program_id(1)
-    is_query_block = head_block < NUM_Q_BLOCKS
-    # Query blocks of KV-only rows (t >= T) have nothing to do.
-    if (t < T) | (head_block == NUM_Q_BLOCKS):
+    head_tile = tl.program_id(1)
+    is_query_tile = head_tile < NUM_Q_TILES
+    # Query tiles of KV-only rows (t >= T) have nothing to do.
+    if (t < T) | (head_tile == NUM_Q_TILES):
         HALF: tl.constexpr = D // 2
         i = tl.arange(0, HALF)
         # Element d_a[i] rotates with d_b[i]; contiguous halves for NeoX.
@@ -136,7 +145,7 @@ def rope_cache_kernel(
             freq_b = i
 
         rope_row = t < T
-        position = tl.load(positions_ptr + t, mask=rope_row, other=0).to(tl.int64)
+        position = tl.load(positions_ptr + t * pos_sr, mask=rope_row, other=0).to(tl.int64)
         position_ok = True
         if HAS_OFFSETS:
             offset = tl.load(offsets_ptr + t, mask=rope_row, other=0).to(tl.int64)
@@ -146,7 +155,7 @@ def rope_cache_kernel(
             position = total
         position_ok = position_ok & (position >= 0) & (position < max_position)
         # A position outside the table is never read: its rows come out NaN.
-        table_row = cos_sin_ptr + tl.where(position_ok, position, 0) * cs_st
+        table_row = cos_sin_ptr + tl.where(position_ok, position, 0) * cs_sr
         read = (i < HALF) & rope_row & position_ok
         nan = float("nan")
         cos_a = tl.load(table_row + freq_a, mask=read, other=nan).to(tl.float32)[None, :]
@@ -154,16 +163,16 @@ def rope_cache_kernel(
         cos_b = tl.load(table_row + freq_b, mask=read, other=nan).to(tl.float32)[None, :]
         sin_b = tl.load(table_row + F + freq_b, mask=read, other=nan).to(tl.float32)[None, :]
 
-        if is_query_block:
-            _rope_query_heads(q_ptr, q_out_ptr, zeros_ptr, t, head_block, d_a, d_b,
-                              cos_a, sin_a, cos_b, sin_b, q_st, q_sh, qo_st, qo_sh,
+        if is_query_tile:
+            _rope_query_heads(q_ptr, q_out_ptr, zeros_ptr, t, head_tile, d_a, d_b,
+                              cos_a, sin_a, cos_b, sin_b, q_sr, q_sh, qo_sr, qo_sh,
                               QH, BLOCK_H, WRITE_ZEROS)
         else:
             _rope_and_cache_kv_heads(
                 k_ptr, v_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr, swa_ptr,
                 k_out_ptr, key_cache_out_ptr, value_cache_out_ptr,
                 t, T, rope_row, position_ok, d_a, d_b, cos_a, sin_a, cos_b, sin_b,
-                num_slots, swa_len, k_st, k_sh, v_st, v_sh, ko_st, ko_sh,
+                num_slots, swa_len, k_sr, k_sh, v_sr, v_sh, ko_sr, ko_sh,
                 kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2,
                 vc_sb, vc_sh, vc_sd1, vc_sd2, vc_sp1, vc_sp2,
                 D, KH, BLOCK_KH, PAGE, HAS_K_SCALE, HAS_V_SCALE, HAS_SWA, SATURATE,
@@ -171,18 +180,18 @@ def rope_cache_kernel(
 
 
 @triton.jit
-def _rope_query_heads(q_ptr, q_out_ptr, zeros_ptr, t, head_block, d_a, d_b,
-                      cos_a, sin_a, cos_b, sin_b, q_st, q_sh, qo_st, qo_sh,
+def _rope_query_heads(q_ptr, q_out_ptr, zeros_ptr, t, head_tile, d_a, d_b,
+                      cos_a, sin_a, cos_b, sin_b, q_sr, q_sh, qo_sr, qo_sh,
                       QH: tl.constexpr, BLOCK_H: tl.constexpr, WRITE_ZEROS: tl.constexpr):
-    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    heads = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
     head_mask = (heads < QH)[:, None]
-    q_row = q_ptr + t * q_st + tl.minimum(heads, QH - 1)[:, None] * q_sh
+    q_row = q_ptr + t * q_sr + tl.minimum(heads, QH - 1)[:, None] * q_sh
     _, _, out_a, out_b = _rotate_pair(q_row, d_a, d_b, cos_a, sin_a, cos_b, sin_b)
-    out_row = q_out_ptr + t * qo_st + heads[:, None] * qo_sh
+    out_row = q_out_ptr + t * qo_sr + heads[:, None] * qo_sh
     tl.store(out_row + d_a[None, :], out_a.to(q_out_ptr.dtype.element_ty), mask=head_mask)
     tl.store(out_row + d_b[None, :], out_b.to(q_out_ptr.dtype.element_ty), mask=head_mask)
     if WRITE_ZEROS:
-        zeros_row = zeros_ptr + t * qo_st + heads[:, None] * qo_sh
+        zeros_row = zeros_ptr + t * qo_sr + heads[:, None] * qo_sh
         zero = tl.zeros(out_a.shape, dtype=zeros_ptr.dtype.element_ty)
         tl.store(zeros_row + d_a[None, :], zero, mask=head_mask)
         tl.store(zeros_row + d_b[None, :], zero, mask=head_mask)
@@ -193,7 +202,7 @@ def _rope_and_cache_kv_heads(
     k_ptr, v_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr, swa_ptr,
     k_out_ptr, key_cache_out_ptr, value_cache_out_ptr,
     t, T, rope_row, position_ok, d_a, d_b, cos_a, sin_a, cos_b, sin_b,
-    num_slots, swa_len, k_st, k_sh, v_st, v_sh, ko_st, ko_sh,
+    num_slots, swa_len, k_sr, k_sh, v_sr, v_sh, ko_sr, ko_sh,
     kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2,
     vc_sb, vc_sh, vc_sd1, vc_sd2, vc_sp1, vc_sp2,
     D: tl.constexpr, KH: tl.constexpr, BLOCK_KH: tl.constexpr, PAGE: tl.constexpr,
@@ -205,11 +214,11 @@ def _rope_and_cache_kv_heads(
     head_mask = (heads < KH)[:, None]
     safe_heads = tl.minimum(heads, KH - 1)
     k_in_a, k_in_b, k_rot_a, k_rot_b = _rotate_pair(
-        k_ptr + t * k_st + safe_heads[:, None] * k_sh, d_a, d_b, cos_a, sin_a, cos_b, sin_b)
+        k_ptr + t * k_sr + safe_heads[:, None] * k_sh, d_a, d_b, cos_a, sin_a, cos_b, sin_b)
     # KV-only rows (t >= T) keep k as it is.
     k_a = tl.where(rope_row, k_rot_a, k_in_a)
     k_b = tl.where(rope_row, k_rot_b, k_in_b)
-    k_out_row = k_out_ptr + t * ko_st + heads[:, None] * ko_sh
+    k_out_row = k_out_ptr + t * ko_sr + heads[:, None] * ko_sh
     tl.store(k_out_row + d_a[None, :], k_a.to(k_out_ptr.dtype.element_ty), mask=head_mask)
     tl.store(k_out_row + d_b[None, :], k_b.to(k_out_ptr.dtype.element_ty), mask=head_mask)
 
@@ -235,7 +244,7 @@ def _rope_and_cache_kv_heads(
             page, offset, heads, d_b, kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2, K_DX, K_PX),
             _to_cache(k_b, k_scale, HAS_K_SCALE, SATURATE).to(cache_dtype), mask=head_mask)
         d = tl.arange(0, D)
-        v = tl.load(v_ptr + t * v_st + safe_heads[:, None] * v_sh + d[None, :]).to(tl.float32)
+        v = tl.load(v_ptr + t * v_sr + safe_heads[:, None] * v_sh + d[None, :]).to(tl.float32)
         tl.store(value_cache_out_ptr + _cache_offsets(
             page, offset, heads, d, vc_sb, vc_sh, vc_sd1, vc_sd2, vc_sp1, vc_sp2, V_DX, V_PX),
             _to_cache(v, v_scale, HAS_V_SCALE, SATURATE).to(cache_dtype), mask=head_mask)
@@ -288,7 +297,7 @@ def _cache_geometry(check: Checker, key: ArrayInfo, value: ArrayInfo, kh: int, d
     return layout, page, pages, key_terms, value_terms
 
 
-@cached_plan
+@cached_plan(options=dict(is_neox=BOOL, return_zeros=BOOL))
 def plan_rope_reshape_and_cache(
     q: ArrayInfo, k: ArrayInfo, v: ArrayInfo,
     key_cache: ArrayInfo, value_cache: ArrayInfo,
@@ -297,17 +306,16 @@ def plan_rope_reshape_and_cache(
     k_scale: ArrayInfo | None = None, v_scale: ArrayInfo | None = None,
     offsets: ArrayInfo | None = None, swa_slot_mapping: ArrayInfo | None = None,
     return_zeros: bool = False,
+    tuning: RopeCacheTuning | None = None,
 ) -> Program:
-    """Validate stage-1 arguments and describe the launch (see API.md)."""
+    """Validate stage-1 arguments and describe the launch (see docs/api.md)."""
     check = Checker(FUNCTION)
     check.rank("q", q, 3, "[T, QH, D]")
     check.rank("k", k, 3, "[T_kv, KH, D]")
     check.rank("v", v, 3, "[T_kv, KH, D]")
     check.dtype("q", q, FLOAT_DTYPES)
-    if k.dtype != q.dtype:
-        check.fail("k", f"must have q's dtype {q.dtype}", k.dtype)
-    if v.dtype != q.dtype:
-        check.fail("v", f"must have q's dtype {q.dtype}", v.dtype)
+    check.same_dtype("k", k, "q", q)
+    check.same_dtype("v", v, "q", q)
     t, qh, d = q.shape
     t_kv, kh, _ = k.shape
     if k.shape[2] != d:
@@ -321,21 +329,11 @@ def plan_rope_reshape_and_cache(
         check.fail("q", "must have head dim D >= 2", d)
     if kh < 1 or qh % kh:
         check.fail("q", f"must have a number of heads QH divisible by k's KH = {kh}", f"QH = {qh}")
-    check.rank("slot_mapping", slot_mapping, 1, "[T_kv]")
-    check.dtype("slot_mapping", slot_mapping, INDEX_DTYPES)
-    if slot_mapping.shape[0] != t_kv:
-        check.fail("slot_mapping", f"must have T_kv = {t_kv} entries", f"shape {slot_mapping.shape}")
-    check.rank("positions", positions, 1, "[T]")
-    check.dtype("positions", positions, INDEX_DTYPES)
-    if positions.shape[0] != t:
-        check.fail("positions", f"must have T = {t} entries", f"shape {positions.shape}")
+    check.index_vector("slot_mapping", slot_mapping, t_kv, "T_kv")
+    check.index_vector("positions", positions, t, "T")
     if offsets is not None:
-        check.rank("offsets", offsets, 1, "[T]")
-        check.dtype("offsets", offsets, INDEX_DTYPES)
-        if offsets.shape[0] != t:
-            check.fail("offsets", f"must have T = {t} entries", f"shape {offsets.shape}")
-    check.rank("cos_sin", cos_sin, 2, "[max_position, 2*F]")
-    check.dtype("cos_sin", cos_sin, tuple(dict.fromkeys((q.dtype, "float32"))))
+        check.index_vector("offsets", offsets, t, "T")
+    check.array("cos_sin", cos_sin, 2, "[max_position, 2*F]", tuple(dict.fromkeys((q.dtype, "float32"))))
     width = cos_sin.shape[1]
     if width not in (d, 2 * d):
         check.fail("cos_sin", f"must have width 2*F with F = D/2 or D, i.e. {d} or {2 * d}", f"shape {cos_sin.shape}")
@@ -343,29 +341,20 @@ def plan_rope_reshape_and_cache(
         if info is not None:
             check.scalar_array(name, info)
     if swa_slot_mapping is not None:
-        check.rank("swa_slot_mapping", swa_slot_mapping, 1, "[num_swa_slots]")
-        check.dtype("swa_slot_mapping", swa_slot_mapping, INDEX_DTYPES)
+        check.index_vector("swa_slot_mapping", swa_slot_mapping, None, "num_swa_slots")
 
     layout, page, pages, key_terms, value_terms = _cache_geometry(check, key_cache, value_cache, kh, d)
     cache_dtypes = (k.dtype, FP8_DTYPE)
     check.dtype("key_cache", key_cache, cache_dtypes)
-    if value_cache.dtype != key_cache.dtype:
-        check.fail("value_cache", f"must have key_cache's dtype {key_cache.dtype}", value_cache.dtype)
-    arrays = dict(q=q, k=k, v=v, key_cache=key_cache, value_cache=value_cache,
-                  slot_mapping=slot_mapping, positions=positions, cos_sin=cos_sin,
-                  k_scale=k_scale, v_scale=v_scale, offsets=offsets,
-                  swa_slot_mapping=swa_slot_mapping)
-    for name, info in arrays.items():
-        if info is not None:
-            check.last_dim_contiguous(name, info)
+    check.same_dtype("value_cache", value_cache, "key_cache", key_cache)
 
     q_out = Buffer("q_out", (t, qh, d), q.dtype)
     k_out = Buffer("k_out", (t_kv, kh, d), k.dtype)
     zeros = Buffer("zeros", (t, qh, d) if return_zeros else (1,), q.dtype)
-    block_h = min(triton.next_power_of_2(max(qh, 1)), max(1, TILE_ELEMENTS // d))  # QH = 0: no query blocks
-    num_q_blocks = triton.cdiv(qh, block_h)
-    qo_st, qo_sh, _ = q_out.info.strides
-    ko_st, ko_sh, _ = k_out.info.strides
+    block_h = min(triton.next_power_of_2(max(qh, 1)), max(1, tuning.tile_elements // d))  # QH = 0: no query tiles
+    num_q_tiles = triton.cdiv(qh, block_h)
+    qo_sr, qo_sh, _ = q_out.info.strides
+    ko_sr, ko_sh, _ = k_out.info.strides
     inputs = (
         "q", "k", "v", "key_cache", "value_cache", "slot_mapping", "positions",
         # Absent optional inputs get a stand-in pointer their constexpr never reads.
@@ -377,15 +366,18 @@ def plan_rope_reshape_and_cache(
     )
     launch = Launch(
         kernel=rope_cache_kernel,
-        grid=(t_kv, num_q_blocks + 1),
+        grid=(t_kv, num_q_tiles + 1),
         inputs=inputs,
         outputs=("q_out", "k_out", "key_cache", "value_cache", "zeros"),
         scalars=dict(
             T=t, max_position=cos_sin.shape[0], num_slots=pages * page,
             swa_len=swa_slot_mapping.shape[0] if swa_slot_mapping is not None else 0,
-            q_st=q.strides[0], q_sh=q.strides[1], k_st=k.strides[0], k_sh=k.strides[1],
-            v_st=v.strides[0], v_sh=v.strides[1], cs_st=cos_sin.strides[0],
-            qo_st=qo_st, qo_sh=qo_sh, ko_st=ko_st, ko_sh=ko_sh,
+            q_sr=q.strides[0], q_sh=q.strides[1], k_sr=k.strides[0], k_sh=k.strides[1],
+            v_sr=v.strides[0], v_sh=v.strides[1], cs_sr=cos_sin.strides[0],
+            # 1 for a public call (positions is contiguous); the composed step
+            # reads a column of its own [T, 3] buffer (kernels/step.py).
+            pos_sr=positions.strides[0] if positions.shape[0] > 1 else 1,
+            qo_sr=qo_sr, qo_sh=qo_sh, ko_sr=ko_sr, ko_sh=ko_sh,
             kc_sb=key_terms[0], kc_sh=key_terms[1], kc_sd1=key_terms[2],
             kc_sd2=key_terms[3], kc_sp1=key_terms[4], kc_sp2=key_terms[5],
             vc_sb=value_terms[0], vc_sh=value_terms[1], vc_sd1=value_terms[2],
@@ -393,14 +385,14 @@ def plan_rope_reshape_and_cache(
         ),
         constexprs=dict(
             D=d, F=width // 2, QH=qh, KH=kh, BLOCK_H=block_h,
-            BLOCK_KH=triton.next_power_of_2(kh), NUM_Q_BLOCKS=num_q_blocks,
-            PAGE=page, IS_NEOX=bool(is_neox), HAS_OFFSETS=offsets is not None,
+            BLOCK_KH=triton.next_power_of_2(kh), NUM_Q_TILES=num_q_tiles,
+            PAGE=page, IS_NEOX=is_neox, HAS_OFFSETS=offsets is not None,
             HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None,
-            HAS_SWA=swa_slot_mapping is not None, WRITE_ZEROS=bool(return_zeros),
+            HAS_SWA=swa_slot_mapping is not None, WRITE_ZEROS=return_zeros,
             SATURATE=key_cache.dtype == FP8_DTYPE,
             K_DX=key_terms[6], K_PX=key_terms[7], V_DX=value_terms[6], V_PX=value_terms[7],
         ),
-        num_warps=NUM_WARPS,
+        num_warps=tuning.num_warps,
         num_stages=1,
     )
     results = ("q_out", "k_out", "key_cache", "value_cache") + (("zeros",) if return_zeros else ())

@@ -17,9 +17,13 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from .launch import ArrayInfo, Buffer, Launch, Program, cached_plan
+from .launch import ArrayInfo, Buffer, Launch, Program
+from .memo import cached_plan
 from .rows import count_visible_blocks, row_request
-from .validate import FLOAT_DTYPES, INDEX_DTYPES, Checker
+from .validate import FINITE_POSITIVE_NUMBER, FLOAT_DTYPES, NONNEGATIVE_INT, POSITIVE_INT, Checker
+
+#: Options of the scorer's arguments (select_paged_tokens shares them).
+SCORING_OPTIONS = dict(compress_ratio=POSITIVE_INT)
 
 SCORES_DOC_ARGS = """\
     q: ``[R, H, D]`` bf16, fp16 or fp32 indexer queries.
@@ -65,7 +69,7 @@ def _dot(a, b, UPCAST: tl.constexpr):
 
 @triton.jit
 def _gather_keys(k_cache_ptr, page_table_ptr, request, request_ok, cols, limit,
-                 num_pages, table_width, kc_sb, kc_st, pt_sr,
+                 num_pages, table_width, kc_sb, kc_sp, pt_sr,
                  D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr):
     """Keys ``[BLOCK_N, BLOCK_D]`` of a request's columns below ``limit`` (0 elsewhere)."""
     dims = tl.arange(0, BLOCK_D)
@@ -74,7 +78,7 @@ def _gather_keys(k_cache_ptr, page_table_ptr, request, request_ok, cols, limit,
     page = tl.load(page_table_ptr + request * pt_sr + logical_page, mask=in_table, other=-1).to(tl.int64)
     present = in_table & (page >= 0) & (page < num_pages)
     # page * stride overflows int32 for large caches: page is int64.
-    keys = tl.load(k_cache_ptr + page[:, None] * kc_sb + (cols % PAGE)[:, None] * kc_st + dims[None, :],
+    keys = tl.load(k_cache_ptr + page[:, None] * kc_sb + (cols % PAGE)[:, None] * kc_sp + dims[None, :],
                    mask=present[:, None] & (dims[None, :] < D), other=0.0)
     return keys, present
 
@@ -83,7 +87,7 @@ def _gather_keys(k_cache_ptr, page_table_ptr, request, request_ok, cols, limit,
 def _score_row(q_ptr, k_cache_ptr, page_table_ptr, token_to_req_ptr, query_positions_ptr,
                sequence_lengths_ptr, logits_ptr, local_row, col_start,
                row_begin, num_columns, num_pages, num_requests, table_width,
-               q_sr, q_sh, kc_sb, kc_st, pt_sr, lg_sr, score_divisor,
+               q_sr, q_sh, kc_sb, kc_sp, pt_sr, lg_sr, score_divisor,
                HEADS: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                PAGE: tl.constexpr, RATIO: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
     """One row against a column tile: its heads padded to a dot of HEADS_P >= 16 rows."""
@@ -94,7 +98,7 @@ def _score_row(q_ptr, k_cache_ptr, page_table_ptr, token_to_req_ptr, query_posit
     scores = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     if request_ok & (col_start < visible):
         keys, present = _gather_keys(k_cache_ptr, page_table_ptr, request, request_ok, cols, visible,
-                                     num_pages, table_width, kc_sb, kc_st, pt_sr, D, BLOCK_D, PAGE)
+                                     num_pages, table_width, kc_sb, kc_sp, pt_sr, D, BLOCK_D, PAGE)
         heads = tl.arange(0, HEADS_P)
         dims = tl.arange(0, BLOCK_D)
         q = tl.load(q_ptr + row * q_sr + heads[:, None] * q_sh + dims[None, :],
@@ -108,12 +112,18 @@ def _score_row(q_ptr, k_cache_ptr, page_table_ptr, token_to_req_ptr, query_posit
 @triton.jit
 def scores_kernel(
     # inputs
-    q_ptr, k_cache_ptr, page_table_ptr, token_to_req_ptr, query_positions_ptr, sequence_lengths_ptr,
-    # outputs
-    logits_ptr, visible_ptr,
+    q_ptr,  # [R, H, D] bf16/fp16/fp32
+    k_cache_ptr,  # [num_pages, P, 1, D] bf16/fp16/fp32
+    page_table_ptr,  # [B, W] int32/int64
+    token_to_req_ptr,  # [R] int32/int64
+    query_positions_ptr,  # [R] int32/int64
+    sequence_lengths_ptr,  # [B] int32/int64
+    # outputs (rows local to the launch: row_begin + i is row i)
+    logits_ptr,  # [num_rows (or a chunk's rows), C] float32
+    visible_ptr,  # [num_rows] int32
     # sizes, strides, options
     row_begin, num_rows, num_columns, num_pages, num_requests, table_width,
-    q_sr, q_sh, kc_sb, kc_st, pt_sr, lg_sr, score_divisor,
+    q_sr, q_sh, kc_sb, kc_sp, pt_sr, lg_sr, score_divisor,
     # constexprs
     HEADS: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, RATIO: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -135,7 +145,7 @@ def scores_kernel(
         _score_row(q_ptr, k_cache_ptr, page_table_ptr, token_to_req_ptr, query_positions_ptr,
                    sequence_lengths_ptr, logits_ptr, first, col_start,
                    row_begin, num_columns, num_pages, num_requests, table_width,
-                   q_sr, q_sh, kc_sb, kc_st, pt_sr, lg_sr, score_divisor,
+                   q_sr, q_sh, kc_sb, kc_sp, pt_sr, lg_sr, score_divisor,
                    HEADS, HEADS_P, D, BLOCK_D, PAGE, RATIO, BLOCK_N, UPCAST)
     else:
         # A tile whose valid rows share one request (a prefill chunk) loads
@@ -146,7 +156,7 @@ def scores_kernel(
             limit = tl.max(tl.where(request_ok, visible, 0))
             total = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)
             keys, present = _gather_keys(k_cache_ptr, page_table_ptr, shared_request, shared_request >= 0,
-                                         cols, limit, num_pages, table_width, kc_sb, kc_st, pt_sr,
+                                         cols, limit, num_pages, table_width, kc_sb, kc_sp, pt_sr,
                                          D, BLOCK_D, PAGE)
             if col_start < limit:
                 keys_t = tl.trans(keys)
@@ -166,35 +176,28 @@ def scores_kernel(
                     _score_row(q_ptr, k_cache_ptr, page_table_ptr, token_to_req_ptr, query_positions_ptr,
                                sequence_lengths_ptr, logits_ptr, first + i, col_start,
                                row_begin, num_columns, num_pages, num_requests, table_width,
-                               q_sr, q_sh, kc_sb, kc_st, pt_sr, lg_sr, score_divisor,
+                               q_sr, q_sh, kc_sb, kc_sp, pt_sr, lg_sr, score_divisor,
                                HEADS, HEADS_P, D, BLOCK_D, PAGE, RATIO, BLOCK_N, UPCAST)
 
 
 def check_scoring(check: Checker, q, k_cache, page_table, token_to_req, query_positions,
-                  sequence_lengths, compress_ratio) -> None:
-    check.rank("q", q, 3, "[R, H, D]")
-    check.dtype("q", q, FLOAT_DTYPES)
+                  sequence_lengths) -> None:
+    """The scorer's arrays (``compress_ratio`` is an option: see SCORING_OPTIONS)."""
+    check.array("q", q, 3, "[R, H, D]", FLOAT_DTYPES)
     rows, heads, dim = q.shape
     if heads < 1 or dim < 1:
         check.fail("q", "must have at least one head and a head dim D >= 1", f"shape {q.shape}")
-    check.rank("k_cache", k_cache, 4, "[num_pages, P, 1, D]")
-    check.dtype("k_cache", k_cache, FLOAT_DTYPES)
+    check.array("k_cache", k_cache, 4, "[num_pages, P, 1, D]", FLOAT_DTYPES)
     if k_cache.shape[2] != 1:
         check.fail("k_cache", "must have one key head (dimension 2 of size 1)", f"shape {k_cache.shape}")
     if k_cache.shape[3] != dim:
         check.fail("k_cache", f"must have q's head dim D = {dim}", f"shape {k_cache.shape}")
     if k_cache.shape[1] < 1:
         check.fail("k_cache", "must have a page size P >= 1", f"shape {k_cache.shape}")
-    check.rank("page_table", page_table, 2, "[B, W]")
-    check.dtype("page_table", page_table, INDEX_DTYPES)
+    check.index_array("page_table", page_table, 2, "[B, W]")
     check.index_vector("token_to_req", token_to_req, rows, "R")
     check.index_vector("query_positions", query_positions, rows, "R")
     check.index_vector("sequence_lengths", sequence_lengths, page_table.shape[0], "B")
-    check.positive_int("compress_ratio", compress_ratio)
-    for name, info in (("q", q), ("k_cache", k_cache), ("page_table", page_table),
-                       ("token_to_req", token_to_req), ("query_positions", query_positions),
-                       ("sequence_lengths", sequence_lengths)):
-        check.last_dim_contiguous(name, info)
 
 
 def score_tiling(q: ArrayInfo, k_cache: ArrayInfo, page_table: ArrayInfo, num_columns: int):
@@ -233,7 +236,7 @@ def score_launches(q, k_cache, page_table, compress_ratio, num_columns, score_di
         scalars=dict(row_begin=first, num_rows=count, num_columns=num_columns, num_pages=pages,
                      num_requests=requests, table_width=table_width,
                      q_sr=q.strides[0], q_sh=q.strides[1], kc_sb=k_cache.strides[0],
-                     kc_st=k_cache.strides[1], pt_sr=page_table.strides[0], lg_sr=logits_stride,
+                     kc_sp=k_cache.strides[1], pt_sr=page_table.strides[0], lg_sr=logits_stride,
                      score_divisor=float(score_divisor)),
         constexprs=dict(HEADS=heads, HEADS_P=max(16, triton.next_power_of_2(heads)), D=dim,
                         BLOCK_D=max(16, triton.next_power_of_2(dim)), PAGE=page, RATIO=compress_ratio,
@@ -243,21 +246,19 @@ def score_launches(q, k_cache, page_table, compress_ratio, num_columns, score_di
     ) for first, count in row_ranges]
 
 
-@cached_plan
+@cached_plan(options=dict(SCORING_OPTIONS, num_columns=NONNEGATIVE_INT.or_none(),
+                          score_divisor=FINITE_POSITIVE_NUMBER.or_none()))
 def plan_mqa_paged_scores(q: ArrayInfo, k_cache: ArrayInfo, page_table: ArrayInfo,
                           token_to_req: ArrayInfo, query_positions: ArrayInfo,
-                          sequence_lengths: ArrayInfo, compress_ratio, num_columns=None,
-                          score_divisor=None) -> Program:
-    """Validate ``mqa_paged_scores`` arguments and describe its launch (see API.md)."""
+                          sequence_lengths: ArrayInfo, compress_ratio: int, num_columns: int | None = None,
+                          score_divisor: float | None = None) -> Program:
+    """Validate ``mqa_paged_scores`` arguments and describe its launch (see docs/api.md)."""
     check = Checker("mqa_paged_scores")
-    check_scoring(check, q, k_cache, page_table, token_to_req, query_positions, sequence_lengths,
-                  compress_ratio)
+    check_scoring(check, q, k_cache, page_table, token_to_req, query_positions, sequence_lengths)
     if num_columns is None:
         num_columns = page_table.shape[1] * k_cache.shape[1]
-    check.nonnegative_int("num_columns", num_columns)
     if score_divisor is None:
         score_divisor = math.sqrt(q.shape[2])
-    check.positive("score_divisor", score_divisor, "a positive number")
     rows = q.shape[0]
     logits = Buffer("logits", (rows, num_columns), "float32")
     visible = Buffer("visible_blocks", (rows,), "int32")

@@ -11,22 +11,21 @@ from __future__ import annotations
 
 import math
 
-from .expand import check_token_topk, expand_launches
-from .launch import ArrayInfo, Buffer, Program, cached_plan
-from .score import SCORES_DOC_ARGS, check_scoring, score_launches, score_tiling
+from .expand import EXPAND_OPTIONS, check_token_topk, expand_launches
+from .launch import ArrayInfo, Buffer, Program
+from .memo import cached_plan
+from .score import SCORES_DOC_ARGS, SCORING_OPTIONS, check_scoring, score_launches, score_tiling
 from .topk import topk_parts
+from .tuning import SelectTuning, TopkTuning
 from .validate import Checker
-
-# Logits of one select_paged_tokens chunk stay under this many bytes (rows
-# are processed in chunks).  Read when a plan is made, so tests can shrink it.
-LOGITS_WORKSPACE_BYTES = 128 * 1024 * 1024
 
 SELECT_DOC = f"""\
 Score, select the top blocks and expand them to tokens, in one call.
 
 ``expand_block_indices(topk_blocks(*mqa_paged_scores(...),
 token_topk // compress_ratio), ...)`` with the default score divisor, rows
-processed in chunks whose logits fit a fixed workspace (128 MiB), with no host
+processed in chunks whose logits fit a fixed workspace (128 MiB; see
+``qsa_kernels.tuning.SelectTuning``), with no host
 synchronisation.
 
 Args:
@@ -39,25 +38,26 @@ Returns:
 """
 
 
-@cached_plan
+@cached_plan(options=dict(SCORING_OPTIONS, **EXPAND_OPTIONS))
 def plan_select_paged_tokens(q: ArrayInfo, k_cache: ArrayInfo, page_table: ArrayInfo,
                              token_to_req: ArrayInfo, query_positions: ArrayInfo,
-                             sequence_lengths: ArrayInfo, token_topk, compress_ratio) -> Program:
-    """Validate ``select_paged_tokens`` arguments and describe its chunked launches (see API.md).
+                             sequence_lengths: ArrayInfo, token_topk: int, compress_ratio: int, *,
+                             tuning: SelectTuning | None = None,
+                             topk_tuning: TopkTuning | None = None) -> Program:
+    """Validate ``select_paged_tokens`` arguments and describe its chunked launches (see docs/api.md).
 
     Each chunk of rows is scored into one logits workspace, ranked and
     expanded into its rows of ``out``; later chunks reuse every workspace.
     """
     check = Checker("select_paged_tokens")
-    check_scoring(check, q, k_cache, page_table, token_to_req, query_positions, sequence_lengths,
-                  compress_ratio)
+    check_scoring(check, q, k_cache, page_table, token_to_req, query_positions, sequence_lengths)
     check_token_topk(check, token_topk, compress_ratio)
     rows = q.shape[0]
     columns = page_table.shape[1] * k_cache.shape[1]
     block_topk = token_topk // compress_ratio
     # Chunks are whole scorer row tiles, so chunking never changes a score.
     tile_rows, _, _ = score_tiling(q, k_cache, page_table, columns)
-    chunk = max(1, LOGITS_WORKSPACE_BYTES // (4 * max(columns, 1)) // tile_rows) * tile_rows
+    chunk = max(1, tuning.logits_workspace_bytes // (4 * max(columns, 1)) // tile_rows) * tile_rows
     chunk = min(chunk, rows)
     ranges = [(first, min(chunk, rows - first)) for first in range(0, rows, max(chunk, 1))]
     logits = Buffer("logits", (chunk, columns), "float32")
@@ -66,7 +66,7 @@ def plan_select_paged_tokens(q: ArrayInfo, k_cache: ArrayInfo, page_table: Array
     score = score_launches(q, k_cache, page_table, compress_ratio, columns, math.sqrt(q.shape[2]),
                            ranges, stride)
     topk_buffers, topk = topk_parts(chunk, columns, block_topk, stride, [n for _, n in ranges],
-                                    "logits", "visible_blocks", "blocks")
+                                    "logits", "visible_blocks", "blocks", topk_tuning)
     expand = expand_launches(block_topk, compress_ratio, max(block_topk, 1), out.shape[1],
                              page_table.shape[0], ranges, "blocks")
     per_chunk = len(topk) // max(len(ranges), 1)

@@ -1,10 +1,15 @@
 """The composed QSA attention step: the four stages, in the one order that keeps every cache right.
 
-Framework-neutral: it imports neither torch nor jax.  Each adapter binds a
-:class:`Backend` (its stage functions, its state/metadata containers and three
-array helpers) and calls :func:`attention_step`; slicing and attribute access
-read the same in both frameworks.  The step never looks at array values, so it
-is jit- and CUDA-graph-safe whenever the stages are.
+Framework-neutral: it imports neither torch nor jax.  The step is one plan,
+:func:`plan_qsa_attention_step`, over the flat arrays of a call (the state's
+and the metadata's fields among them): it plans every stage with ArrayInfos
+derived for the intermediates and composes their launches into one
+:class:`~qsa_kernels.launch.Program`, so every stage is validated before the
+first launch and a call that raises leaves every cache as it was.  The
+adapters only check their containers' types, flatten them
+(:func:`state_arguments`), run the plan like any stage's and rebuild the
+state (:func:`step_results`).  The step never looks at array values, so it is
+jit- and CUDA-graph-safe.
 
 Order within a step (every write lands before the read that needs it):
 
@@ -23,15 +28,21 @@ Order within a step (every write lands before the read that needs it):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple
+import re
+from typing import Any
 
 import numpy as np
 
+from .attention import plan_sparse_paged_attention
+from .compress import plan_compress_groups, plan_store_cache_rows
+from .launch import ArrayInfo, Buffer, Launch, Program, cached_plan
 from .paging import METADATA_FIELDS, STATE_FIELDS
-from .validate import Checker
+from .rope_cache import plan_rope_reshape_and_cache
+from .select import plan_select_paged_tokens
+from .validate import BOOL, FINITE_NUMBER, POSITIVE_INT, Checker
 
-__all__ = ["Backend", "attention_step", "STEP_DOC", "STATE_DOC", "METADATA_DOC",
-           "METADATA_FIELDS", "STATE_FIELDS"]
+__all__ = ["plan_qsa_attention_step", "state_arguments", "step_results", "STEP_DOC", "STATE_DOC",
+           "METADATA_DOC", "METADATA_FIELDS", "STATE_FIELDS", "STEP_ARRAYS", "LABELS"]
 
 FUNCTION = "qsa_attention_step"
 
@@ -63,7 +74,9 @@ Args:
         ``qsa_kernels.paging.PagedRequests.step``).
     cos_sin: ``[max_position, 2*F]`` RoPE table of the attention heads (see
         ``rope_reshape_and_cache``).
-    index_cos_sin: ``[max_position, 2*FI]`` RoPE table of the indexer heads.
+    index_cos_sin: ``[max_position_i, 2*FI]`` RoPE table of the indexer heads,
+        ``max_position_i >= max_position`` (cos_sin's rows).  A position past
+        cos_sin gives a NaN ``out`` row and writes no K/V (stage 1's signal).
     compress_ratio: tokens per compressed group; the ring holds at least that
         many slots.
     token_topk: tokens selected per row (a multiple of compress_ratio), plus
@@ -156,7 +169,11 @@ class MetadataFields:
 
     @classmethod
     def from_host(cls, host, device=None):
-        """The arrays of a :class:`qsa_kernels.paging.HostStepMetadata`, on ``device``."""
+        """Copies of the arrays of a :class:`qsa_kernels.paging.HostStepMetadata`, on ``device``.
+
+        Always copies (never aliases the host arrays, even on the CPU): the
+        pager updates a decode batch's tables in place at its next step.
+        """
         return cls(**{name: cls._to_device(np.asarray(getattr(host, name)), device) for name in METADATA_FIELDS})
 
 
@@ -164,47 +181,260 @@ assert tuple(f.name for f in dataclasses.fields(StateFields)) == STATE_FIELDS
 assert tuple(f.name for f in dataclasses.fields(MetadataFields)) == METADATA_FIELDS
 
 
-class Backend(NamedTuple):
-    """What an adapter binds for :func:`attention_step`."""
+# ---------------------------------------------------------------------------
+# The step as one plan
+# ---------------------------------------------------------------------------
 
-    rope_reshape_and_cache: Callable
-    compress_groups: Callable
-    store_cache_rows: Callable
-    select_paged_tokens: Callable
-    sparse_paged_attention: Callable
-    state_type: type
-    metadata_type: type
-    check_arrays: Callable[[str, dict], Any]  # the adapter's type and device checks, naming the argument
-    full_like: Callable[[Any, int], Any]  # an array like x, filled with a value
-    zeros_like: Callable[[Any], Any]
-    contiguous: Callable[[Any], Any]  # torch views -> contiguous tensors; identity in JAX
+#: The plan's array arguments: the step's own, then the state's and the
+#: metadata's fields (flattened: the adapters pass them by field name).
+STEP_ARRAYS = ("q", "k", "v", "index_q", "index_k") + STATE_FIELDS + METADATA_FIELDS + ("cos_sin", "index_cos_sin")
+#: How errors name each array argument: as the caller wrote it.
+LABELS = {**{name: name for name in STEP_ARRAYS},
+          **{name: f"state.{name}" for name in STATE_FIELDS},
+          **{name: f"metadata.{name}" for name in METADATA_FIELDS}}
+
+class _Composer:
+    """Plans the stages one after another and concatenates their launches into one Program.
+
+    Every stage's buffers are renamed ``<stage>.<buffer>`` so names never
+    clash; its arguments are renamed to what they are bound to (a step
+    argument, updated in place where the stage updates it, or an earlier
+    stage's buffer).  A stage's validation error is re-raised naming the
+    step and the step argument its argument is bound to.
+    """
+
+    def __init__(self, arrays: dict[str, ArrayInfo]):
+        self.infos = dict(arrays)  # every name bound so far: arguments and buffers
+        self.buffers: list[Buffer] = []
+        self.launches: list[Launch] = []
+
+    def info(self, name: str) -> ArrayInfo:
+        return self.infos[name]
+
+    def stage(self, tag: str, plan, bindings: dict[str, str], options: dict, *,
+              infos: dict[str, ArrayInfo] | None = None, labels: dict[str, str] | None = None,
+              scalars: dict[str, int] | None = None) -> dict[str, str]:
+        """Plan one stage; returns its results' names in the composed program.
+
+        ``bindings``: stage argument -> bound name; ``infos`` overrides the
+        ArrayInfo a stage argument is planned with (a view of the bound
+        array); ``labels`` names arguments bound to intermediates in errors;
+        ``scalars`` overrides launch scalars the stage derives from such a view.
+        """
+        infos = infos or {}
+        arrays = {arg: infos.get(arg, self.infos[name]) for arg, name in bindings.items()}
+        try:
+            program = plan(**arrays, **options)
+        except (ValueError, TypeError) as error:
+            if not str(error).startswith(f"{plan.function}: "):
+                raise
+            names = {arg: (labels or {}).get(arg, LABELS.get(name, name)) for arg, name in bindings.items()}
+            names.update({option: option for option in options})
+            raise type(error)(_relabel(str(error), plan.function, names)) from None
+        renamed = dict(bindings)
+        for buffer in program.buffers:
+            renamed[buffer.name] = f"{tag}.{buffer.name}"
+            self.buffers.append(dataclasses.replace(buffer, name=renamed[buffer.name]))
+            self.infos[renamed[buffer.name]] = buffer.info
+        for launch in program.launches:
+            self.launches.append(dataclasses.replace(
+                launch, inputs=tuple(renamed[n] for n in launch.inputs),
+                outputs=tuple(renamed[n] for n in launch.outputs),
+                scalars={**launch.scalars, **{k: v for k, v in (scalars or {}).items() if k in launch.scalars}}))
+        return {name: renamed[name] for name in program.results}
+
+    def program(self, results: tuple[str, ...]) -> Program:
+        return Program(FUNCTION, tuple(self.buffers), tuple(self.launches), results)
 
 
-def _check(backend: Backend, q, k, v, index_q, index_k, state, metadata, cos_sin, index_cos_sin,
-           compress_ratio, token_topk) -> None:
-    """The step's own checks; each stage then validates its arguments (shapes, dtypes, layouts)."""
-    for name, value, expected in (("state", state, backend.state_type), ("metadata", metadata, backend.metadata_type)):
-        if not isinstance(value, expected):
-            raise TypeError(f"{FUNCTION}: {name} must be a {_type_name(expected)}, got {_type_name(type(value))}")
-    arrays = dict(q=q, k=k, v=v, index_q=index_q, index_k=index_k, cos_sin=cos_sin, index_cos_sin=index_cos_sin)
-    arrays.update({f"state.{name}": getattr(state, name) for name in STATE_FIELDS})
-    arrays.update({f"metadata.{name}": getattr(metadata, name) for name in METADATA_FIELDS})
-    backend.check_arrays(FUNCTION, arrays)
-    check = Checker(FUNCTION)
-    for name, value in (("compress_ratio", compress_ratio), ("token_topk", token_topk)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            check.fail(name, "must be a positive int", repr(value))
+def _relabel(message: str, function: str, names: dict[str, str]) -> str:
+    """A stage's ``"<stage>: <arg> ..."`` message as the step's ``"qsa_attention_step: <label> ..."``.
+
+    Other stage arguments the message mentions (``must have q's dtype``) are
+    renamed too; the ``got ...`` part is left as it is.
+    """
+    body = message.removeprefix(f"{function}: ")
+    expected, got = (body.rsplit(", got ", 1) + [None])[:2] if ", got " in body else (body, None)
+    pattern = re.compile(r"(?<![\w.])(" + "|".join(sorted(map(re.escape, names), key=len, reverse=True))
+                         + r")(?!\w)('(?!s))?")
+
+    def rename(match):  # "raw_keys' dtype" -> "index_k's dtype"
+        label = names[match.group(1)]
+        return label + ("" if not match.group(2) else "'" if label.endswith("s") else "'s")
+
+    expected = pattern.sub(rename, expected)
+    return f"{FUNCTION}: {expected}" + ("" if got is None else f", got {got}")
+
+
+def _check_step(check: Checker, arrays: dict[str, ArrayInfo | None], compress_ratio, token_topk,
+                return_token_indices) -> None:
+    """The step's own checks: what no single stage can see."""
+    # compress_ratio, token_topk and return_token_indices are typed by cached_plan.
     if token_topk % compress_ratio:
         check.fail("token_topk", f"must be a multiple of compress_ratio = {compress_ratio}", token_topk)
-    rows = metadata.positions.shape[0]
+    positions = arrays["positions"]
+    rows = positions.shape[0] if positions.ndim else 0
     if rows < 1:
-        check.fail("metadata", "must describe at least one row", f"positions of shape {tuple(metadata.positions.shape)}")
-    for name, array in (("q", q), ("k", k), ("v", v), ("index_q", index_q), ("index_k", index_k)):
-        if len(array.shape) != 3 or array.shape[0] != rows:
+        check.fail("metadata", "must describe at least one row", f"positions of shape {positions.shape}")
+    for name in ("q", "k", "v", "index_q", "index_k"):
+        info = arrays[name]
+        if info.ndim != 3 or info.shape[0] != rows:
             check.fail(name, f"must be [T, heads, dim] with T = {rows} rows like metadata.positions",
-                       f"shape {tuple(array.shape)}")
-    if index_k.shape[1] != 1:
-        check.fail("index_k", "must have one head ([T, 1, DI])", f"shape {tuple(index_k.shape)}")
+                       f"shape {info.shape}")
+    if arrays["index_k"].shape[1] != 1:
+        check.fail("index_k", "must have one head ([T, 1, DI])", f"shape {arrays['index_k'].shape}")
+    if arrays["index_k"].dtype != arrays["index_q"].dtype:
+        check.fail("index_k", f"must have index_q's dtype {arrays['index_q'].dtype}", arrays["index_k"].dtype)
+    _check_compressed_table_width(check, arrays, compress_ratio)
+    # A position past cos_sin gives NaN q rows and so NaN out rows (stage 1's
+    # documented signal).  One past index_cos_sin alone would give NaN index
+    # queries and pooled keys, which top-k ranks last: a wrong selection that
+    # no output shows.  So index_cos_sin covers every position cos_sin does.
+    cos_sin, index_cos_sin = arrays["cos_sin"], arrays["index_cos_sin"]
+    if cos_sin.ndim == 2 and index_cos_sin.ndim == 2 and index_cos_sin.shape[0] < cos_sin.shape[0]:
+        check.fail("index_cos_sin", f"must have at least cos_sin's {cos_sin.shape[0]} rows (positions): a position "
+                   "past it alone would give NaN index keys that no output shows", f"shape {index_cos_sin.shape}")
+
+
+def _check_compressed_table_width(check: Checker, arrays: dict[str, ArrayInfo], compress_ratio: int) -> None:
+    """``compressed_block_table`` must hold every group the KV ``block_table`` can hold.
+
+    A narrower table silently drops the last groups of a long request.  The
+    KV table's ``W`` pages of ``P`` say ``max_context > (W - 1) * P``; the
+    least such context needs ``ceil(groups / Pc)`` compressed pages
+    (:attr:`CacheGeometry.compressed_table_width`), so every geometry passes.
+    """
+    table, compressed_table = arrays["block_table"], arrays["compressed_block_table"]
+    key_cache, compressed_cache = arrays["key_cache"], arrays["compressed_key_cache"]
+    if table.ndim != 2 or compressed_table.ndim != 2 or key_cache.ndim < 2 or compressed_cache.ndim < 2:
+        return  # the stages name the rank error
+    page, compressed_page = key_cache.shape[1], compressed_cache.shape[1]
+    if page < 1 or compressed_page < 1:
+        return
+    least_context = (table.shape[1] - 1) * page + 1
+    needed = max(1, -(-(least_context // compress_ratio) // compressed_page))
+    if compressed_table.shape[1] < needed:
+        check.fail("metadata.compressed_block_table",
+                   f"must have at least {needed} columns: the groups of compress_ratio = {compress_ratio} "
+                   f"tokens that metadata.block_table's {table.shape[1]} pages of {page} tokens hold, "
+                   f"in compressed pages of {compressed_page}", f"shape {compressed_table.shape}")
+
+
+@cached_plan(options=dict(compress_ratio=POSITIVE_INT, token_topk=POSITIVE_INT, is_neox=BOOL,
+                          softmax_scale=FINITE_NUMBER.or_none(), return_token_indices=BOOL))
+def plan_qsa_attention_step(
+    q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, index_q: ArrayInfo, index_k: ArrayInfo,
+    key_cache: ArrayInfo, value_cache: ArrayInfo, compressor_state_cache: ArrayInfo,
+    compressed_key_cache: ArrayInfo,
+    slot_mapping: ArrayInfo, positions: ArrayInfo, raw_positions: ArrayInfo, token_to_req: ArrayInfo,
+    query_start_loc: ArrayInfo, sequence_lengths: ArrayInfo, block_table: ArrayInfo,
+    compressed_block_table: ArrayInfo, compressed_slots: ArrayInfo,
+    compressor_state_block_table: ArrayInfo, compressor_state_slots: ArrayInfo,
+    cos_sin: ArrayInfo, index_cos_sin: ArrayInfo,
+    *, compress_ratio: int, token_topk: int, is_neox: bool = True, softmax_scale=None,
+    return_token_indices: bool = False,
+) -> Program:
+    """Validate every stage of the step and compose their launches into one Program.
+
+    Nothing is launched before every stage is planned, so a call that raises
+    leaves every cache as it was.  Results: ``out``, the four caches (updated
+    in place) and, with ``return_token_indices``, ``token_indices``.
+    """
+    arrays = {name: value for name, value in locals().items() if name in STEP_ARRAYS}
+    check = Checker(FUNCTION)
+    _check_step(check, arrays, compress_ratio, token_topk, return_token_indices)
+    step = _Composer(arrays)
+    rows, _, index_dim = index_k.shape
+
+    # 1. RoPE + KV cache.
+    rope = step.stage("rope", plan_rope_reshape_and_cache, dict(
+        q="q", k="k", v="v", key_cache="key_cache", value_cache="value_cache",
+        slot_mapping="slot_mapping", positions="positions", cos_sin="cos_sin"), dict(is_neox=is_neox))
+
+    # 2. Pool first, then overwrite the ring with this step's raw keys.
+    compress = step.stage("compress", plan_compress_groups, dict(
+        raw_keys="index_k", raw_positions="raw_positions", compressor_state_cache="compressor_state_cache",
+        compressor_state_block_table="compressor_state_block_table", token_to_req="token_to_req",
+        query_start_loc="query_start_loc", logical_positions="positions",
+        compressed_slots="compressed_slots"), dict(compress_ratio=compress_ratio))
+    step.stage("ring", plan_store_cache_rows, dict(
+        cache="compressor_state_cache", slot_mapping="compressor_state_slots", rows="index_k"), {})
+    # The pooled keys get RoPE at their group's first position: column 0 of
+    # compress_groups' [T, 3] first_positions, read in place (stride 3).
+    first_positions = compress["first_positions"]
+    pooled = _rotate(step, "rotate_pooled", compress["pooled"], first_positions, is_neox,
+                     labels=dict(q="index_k", positions="metadata.raw_positions"),
+                     positions_stride=step.info(first_positions).strides[0])
+    step.stage("compressed", plan_store_cache_rows, dict(
+        cache="compressed_key_cache", slot_mapping="compressed_slots", rows=pooled), {},
+        labels=dict(rows="index_k"))
+
+    # 3. Selection over the compressed keys, this step's groups included.
+    rotated_index_q = _rotate(step, "rotate_index_q", "index_q", "positions", is_neox)
+    select = step.stage("select", plan_select_paged_tokens, dict(
+        q=rotated_index_q, k_cache="compressed_key_cache", page_table="compressed_block_table",
+        token_to_req="token_to_req", query_positions="positions", sequence_lengths="sequence_lengths"),
+        dict(token_topk=token_topk, compress_ratio=compress_ratio), labels=dict(q="index_q"))
+
+    # 4. Attention over the selected tokens (this step's K/V included).
+    attention = step.stage("attention", plan_sparse_paged_attention, dict(
+        q=rope["q_out"], k_cache="key_cache", v_cache="value_cache", token_indices=select["out"],
+        block_table="block_table", token_to_req="token_to_req"), dict(softmax_scale=softmax_scale),
+        labels=dict(q="q", token_indices="token_topk"))
+
+    results = (attention["out"],) + STATE_FIELDS + ((select["out"],) if return_token_indices else ())
+    return step.program(results)
+
+
+def _rotate(step: _Composer, tag: str, x: str, positions: str, is_neox: bool, *,
+            labels: dict[str, str] | None = None, positions_stride: int = 1) -> str:
+    """RoPE on ``x [R, H, DI]`` by ``index_cos_sin``: stage 1 with caches no slot reaches.
+
+    Stage 1 also rotates k rows (here: head 0 of x, a view) and writes them to
+    a cache; the caches here are buffers of zero pages, so every slot is out
+    of range and nothing is written.  Returns the name of the rotated x.
+    """
+    info = step.info(x)
+    rows, _, dim = info.shape
+    scratch = Buffer(f"{tag}.no_cache", (0, 1, 1, dim), info.dtype)
+    step.buffers.append(scratch)
+    step.infos[scratch.name] = scratch.info
+    head = ArrayInfo((rows, 1, dim), info.dtype, info.strides)
+    positions_info = step.info(positions)
+    contiguous_positions = ArrayInfo.contiguous((rows,), positions_info.dtype)
+    labels = labels or {}
+    label = labels.get("q", LABELS.get(x, x))
+    labels = {**dict(q=label, k=label, v=label, cos_sin="index_cos_sin",
+                     key_cache="index_k", value_cache="index_k", slot_mapping="metadata.slot_mapping"),
+              **labels}
+    results = step.stage(tag, plan_rope_reshape_and_cache, dict(
+        q=x, k=x, v=x, key_cache=scratch.name, value_cache=scratch.name, slot_mapping="slot_mapping",
+        positions=positions, cos_sin="index_cos_sin"), dict(is_neox=is_neox),
+        infos=dict(k=head, v=head, positions=contiguous_positions if positions_stride != 1 else positions_info),
+        labels=labels, scalars=dict(pos_sr=positions_stride) if positions_stride != 1 else None)
+    return results["q_out"]
+
+
+def state_arguments(function_arguments: dict, state_type: type, metadata_type: type) -> dict:
+    """A step call's arguments by name, state and metadata flattened into their fields.
+
+    Checks the containers' types (the adapters' ``QSAState`` and ``StepMetadata``).
+    """
+    arguments = dict(function_arguments)
+    state, metadata = arguments.pop("state"), arguments.pop("metadata")
+    for name, value, expected in (("state", state, state_type), ("metadata", metadata, metadata_type)):
+        if not isinstance(value, expected):
+            raise TypeError(f"{FUNCTION}: {name} must be a {_type_name(expected)}, got {_type_name(type(value))}")
+    arguments.update({name: getattr(state, name) for name in STATE_FIELDS})
+    arguments.update({name: getattr(metadata, name) for name in METADATA_FIELDS})
+    return arguments
+
+
+def step_results(results: tuple, state, return_token_indices: bool):
+    """``(out, state[, token_indices])`` from the plan's results."""
+    out, *caches = results[:1 + len(STATE_FIELDS)]
+    state = dataclasses.replace(state, **dict(zip(STATE_FIELDS, caches)))
+    return (out, state, results[-1]) if return_token_indices else (out, state)
 
 
 def _type_name(cls: type) -> str:
@@ -213,50 +443,4 @@ def _type_name(cls: type) -> str:
     return cls.__name__ if package == "builtins" else f"{package}.{cls.__name__}"
 
 
-def _rotate(backend: Backend, x, positions, cos_sin, is_neox: bool):
-    """RoPE on ``x [R, H, D]`` at ``positions``: stage 1 with every slot -1, so no cache is touched.
-
-    Stage 1 rotates k rows too and writes them to a cache; here k is one
-    head of x and the caches are one-slot scratch arrays that no slot reaches.
-    """
-    head = x[:, :1]
-    scratch_k = backend.zeros_like(x[None, :1, :1])
-    scratch_v = backend.zeros_like(x[None, :1, :1])
-    no_slots = backend.full_like(positions, -1)
-    rotated, *_ = backend.rope_reshape_and_cache(x, head, head, scratch_k, scratch_v, no_slots,
-                                                 positions, cos_sin, is_neox=is_neox)
-    return rotated
-
-
-def attention_step(backend: Backend, q, k, v, index_q, index_k, state, metadata, cos_sin, index_cos_sin, *,
-                   compress_ratio: int, token_topk: int, is_neox: bool = True, softmax_scale=None,
-                   return_token_indices: bool = False):
-    """The step of ``STEP_DOC`` over the adapter's ``backend``."""
-    _check(backend, q, k, v, index_q, index_k, state, metadata, cos_sin, index_cos_sin, compress_ratio, token_topk)
-    m = metadata
-
-    # 1. RoPE + KV cache.
-    q, _, key_cache, value_cache = backend.rope_reshape_and_cache(
-        q, k, v, state.key_cache, state.value_cache, m.slot_mapping, m.positions, cos_sin, is_neox=is_neox)
-
-    # 2. Pool first, then overwrite the ring with this step's raw keys.
-    pooled, first_positions = backend.compress_groups(
-        index_k, m.raw_positions, state.compressor_state_cache, m.compressor_state_block_table,
-        m.token_to_req, m.query_start_loc, m.positions, m.compressed_slots, compress_ratio)
-    ring = backend.store_cache_rows(state.compressor_state_cache, m.compressor_state_slots, index_k)
-    pooled = _rotate(backend, pooled, backend.contiguous(first_positions[:, 0]), index_cos_sin, is_neox)
-    compressed = backend.store_cache_rows(state.compressed_key_cache, m.compressed_slots, pooled)
-
-    # 3. Selection over the compressed keys, this step's groups included.
-    index_q = _rotate(backend, index_q, m.positions, index_cos_sin, is_neox)
-    token_indices = backend.select_paged_tokens(
-        index_q, compressed, m.compressed_block_table, m.token_to_req, m.positions, m.sequence_lengths,
-        token_topk, compress_ratio)
-
-    # 4. Attention over the selected tokens (this step's K/V included).
-    out = backend.sparse_paged_attention(q, key_cache, value_cache, token_indices, m.block_table,
-                                         m.token_to_req, softmax_scale)
-
-    state = dataclasses.replace(state, key_cache=key_cache, value_cache=value_cache,
-                                compressor_state_cache=ring, compressed_key_cache=compressed)
-    return (out, state, token_indices) if return_token_indices else (out, state)
+plan_qsa_attention_step.labels = LABELS

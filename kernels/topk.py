@@ -5,13 +5,13 @@ An exact radix select on order-preserving uint32 keys
 chooses from the static shape (:func:`topk_path`):
 
 **Row path** (one launch, one program per row; rows up to
-``TOPK_ROW_MAX_COLUMNS`` wide, or any width once there are
-``TOPK_ROW_MIN_ROWS`` rows to fill the GPU).  The program streams its row
-in tiles (L2-resident after the first pass):
+``TopkTuning.row_max_columns`` wide, or any width once there are
+``TopkTuning.row_min_rows`` rows to fill the GPU).  The program streams its
+row in tiles (L2-resident after the first pass):
 
 1. group maxima of G >= 2k strided groups, kept in registers, and a bound
    ``L`` <= the k-th largest key: the k-th largest group maximum truncated
-   to its top ``8 * TOPK_BOUND_PASSES`` bits (still a lower bound, and
+   to its top ``radix_bits * bound_passes`` bits (still a lower bound, and
    cheaper than the exact maximum);
 2. one pass compacts the columns of the keys >= ``L`` (typically ~1.4k of
    them) into a per-row candidate buffer in column order; a block barrier
@@ -54,36 +54,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .launch import ArrayInfo, Buffer, Launch, Program, cached_plan
-from .validate import FLOAT_DTYPES, Checker
-
-# Columns a sliced-path program handles per step (raised to G where needed).
-TOPK_TILE = 4096
-# Top-k candidate buffer per row: at least this many, or 4k.
-TOPK_MIN_CANDIDATES = 4096
-# Enough (row, slice) programs to fill an H200 (132 SMs) about twice.
-TOPK_TARGET_PROGRAMS = 256
-TOPK_MAX_SLICES = 64
-TOPK_MAX_GROUPS = 4096
-RADIX_BITS = 8
-# Top-k path: "auto" (by shape, see topk_path), "row" or "sliced" (forced;
-# benchmarks compare them).
-TOPK_PATH = "auto"
-# One program per row for rows at most this wide, or for any width once
-# there are this many rows (enough programs to fill an H200 without slicing).
-TOPK_ROW_MAX_COLUMNS = 65536
-TOPK_ROW_MIN_ROWS = 32
-# A row program's warps, and the keys each of its threads handles per step:
-# of the group maxima (a load and a max), and of the other passes (prefix
-# sums and scattered stores: ~7 registers a key on sm_90).  From
-# TOPK_ROW_MANY_ROWS rows on, warps and the other passes' keys are halved,
-# so that several programs share an SM.
-TOPK_ROW_WARPS = 16
-TOPK_ROW_MANY_ROWS = 264
-TOPK_ROW_GROUP_KEYS_PER_THREAD = 32
-TOPK_ROW_KEYS_PER_THREAD = 16
-# Radix passes (of RADIX_BITS) of the row path's group-maximum bound.
-TOPK_BOUND_PASSES = 2
+from .launch import ArrayInfo, Buffer, Launch, Program
+from .memo import cached_plan
+from .tuning import TopkTuning
+from .validate import FLOAT_DTYPES, NONNEGATIVE_INT, Checker
 
 TOPK_DOC = """\
 Exact top-k blocks of each row, in ascending column order.
@@ -284,8 +258,9 @@ def _slice_counts(counts_ptr, row, slice_id, slices, MAX_SLICES: tl.constexpr):
 
 @triton.jit
 def topk_group_max_kernel(
-    logits_ptr, visible_ptr,
-    maxima_ptr,
+    logits_ptr,  # [rows, C] float32/bf16/fp16 (row stride lg_sr)
+    visible_ptr,  # [rows] int32/int64
+    maxima_ptr,  # [rows, slices, GROUPS] int32 (order keys as bits)
     num_columns, lg_sr, slices, tiles_per_slice,
     GROUPS: tl.constexpr, TILE: tl.constexpr,
 ):
@@ -308,8 +283,11 @@ def topk_group_max_kernel(
 
 @triton.jit
 def topk_bound_kernel(
-    logits_ptr, visible_ptr, maxima_ptr,
-    bound_ptr, counts_ptr,
+    logits_ptr,  # [rows, C] float32/bf16/fp16 (row stride lg_sr)
+    visible_ptr,  # [rows] int32/int64
+    maxima_ptr,  # [rows, slices, GROUPS] int32
+    bound_ptr,  # [rows] int32: the bound L (order key bits)
+    counts_ptr,  # [rows, 2, slices] int32: keys > L, keys == L per slice
     num_columns, lg_sr, slices, tiles_per_slice,
     K: tl.constexpr, GROUPS: tl.constexpr, TILE: tl.constexpr, BITS: tl.constexpr,
 ):
@@ -344,8 +322,13 @@ def topk_bound_kernel(
 
 @triton.jit
 def topk_place_kernel(
-    logits_ptr, visible_ptr, bound_ptr, counts_ptr,
-    out_ptr, cand_key_ptr, cand_col_ptr,
+    logits_ptr,  # [rows, C] float32/bf16/fp16 (row stride lg_sr)
+    visible_ptr,  # [rows] int32/int64
+    bound_ptr,  # [rows] int32
+    counts_ptr,  # [rows, 2, slices] int32
+    out_ptr,  # [rows, K] int32: selected columns
+    cand_key_ptr,  # [rows, capacity] int32: candidate order keys
+    cand_col_ptr,  # [rows, capacity] int32: candidate columns
     num_columns, lg_sr, slices, tiles_per_slice, capacity,
     K: tl.constexpr, TILE: tl.constexpr, MAX_SLICES: tl.constexpr,
 ):
@@ -370,8 +353,13 @@ def topk_place_kernel(
 
 @triton.jit
 def topk_finish_kernel(
-    logits_ptr, visible_ptr, counts_ptr, cand_key_ptr, cand_col_ptr, previous_ptr,
-    out_ptr,
+    logits_ptr,  # [rows, C] float32/bf16/fp16 (row stride lg_sr)
+    visible_ptr,  # [rows] int32/int64
+    counts_ptr,  # [rows, 2, slices] int32
+    cand_key_ptr,  # [rows, capacity] int32
+    cand_col_ptr,  # [rows, capacity] int32
+    previous_ptr,  # [rows, K] int32: out as phase 3 left it (the same buffer)
+    out_ptr,  # [rows, K] int32
     num_columns, lg_sr, slices, capacity,
     K: tl.constexpr, TILE: tl.constexpr, CAND_TILE: tl.constexpr, MAX_SLICES: tl.constexpr,
     BITS: tl.constexpr, PAD_TILE: tl.constexpr,
@@ -527,8 +515,10 @@ def _pad(out_row, selected, K: tl.constexpr, PAD_TILE: tl.constexpr):
 
 @triton.jit
 def topk_row_kernel(
-    logits_ptr, visible_ptr,
-    out_ptr, cand_ptr,
+    logits_ptr,  # [rows, C] float32/bf16/fp16 (row stride lg_sr)
+    visible_ptr,  # [rows] int32/int64
+    out_ptr,  # [rows, K] int32: selected columns, then -1
+    cand_ptr,  # [rows, capacity] int32: candidate columns (workspace)
     num_columns, lg_sr, capacity,
     K: tl.constexpr, GROUPS: tl.constexpr, GROUP_TILE: tl.constexpr, TILE: tl.constexpr,
     CAND_TILE: tl.constexpr, BITS: tl.constexpr, BOUND_PASSES: tl.constexpr, BOUNDED: tl.constexpr,
@@ -536,8 +526,6 @@ def topk_row_kernel(
 ):
     """The whole top-k of one row (module docstring, row path).
 
-    logits [R, C] (row stride lg_sr), visible [R], out [R, K],
-    cand [R, capacity] (workspace: candidate columns)
     Tiles: GROUP_TILE columns per step of the group maxima (a load and a
     max: wide), TILE per step of the other passes over the row (prefix sums
     and scattered stores: narrower, for registers), CAND_TILE candidates
@@ -579,22 +567,22 @@ def topk_row_kernel(
     _pad(out_row, tl.minimum(width, K), K, PAD_TILE)
 
 
-def topk_path(rows: int, columns: int, k: int) -> str:
+def topk_path(rows: int, columns: int, k: int, tuning: TopkTuning) -> str:
     """``"row"`` (one program per row) or ``"sliced"`` (rows split over
-    programs), from the static shape unless ``TOPK_PATH`` forces one."""
-    if TOPK_PATH != "auto":
-        return TOPK_PATH
-    return "row" if columns <= TOPK_ROW_MAX_COLUMNS or rows >= TOPK_ROW_MIN_ROWS else "sliced"
+    programs), from the static shape unless ``tuning.path`` forces one."""
+    if tuning.path != "auto":
+        return tuning.path
+    return "row" if columns <= tuning.row_max_columns or rows >= tuning.row_min_rows else "sliced"
 
 
-def topk_groups(columns: int, k: int) -> int:
+def topk_groups(columns: int, k: int, tuning: TopkTuning) -> int:
     """G >= 2k strided groups keep the candidates (keys at or above the k-th
     largest group maximum) near k; G >= C makes single-column groups."""
-    return min(triton.next_power_of_2(2 * k), triton.next_power_of_2(max(columns, 1)), TOPK_MAX_GROUPS)
+    return min(triton.next_power_of_2(2 * k), triton.next_power_of_2(max(columns, 1)), tuning.max_groups)
 
 
 def topk_parts(rows: int, columns: int, k: int, logits_stride: int, row_counts,
-               logits: str, visible: str, out: str):
+               logits: str, visible: str, out: str, tuning: TopkTuning):
     """Workspaces and launches of an exact top-k over ``logits`` ``[rows, columns]``.
 
     The path and tiling are chosen for ``rows``; ``row_counts`` are the rows
@@ -602,19 +590,18 @@ def topk_parts(rows: int, columns: int, k: int, logits_stride: int, row_counts,
     """
     if rows == 0 or k == 0:
         return (), ()
-    if topk_path(rows, columns, k) == "row":
-        return _row_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out)
-    return _sliced_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out)
+    parts = _row_parts if topk_path(rows, columns, k, tuning) == "row" else _sliced_parts
+    return parts(rows, columns, k, logits_stride, row_counts, logits, visible, out, tuning)
 
 
-def _row_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out):
+def _row_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out, tuning: TopkTuning):
     """The row path: one launch of one program per row."""
     width = max(columns, 1)
     row_width = max(16, triton.next_power_of_2(width))
-    groups = topk_groups(columns, k)
-    share = 1 if rows < TOPK_ROW_MANY_ROWS else 2
-    warps = max(1, TOPK_ROW_WARPS // share)
-    keys_per_thread = max(1, TOPK_ROW_KEYS_PER_THREAD // share)
+    groups = topk_groups(columns, k, tuning)
+    share = 1 if rows < tuning.row_many_rows else 2
+    warps = max(1, tuning.row_warps // share)
+    keys_per_thread = max(1, tuning.row_keys_per_thread // share)
     # Single-column groups: the bound would be the answer itself, so the
     # radix select runs on the row (TILE covers it: width <= G <= 4096).
     bounded = groups < triton.next_power_of_2(width)
@@ -627,10 +614,10 @@ def _row_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out
         tile = row_width
         warps = max(4, min(16, tile // (32 * min(keys_per_thread, 8))))
     threads = 32 * warps
-    group_tile = max(groups, min(row_width, TOPK_ROW_GROUP_KEYS_PER_THREAD * threads))
+    group_tile = max(groups, min(row_width, tuning.row_group_keys_per_thread * threads))
     assert tile <= 16384, "row-path prefix sums pack two 16-bit counts"
     assert bounded or tile >= columns, "the direct select holds the whole row"
-    capacity = min(triton.cdiv(width, tile) * tile, max(TOPK_MIN_CANDIDATES, 4 * k)) if bounded else 1
+    capacity = min(triton.cdiv(width, tile) * tile, max(tuning.min_candidates, 4 * k)) if bounded else 1
     # Typically about 1.4k keys reach the bound: one register tile of 2k.
     cand_tile = min(tile, max(16, triton.next_power_of_2(2 * k)))
     candidates = "topk_candidates"
@@ -639,24 +626,24 @@ def _row_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out
         Launch(topk_row_kernel, (count,), (logits, visible), (out, candidates),
                dict(num_columns=columns, lg_sr=logits_stride, capacity=capacity),
                dict(K=k, GROUPS=groups, GROUP_TILE=group_tile, TILE=tile, CAND_TILE=cand_tile,
-                    BITS=RADIX_BITS, BOUND_PASSES=TOPK_BOUND_PASSES, BOUNDED=bounded,
+                    BITS=tuning.radix_bits, BOUND_PASSES=tuning.bound_passes, BOUNDED=bounded,
                     PAD_TILE=min(1024, triton.next_power_of_2(k))),
                num_warps=warps, num_stages=1)
         for count in row_counts)
     return buffers, launches
 
 
-def _sliced_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out):
+def _sliced_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out, tuning: TopkTuning):
     """The sliced path: four launches over (row, slice) programs."""
     width = max(columns, 1)
-    groups = topk_groups(columns, k)
-    tile = max(groups, min(TOPK_TILE, max(16, triton.next_power_of_2(width))))
+    groups = topk_groups(columns, k, tuning)
+    tile = max(groups, min(tuning.tile, max(16, triton.next_power_of_2(width))))
     row_tiles = triton.cdiv(width, tile)
     # Split rows into slices until there are enough programs for the GPU.
-    slices = max(1, min(row_tiles, TOPK_MAX_SLICES, triton.cdiv(TOPK_TARGET_PROGRAMS, rows)))
+    slices = max(1, min(row_tiles, tuning.max_slices, triton.cdiv(tuning.target_programs, rows)))
     tiles_per_slice = triton.cdiv(row_tiles, slices)
     slices = triton.cdiv(row_tiles, tiles_per_slice)
-    capacity = min(row_tiles * tile, max(TOPK_MIN_CANDIDATES, 4 * k))
+    capacity = min(row_tiles * tile, max(tuning.min_candidates, 4 * k))
     # Typically about 1-3k keys exceed the bound: stream them in tiles of ~2k.
     cand_tile = min(tile, max(16, triton.next_power_of_2(2 * k)))
     maxima, bound, counts, cand_key, cand_col = (
@@ -671,7 +658,7 @@ def _sliced_parts(rows, columns, k, logits_stride, row_counts, logits, visible, 
     # Trip counts are runtime scalars: torch compiles one kernel set per (k, tile).
     sizes = dict(num_columns=columns, lg_sr=logits_stride, slices=slices)
     per_slice = dict(sizes, tiles_per_slice=tiles_per_slice)
-    max_slices = triton.next_power_of_2(TOPK_MAX_SLICES)
+    max_slices = triton.next_power_of_2(tuning.max_slices)
     options = dict(num_warps=8 if tile >= 2048 else 4, num_stages=1)
     launches = []
     for count in row_counts:
@@ -679,32 +666,29 @@ def _sliced_parts(rows, columns, k, logits_stride, row_counts, logits, visible, 
             Launch(topk_group_max_kernel, (count, slices), (logits, visible), (maxima,), per_slice,
                    dict(GROUPS=groups, TILE=tile), **options),
             Launch(topk_bound_kernel, (count, slices), (logits, visible, maxima), (bound, counts), per_slice,
-                   dict(K=k, GROUPS=groups, TILE=tile, BITS=RADIX_BITS), **options),
+                   dict(K=k, GROUPS=groups, TILE=tile, BITS=tuning.radix_bits), **options),
             Launch(topk_place_kernel, (count, slices), (logits, visible, bound, counts),
                    (out, cand_key, cand_col), dict(per_slice, capacity=capacity),
                    dict(K=k, TILE=tile, MAX_SLICES=max_slices), **options),
             # `out` is updated in place: phase 3 wrote the rows where T == L.
             Launch(topk_finish_kernel, (count,), (logits, visible, counts, cand_key, cand_col, out), (out,),
                    dict(sizes, capacity=capacity),
-                   dict(K=k, TILE=tile, CAND_TILE=cand_tile, MAX_SLICES=max_slices, BITS=RADIX_BITS,
+                   dict(K=k, TILE=tile, CAND_TILE=cand_tile, MAX_SLICES=max_slices, BITS=tuning.radix_bits,
                         PAD_TILE=min(1024, triton.next_power_of_2(k))),
                    **options),
         ]
     return buffers, tuple(launches)
 
 
-@cached_plan
-def plan_topk_blocks(logits: ArrayInfo, visible_blocks: ArrayInfo, k) -> Program:
-    """Validate ``topk_blocks`` arguments and describe its launches (see API.md)."""
+@cached_plan(options=dict(k=NONNEGATIVE_INT))
+def plan_topk_blocks(logits: ArrayInfo, visible_blocks: ArrayInfo, k: int, *,
+                     tuning: TopkTuning | None = None) -> Program:
+    """Validate ``topk_blocks`` arguments and describe its launches (see docs/api.md)."""
     check = Checker("topk_blocks")
-    check.rank("logits", logits, 2, "[R, C]")
-    check.dtype("logits", logits, FLOAT_DTYPES)
+    check.array("logits", logits, 2, "[R, C]", FLOAT_DTYPES)
     rows, columns = logits.shape
     check.index_vector("visible_blocks", visible_blocks, rows, "R")
-    check.nonnegative_int("k", k)
-    check.last_dim_contiguous("logits", logits)
-    check.last_dim_contiguous("visible_blocks", visible_blocks)
     out = Buffer("out", (rows, k), "int32")
     buffers, launches = topk_parts(rows, columns, k, logits.strides[0], [rows],
-                                   "logits", "visible_blocks", "out")
+                                   "logits", "visible_blocks", "out", tuning)
     return Program("topk_blocks", (out,) + buffers, launches, ("out",))

@@ -1,4 +1,4 @@
-"""QSA kernels for JAX: the functional API of API.md over JAX arrays.
+"""QSA kernels for JAX: the functional API of docs/api.md over JAX arrays.
 
 Pure functions that work under ``jax.jit``; caches come back as arrays aliasing
 the inputs (donate them for an in-place update).  On a CUDA device kernels
@@ -7,6 +7,7 @@ interpreter from a host callback.
 """
 
 from qsa_kernels import runtime as _runtime  # noqa: F401  (chooses compiled/interpreted first)
+from qsa_kernels import __version__  # noqa: F401  (one version for the three packages)
 
 from ._attention import sparse_paged_attention
 from ._compress import compress_groups, store_cache_rows

@@ -24,7 +24,9 @@ import numpy as np
 
 from qsa_kernels import runtime
 from qsa_kernels.launch import ArrayInfo, Program, split_arguments
-from qsa_kernels.validate import device_error, type_error
+from qsa_kernels.validate import check_host_indices_fit_int32, device_error, type_error
+
+from . import _sharding
 
 _BITS_VIEW = {  # dtypes torch.from_numpy cannot take: move them as raw bits
     np.dtype(ml_dtypes.bfloat16): ("uint16", "bfloat16"),
@@ -56,7 +58,9 @@ def metadata(function: str, arrays: Mapping[str, object]):
             converted[name] = infos[name] = None
             continue
         if isinstance(value, np.ndarray):
-            value = jnp.asarray(value)
+            value, host = jnp.asarray(value), value
+            if value.dtype != host.dtype:  # without x64, int64 narrows to int32: it must not wrap
+                check_host_indices_fit_int32(function, name, host)
         elif not isinstance(value, jax.Array):
             raise type_error(function, name, "a JAX array", value)
         device = _device_of(value)
@@ -171,6 +175,7 @@ def run(program: Program, arrays: Mapping[str, jax.Array | None]) -> tuple[jax.A
 
     @jax.custom_batching.custom_vmap
     def call(*values):
+        values = _sharding.guard(function, values)  # one device's arrays only (shard_map): see _sharding
         return tuple(runner(program, names, list(values)))
 
     @call.def_vmap
@@ -191,6 +196,13 @@ def run(program: Program, arrays: Mapping[str, jax.Array | None]) -> tuple[jax.A
 def call(plan, arguments: Mapping[str, object]):
     """Run the public function ``plan`` serves, given its arguments by name."""
     arrays, options = split_arguments(plan, arguments)
-    arrays, infos = metadata(plan.function, arrays)
+    # A plan may name its arguments differently in errors (the step: "state.key_cache").
+    labels = getattr(plan, "labels", None)
+    if labels:
+        converted, labelled_infos = metadata(plan.function, {labels[name]: value for name, value in arrays.items()})
+        infos = {name: labelled_infos[labels[name]] for name in arrays}
+        arrays = {name: converted[labels[name]] for name in arrays}
+    else:
+        arrays, infos = metadata(plan.function, arrays)
     program = plan(**infos, **options)
     return program.returned(run(program, arrays))

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the annotations' array types (the same names in both adapters)
+    from jax import Array
+    from jax.typing import ArrayLike
+
 from qsa_kernels.rope_cache import DOC, plan_rope_reshape_and_cache
 from qsa_kernels.docs import jax_doc
 
 from . import _launch
 
 
-def rope_reshape_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos_sin, *,
-                           is_neox, k_scale=None, v_scale=None, offsets=None,
-                           swa_slot_mapping=None, return_zeros=False):
+def rope_reshape_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: ArrayLike,
+                           value_cache: ArrayLike, slot_mapping: ArrayLike, positions: ArrayLike,
+                           cos_sin: ArrayLike, *, is_neox: bool, k_scale: ArrayLike | None = None,
+                           v_scale: ArrayLike | None = None, offsets: ArrayLike | None = None,
+                           swa_slot_mapping: ArrayLike | None = None,
+                           return_zeros: bool = False) -> tuple[Array, ...]:
     return _launch.call(plan_rope_reshape_and_cache, locals())  # every argument, by name
 
 

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the annotations' array types (the same names in both adapters)
+    from jax import Array
+    from jax.typing import ArrayLike
+
 import dataclasses
 
 import jax
@@ -11,10 +17,7 @@ from qsa_kernels import step as _step
 from qsa_kernels.docs import jax_doc
 
 from . import _launch
-from ._attention import sparse_paged_attention
-from ._compress import compress_groups, store_cache_rows
-from ._rope_cache import rope_reshape_and_cache
-from ._select import select_paged_tokens
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -25,30 +28,18 @@ class QSAState(_step.StateFields):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepMetadata(_step.MetadataFields):
-    _to_device = staticmethod(jax.device_put)
+    # A copy: device_put(may_alias=False) was seen aliasing a NumPy array on the CPU.
+    _to_device = staticmethod(lambda array, device: jnp.array(array, copy=True, device=device))
 
 
-_BACKEND = _step.Backend(
-    rope_reshape_and_cache=rope_reshape_and_cache,
-    compress_groups=compress_groups,
-    store_cache_rows=store_cache_rows,
-    select_paged_tokens=select_paged_tokens,
-    sparse_paged_attention=sparse_paged_attention,
-    state_type=QSAState,
-    metadata_type=StepMetadata,
-    check_arrays=_launch.metadata,
-    full_like=jnp.full_like,
-    zeros_like=jnp.zeros_like,
-    contiguous=lambda x: x,  # JAX arrays are always row-major
-)
-
-
-def qsa_attention_step(q, k, v, index_q, index_k, state, metadata, cos_sin, index_cos_sin, *,
-                       compress_ratio, token_topk, is_neox=True, softmax_scale=None,
-                       return_token_indices=False):
-    return _step.attention_step(_BACKEND, q, k, v, index_q, index_k, state, metadata, cos_sin, index_cos_sin,
-                                compress_ratio=compress_ratio, token_topk=token_topk, is_neox=is_neox,
-                                softmax_scale=softmax_scale, return_token_indices=return_token_indices)
+def qsa_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, index_q: ArrayLike, index_k: ArrayLike,
+                       state: QSAState, metadata: StepMetadata, cos_sin: ArrayLike,
+                       index_cos_sin: ArrayLike, *, compress_ratio: int, token_topk: int,
+                       is_neox: bool = True, softmax_scale: float | None = None,
+                       return_token_indices: bool = False) -> tuple[Array, QSAState] | tuple[Array, QSAState, Array]:
+    arguments = _step.state_arguments(locals(), QSAState, StepMetadata)
+    results = _launch.call(_step.plan_qsa_attention_step, arguments)
+    return _step.step_results(results, state, return_token_indices)
 
 
 qsa_attention_step.__doc__ = jax_doc(_step.STEP_DOC)

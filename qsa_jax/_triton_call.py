@@ -38,6 +38,10 @@ def run(program: Program, env: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
         # Buffers that no launch writes (empty grids) still need a value.
         env[buffer.name] = None
     for launch in program.runnable_launches:
+        for name in launch.inputs:
+            if env[name] is None:  # a buffer read before any launch writes it (the step's empty scratch caches)
+                buffer = program.buffer(name)
+                env[name] = jnp.zeros(buffer.shape, jnp.dtype(buffer.dtype))
         out_shapes = []
         for name in launch.outputs:
             buffer = program.buffer(name)

@@ -1,10 +1,11 @@
-"""QSA kernels for PyTorch: the functional API of API.md over torch tensors.
+"""QSA kernels for PyTorch: the functional API of docs/api.md over torch tensors.
 
 Caches are updated in place and returned; every call launches on its
 tensors' device and current stream, with no host synchronisation.
 """
 
 from qsa_kernels import runtime as _runtime  # noqa: F401  (chooses compiled/interpreted first)
+from qsa_kernels import __version__  # noqa: F401  (one version for the three packages)
 
 from ._attention import sparse_paged_attention
 from ._compress import compress_groups, store_cache_rows

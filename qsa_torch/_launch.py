@@ -84,7 +84,13 @@ def run(program: Program, arrays: Mapping[str, torch.Tensor | None], device: tor
 def call(plan, arguments: Mapping[str, object]):
     """Run the public function ``plan`` serves, given its arguments by name."""
     arrays, options = split_arguments(plan, arguments)
-    infos = metadata(plan.function, arrays)
+    # A plan may name its arguments differently in errors (the step: "state.key_cache").
+    labels = getattr(plan, "labels", None)
+    if labels:
+        infos = metadata(plan.function, {labels[name]: value for name, value in arrays.items()})
+        infos = {name: infos[labels[name]] for name in arrays}
+    else:
+        infos = metadata(plan.function, arrays)
     program = plan(**infos, **options)
     device = next(value.device for value in arrays.values() if value is not None)
     return program.returned(run(program, arrays, device))

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the annotations' array types (the same names in both adapters)
+    from torch import Tensor as Array, Tensor as ArrayLike
+
 from qsa_kernels.expand import EXPAND_DOC, plan_expand_block_indices
 from qsa_kernels.score import SCORES_DOC, plan_mqa_paged_scores
 from qsa_kernels.select import SELECT_DOC, plan_select_paged_tokens
@@ -11,22 +16,25 @@ from qsa_kernels.docs import torch_doc
 from . import _launch
 
 
-def mqa_paged_scores(q, k_cache, page_table, token_to_req, query_positions, sequence_lengths,
-                     compress_ratio, num_columns=None, score_divisor=None):
+def mqa_paged_scores(q: ArrayLike, k_cache: ArrayLike, page_table: ArrayLike, token_to_req: ArrayLike,
+                     query_positions: ArrayLike, sequence_lengths: ArrayLike, compress_ratio: int,
+                     num_columns: int | None = None,
+                     score_divisor: float | None = None) -> tuple[Array, Array]:
     return _launch.call(plan_mqa_paged_scores, locals())  # every argument, by name
 
 
-def topk_blocks(logits, visible_blocks, k):
+def topk_blocks(logits: ArrayLike, visible_blocks: ArrayLike, k: int) -> Array:
     return _launch.call(plan_topk_blocks, locals())  # every argument, by name
 
 
-def expand_block_indices(block_indices, query_positions, sequence_lengths, token_to_req,
-                         compress_ratio, token_topk):
+def expand_block_indices(block_indices: ArrayLike, query_positions: ArrayLike, sequence_lengths: ArrayLike,
+                         token_to_req: ArrayLike, compress_ratio: int, token_topk: int) -> Array:
     return _launch.call(plan_expand_block_indices, locals())  # every argument, by name
 
 
-def select_paged_tokens(q, k_cache, page_table, token_to_req, query_positions, sequence_lengths,
-                        token_topk, compress_ratio):
+def select_paged_tokens(q: ArrayLike, k_cache: ArrayLike, page_table: ArrayLike, token_to_req: ArrayLike,
+                        query_positions: ArrayLike, sequence_lengths: ArrayLike, token_topk: int,
+                        compress_ratio: int) -> Array:
     return _launch.call(plan_select_paged_tokens, locals())  # every argument, by name
 
 

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the annotations' array types (the same names in both adapters)
+    from torch import Tensor as Array, Tensor as ArrayLike
+
 import dataclasses
 
 import torch
@@ -10,10 +15,6 @@ from qsa_kernels import step as _step
 from qsa_kernels.docs import torch_doc
 
 from . import _launch
-from ._attention import sparse_paged_attention
-from ._compress import compress_groups, store_cache_rows
-from ._rope_cache import rope_reshape_and_cache
-from ._select import select_paged_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,30 +24,17 @@ class QSAState(_step.StateFields):
 
 @dataclasses.dataclass(frozen=True)
 class StepMetadata(_step.MetadataFields):
-    _to_device = staticmethod(lambda array, device: torch.as_tensor(array, device=device))
+    _to_device = staticmethod(lambda array, device: torch.tensor(array, device=device))  # a copy (see from_host)
 
 
-_BACKEND = _step.Backend(
-    rope_reshape_and_cache=rope_reshape_and_cache,
-    compress_groups=compress_groups,
-    store_cache_rows=store_cache_rows,
-    select_paged_tokens=select_paged_tokens,
-    sparse_paged_attention=sparse_paged_attention,
-    state_type=QSAState,
-    metadata_type=StepMetadata,
-    check_arrays=_launch.metadata,
-    full_like=torch.full_like,
-    zeros_like=torch.zeros_like,
-    contiguous=torch.Tensor.contiguous,
-)
-
-
-def qsa_attention_step(q, k, v, index_q, index_k, state, metadata, cos_sin, index_cos_sin, *,
-                       compress_ratio, token_topk, is_neox=True, softmax_scale=None,
-                       return_token_indices=False):
-    return _step.attention_step(_BACKEND, q, k, v, index_q, index_k, state, metadata, cos_sin, index_cos_sin,
-                                compress_ratio=compress_ratio, token_topk=token_topk, is_neox=is_neox,
-                                softmax_scale=softmax_scale, return_token_indices=return_token_indices)
+def qsa_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, index_q: ArrayLike, index_k: ArrayLike,
+                       state: QSAState, metadata: StepMetadata, cos_sin: ArrayLike,
+                       index_cos_sin: ArrayLike, *, compress_ratio: int, token_topk: int,
+                       is_neox: bool = True, softmax_scale: float | None = None,
+                       return_token_indices: bool = False) -> tuple[Array, QSAState] | tuple[Array, QSAState, Array]:
+    arguments = _step.state_arguments(locals(), QSAState, StepMetadata)
+    results = _launch.call(_step.plan_qsa_attention_step, arguments)
+    return _step.step_results(results, state, return_token_indices)
 
 
 qsa_attention_step.__doc__ = torch_doc(_step.STEP_DOC)

@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python examples/demo.py "$@"
+exec "${QSA_VENV:-.venv}/bin/python" examples/demo.py "$@"

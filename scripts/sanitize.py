@@ -381,22 +381,15 @@ CASES = [
 
 
 def run_case(rt, builder, rng, small: bool) -> None:
-    from qsa_kernels import select as select_plans
-    from qsa_kernels.launch import clear_plan_caches
+    from qsa_kernels import tuning
 
     function, arrays, static, in_place = builder(rng, small)
     workspace = static.pop("_logits_workspace_bytes", None)
-    saved = select_plans.LOGITS_WORKSPACE_BYTES
-    try:
-        if workspace is not None:  # several row chunks reuse the workspaces
-            select_plans.LOGITS_WORKSPACE_BYTES = workspace
-            clear_plan_caches()  # plans are memoised with the constant they were made with
+    # Several row chunks reuse the workspaces (the tuning is part of the plan's key).
+    overrides = {} if workspace is None else dict(select=tuning.SelectTuning(logits_workspace_bytes=workspace))
+    with tuning.override(**overrides):
         device_arrays = {n: (None if a is None else rt.put(a)) for n, a in arrays.items()}
         rt.call(function, device_arrays, static, in_place)
-    finally:
-        if workspace is not None:
-            select_plans.LOGITS_WORKSPACE_BYTES = saved
-            clear_plan_caches()
 
 
 # --------------------------------------------------------------------------

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from qsa_kernels import runtime
-from qsa_kernels.launch import clear_plan_caches
 
 
 def _poison(tensor: torch.Tensor) -> torch.Tensor:
@@ -21,14 +20,6 @@ def _poison(tensor: torch.Tensor) -> torch.Tensor:
         else:
             tensor.view(torch.uint8).fill_(0x7F) if tensor.is_contiguous() else tensor.fill_(0x7F)
     return tensor
-
-
-@pytest.fixture(autouse=True)
-def fresh_plans():
-    """Tests monkeypatch plan modules' tuning constants: never reuse a plan across tests."""
-    clear_plan_caches()
-    yield
-    clear_plan_caches()
 
 
 @pytest.fixture(autouse=True)

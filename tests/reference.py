@@ -1,4 +1,4 @@
-"""Plain float64 references of every stage, written from the seeds and API.md.
+"""Plain float64 references of every stage, written from the seeds and docs/api.md.
 
 NumPy only, loops where they make the semantics obvious; nothing here imports
 the kernels.  Inputs are NumPy arrays (callers convert from their framework).
@@ -300,7 +300,7 @@ def expand_block_indices(block_indices, query_positions, sequence_lengths, token
         tail_start = (max(position + 1, 0) // compress_ratio) * compress_ratio
         tokens += list(range(tail_start, max(position + 1, 0)))
         for column, token in enumerate(tokens):
-            if 0 <= token < length:
+            if 0 <= token < length and token < 2**31:  # the output is int32: never wrapped
                 out[row, column] = token
     return out
 

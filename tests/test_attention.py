@@ -4,8 +4,8 @@ jax.jit, the plan's launch table, validation."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
 
 import jax
 import numpy as np
@@ -13,10 +13,8 @@ import pytest
 import torch
 
 import qsa_jax
-import qsa_jax._attention as jax_attention
 import qsa_torch
-import qsa_torch._attention as torch_attention
-from qsa_kernels import attention
+from qsa_kernels import attention, tuning
 from qsa_kernels.launch import ArrayInfo
 
 from . import reference as R
@@ -113,29 +111,24 @@ def run_jax(args, scale=None):
     return call(*(to_jax(args[n]) for n in ARGUMENTS))
 
 
-def plan_with_splits(n):
-    """The stage-4 plan with its split count forced (a plan-only option)."""
-    plan = functools.partial(attention.plan_sparse_paged_attention, num_splits=n)
-    plan.function = attention.plan_sparse_paged_attention.function
-    plan.array_arguments = attention.plan_sparse_paged_attention.array_arguments
-    return plan
+def with_splits(n: int | None) -> tuning.AttentionTuning:
+    """The default launch table with the split count forced to ``n`` (None: the table's)."""
+    return tuning.AttentionTuning(num_splits=n)
 
 
 @pytest.fixture
-def force_splits(monkeypatch):
-    """Make both public functions plan ``n`` splits (a plan-only keyword)."""
-    def force(n: int | None):
-        if n is None:
-            return
-        plan = plan_with_splits(n)
-        monkeypatch.setattr(torch_attention, "plan_sparse_paged_attention", plan)
-        monkeypatch.setattr(jax_attention, "plan_sparse_paged_attention", plan)
-    return force
+def force_splits():
+    """``force(n)`` makes both public functions plan ``n`` splits until the test ends."""
+    with contextlib.ExitStack() as stack:
+        def force(n: int | None):
+            if n is not None:
+                stack.enter_context(tuning.override(attention=with_splits(n)))
+        yield force
 
 
 def planned_splits(args, num_splits=None) -> int:
     infos = {n: qsa_torch._launch.info(args[n]) for n in ARGUMENTS}
-    program = attention.plan_sparse_paged_attention(**infos, num_splits=num_splits)
+    program = attention.plan_sparse_paged_attention(**infos, tuning=with_splits(num_splits))
     return program.launches[0].grid[1]
 
 
@@ -177,7 +170,7 @@ def test_against_reference_and_jax(name, force_splits):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_split_and_unsplit_agree(dtype, monkeypatch):
+def test_split_and_unsplit_agree(dtype):
     """Splits change the results only through rounding: each split rounds its
     probabilities to the value dtype against its own running max, and the
     output is rounded once more (measured: ~1.5e-3 bf16, ~1.6e-4 fp16)."""
@@ -186,9 +179,8 @@ def test_split_and_unsplit_agree(dtype, monkeypatch):
     outputs = {}
     for n in (1, 2, 4):
         assert planned_splits(args, n) == n
-        plan = plan_with_splits(n)
-        monkeypatch.setattr(torch_attention, "plan_sparse_paged_attention", plan)
-        outputs[n] = f64(qsa_torch.sparse_paged_attention(**args))
+        with tuning.override(attention=with_splits(n)):
+            outputs[n] = f64(qsa_torch.sparse_paged_attention(**args))
     ref = reference_for(args)
     for n, out in outputs.items():
         assert_close(out, ref, tolerance(dtype), f"{n} splits vs reference")
@@ -290,7 +282,7 @@ def test_production_decode_shape():
     ref = reference_for(args)
     infos = {n: qsa_torch._launch.info(args[n]) for n in ARGUMENTS}
     for splits in (None, 1):
-        program = attention.plan_sparse_paged_attention(**infos, num_splits=splits)
+        program = attention.plan_sparse_paged_attention(**infos, tuning=with_splits(splits))
         (out,) = qsa_torch._launch.run(program, args, args["q"].device)
         assert_close(out, ref, tolerance(c.dtype), f"splits={splits}")
     assert_bitwise_equal(run_jax(args), qsa_torch.sparse_paged_attention(**args), "torch vs JAX")
@@ -318,64 +310,8 @@ def test_page_offsets_past_int32():
 
 
 # --------------------------------------------------------------------------
-# Validation: both adapters raise ValueError with the same message.
+# Wrong array types (every bad-argument case is a row of tests/test_bad_arguments.py).
 # --------------------------------------------------------------------------
-
-def _bad(mutate):
-    def build():
-        args = make_inputs(Case(D=32, W=8))
-        scale = mutate(args)
-        return args, scale
-    return build
-
-
-def _set(**changes):
-    return _bad(lambda a: a.update({n: f(a) for n, f in changes.items()}))
-
-
-BAD_ARGUMENTS = {
-    "q_rank": (_set(q=lambda a: a["q"][0]), "q must be [R, QH, D] (rank 3)"),
-    "cache_rank": (_set(k_cache=lambda a: a["k_cache"][0]), "k_cache must be [num_blocks, P, KH, D]"),
-    "q_dtype": (_set(q=lambda a: a["q"].float()), "q must have dtype bfloat16 or float16"),
-    "cache_dtype": (_set(k_cache=lambda a: a["k_cache"].half()), "k_cache must have q's dtype bfloat16"),
-    "value_dtype": (_set(v_cache=lambda a: a["v_cache"].half()), "v_cache must have q's dtype"),
-    "d_not_power_of_two": (_set(q=lambda a: a["q"][..., :24], k_cache=lambda a: a["k_cache"][..., :24],
-                                v_cache=lambda a: a["v_cache"][..., :24]), "q must have head dim D a power of two"),
-    "d_too_small": (_set(q=lambda a: a["q"][..., :8], k_cache=lambda a: a["k_cache"][..., :8],
-                         v_cache=lambda a: a["v_cache"][..., :8]), "q must have head dim D >= 16"),
-    "cache_head_dim": (_set(k_cache=lambda a: a["k_cache"][..., :16], v_cache=lambda a: a["v_cache"][..., :16]),
-                       "k_cache must have q's head dim D = 32"),
-    "cache_shapes_differ": (_set(v_cache=lambda a: a["v_cache"][:3]), "v_cache must have k_cache's shape"),
-    "qh_not_multiple": (_set(q=lambda a: a["q"][:, :3]), "q must have a number of heads QH divisible by k_cache's KH = 2"),
-    "indices_rank": (_set(token_indices=lambda a: a["token_indices"][0]), "token_indices must be [R, W]"),
-    "indices_rows": (_set(token_indices=lambda a: a["token_indices"][:2]), "token_indices must have R = 4 rows"),
-    "indices_dtype": (_set(token_indices=lambda a: a["token_indices"].float()), "token_indices must have dtype int32 or int64"),
-    "table_rank": (_set(block_table=lambda a: a["block_table"][0]), "block_table must be [B, max_pages]"),
-    "table_dtype": (_set(block_table=lambda a: a["block_table"].to(torch.uint8)), "block_table must have dtype int32 or int64, got uint8"),
-    "to_req_length": (_set(token_to_req=lambda a: a["token_to_req"][:3]), "token_to_req must have R = 4 entries"),
-    "to_req_dtype": (_set(token_to_req=lambda a: a["token_to_req"].float()), "token_to_req must have dtype"),
-    "scale_not_a_number": (_bad(lambda a: "0.1"), "softmax_scale must be a finite Python number or None"),
-    "scale_nan": (_bad(lambda a: float("nan")), "softmax_scale must be a finite"),
-    "non_contiguous_last_dim": (_set(q=lambda a: a["q"].transpose(1, 2).contiguous().transpose(1, 2)),
-                                "q must have a contiguous last dimension"),
-}
-
-
-@pytest.mark.parametrize("name", list(BAD_ARGUMENTS))
-def test_invalid_arguments_same_error_in_both_adapters(name):
-    build, expected = BAD_ARGUMENTS[name]
-    args, scale = build()
-    with pytest.raises(ValueError) as torch_error:
-        qsa_torch.sparse_paged_attention(**args, softmax_scale=scale)
-    assert expected in str(torch_error.value)
-    assert str(torch_error.value).startswith("sparse_paged_attention: ")
-    if name == "non_contiguous_last_dim":
-        return  # JAX arrays are always row-major: the case cannot be built there
-    jax_args = {n: to_jax(a) for n, a in args.items()}
-    with pytest.raises(ValueError) as jax_error:
-        qsa_jax.sparse_paged_attention(**jax_args, softmax_scale=scale)
-    assert str(jax_error.value) == str(torch_error.value)
-
 
 def test_wrong_array_type():
     args = make_inputs(Case(W=8))

@@ -12,8 +12,11 @@ The composed step (``qsa_attention_step``) takes containers (``QSAState``,
 ``StepMetadata``): its own table, STEP_TABLE, covers its checks, the stage
 checks it passes through, and every array inside its containers.
 
-(tests/test_rope_cache.py, test_compress.py, test_select.py and test_step.py
-keep their own validation tests; these tables are the complete list.)
+These tables are the complete list: the stage test files keep no tables of
+their own (their former cases are rows here, built from the shared bases).
+Also here: options of every kind (canonical and typed, whatever was called
+before: tests/test_validation.py), ``None`` for every required array, and
+expanded (stride-0) views of every argument updated in place.
 """
 
 from __future__ import annotations
@@ -156,6 +159,7 @@ class Bad:
     expected: str  # a phrase of the message (which starts "<function>: <argument> ")
     base: Callable | None = None
     torch_only: bool = False  # JAX arrays cannot express it (row-major strides)
+    error: type = ValueError
 
     @property
     def id(self) -> str:
@@ -232,6 +236,12 @@ def _rope_rows():
         r("key_cache_dtype", lambda a: dict(key_cache=a["key_cache"].half(), value_cache=a["value_cache"].half()), "key_cache must have dtype bfloat16 or float8_e4m3fn"),
         r("value_cache_dtype", lambda a: dict(value_cache=a["value_cache"].half()), "value_cache must have key_cache's dtype bfloat16"),
         r("value_cache_fp8_key_bf16", lambda a: dict(value_cache=a["value_cache"].to(torch.float8_e4m3fn)), "value_cache must have key_cache's dtype bfloat16"),
+        r("flash_value_head_dim", lambda a: dict(value_cache=a["value_cache"][..., :4]), "value_cache must have key_cache's shape (3, 4, 2, 8) (flash layout)"),
+        r("is_neox_string", lambda a: dict(is_neox="false"), "is_neox must be a bool, got 'false'"),
+        r("is_neox_none", lambda a: dict(is_neox=None), "is_neox must be a bool, got None"),
+        r("is_neox_int", lambda a: dict(is_neox=1), "is_neox must be a bool, got 1"),
+        r("is_neox_list", lambda a: dict(is_neox=[True]), "is_neox must be a bool, got [True]"),
+        r("return_zeros_string", lambda a: dict(return_zeros="yes"), "return_zeros must be a bool, got 'yes'"),
     ]
 
 
@@ -243,6 +253,9 @@ def _compress_rows():
         r("ratio_float", lambda a: dict(compress_ratio=2.0), "compress_ratio must be a positive int, got 2.0"),
         r("ratio_bool", lambda a: dict(compress_ratio=True), "compress_ratio must be a positive int, got True"),
         r("ratio_none", lambda a: dict(compress_ratio=None), "compress_ratio must be a positive int, got None"),
+        r("ratio_string", lambda a: dict(compress_ratio="2"), "compress_ratio must be a positive int, got '2'"),
+        r("ratio_list", lambda a: dict(compress_ratio=[2]), "compress_ratio must be a positive int, got [2]"),
+        r("ratio_numpy_float", lambda a: dict(compress_ratio=np.float64(2.0)), "compress_ratio must be a positive int, got np.float64(2.0)"),
         r("raw_keys_rank", lambda a: dict(raw_keys=a["raw_keys"][:, 0]), "raw_keys must be [R, 1, D] (rank 3)"),
         r("raw_keys_dtype", lambda a: dict(raw_keys=a["raw_keys"].to(I32)), "raw_keys must have dtype bfloat16 or float16 or float32"),
         r("raw_keys_heads", lambda a: dict(raw_keys=a["raw_keys"].expand(-1, 2, -1).contiguous()), "raw_keys must have heads = 1 in dimension 1"),
@@ -250,11 +263,12 @@ def _compress_rows():
         r("raw_positions_shape", lambda a: dict(raw_positions=a["raw_positions"][..., :2]), "raw_positions must be [R, 1, 3] = (6, 1, 3)"),
         r("raw_positions_rows", lambda a: dict(raw_positions=a["raw_positions"][1:]), "raw_positions must be [R, 1, 3] = (6, 1, 3)"),
         r("raw_positions_dtype", lambda a: dict(raw_positions=a["raw_positions"].float()), "raw_positions must have dtype int32 or int64"),
-        r("token_to_req_length", lambda a: dict(token_to_req=a["token_to_req"][:-1]), "token_to_req must be [R] = (6,)"),
-        r("token_to_req_int64", lambda a: dict(token_to_req=a["token_to_req"].long()), "token_to_req must have dtype int32"),
-        r("logical_positions_length", lambda a: dict(logical_positions=a["logical_positions"][:2]), "logical_positions must be [R] = (6,)"),
+        r("token_to_req_length", lambda a: dict(token_to_req=a["token_to_req"][:-1]), "token_to_req must have R = 6 entries"),
+        r("token_to_req_dtype", lambda a: dict(token_to_req=a["token_to_req"].float()), "token_to_req must have dtype int32 or int64"),
+        r("logical_positions_length", lambda a: dict(logical_positions=a["logical_positions"][:2]), "logical_positions must have R = 6 entries"),
         r("logical_positions_dtype", lambda a: dict(logical_positions=a["logical_positions"].float()), "logical_positions must have dtype int32 or int64"),
-        r("compressed_slots_rank", lambda a: dict(compressed_slots=a["compressed_slots"][:, None]), "compressed_slots must be [R] = (6,)"),
+        r("compressed_slots_rank", lambda a: dict(compressed_slots=a["compressed_slots"][:, None]), "compressed_slots must be [R] (rank 1)"),
+        r("compressed_slots_length", lambda a: dict(compressed_slots=a["compressed_slots"][:-2]), "compressed_slots must have R = 6 entries"),
         r("compressed_slots_dtype", lambda a: dict(compressed_slots=a["compressed_slots"].to(torch.int16)), "compressed_slots must have dtype int32 or int64"),
         r("ring_rank", lambda a: dict(compressor_state_cache=a["compressor_state_cache"][:, :, 0]), "compressor_state_cache must be [blocks, ring, 1, D] (rank 4)"),
         r("ring_heads", lambda a: dict(compressor_state_cache=a["compressor_state_cache"].expand(-1, -1, 2, -1).contiguous()), "compressor_state_cache must have heads = 1 in dimension 2"),
@@ -264,11 +278,11 @@ def _compress_rows():
         r("ring_dtype", lambda a: dict(compressor_state_cache=a["compressor_state_cache"].half()), "compressor_state_cache must have raw_keys' dtype bfloat16"),
         r("ring_no_blocks_with_rows", lambda a: dict(compressor_state_cache=a["compressor_state_cache"][:0], rope_cache=a["rope_cache"][:0]), "compressor_state_cache must have at least one block when there are rows"),
         r("query_start_loc_rank", lambda a: dict(query_start_loc=a["query_start_loc"][None]), "query_start_loc must be [B + 1] (rank 1)"),
-        r("query_start_loc_dtype", lambda a: dict(query_start_loc=a["query_start_loc"].long()), "query_start_loc must have dtype int32"),
+        r("query_start_loc_dtype", lambda a: dict(query_start_loc=a["query_start_loc"].float()), "query_start_loc must have dtype int32 or int64"),
         r("query_start_loc_one_entry", lambda a: dict(query_start_loc=a["query_start_loc"][:1]), "query_start_loc must have B + 1 >= 2 entries"),
         r("query_start_loc_empty", lambda a: dict(query_start_loc=a["query_start_loc"][:0]), "query_start_loc must have B + 1 >= 2 entries"),
         r("block_table_rank", lambda a: dict(compressor_state_block_table=a["compressor_state_block_table"][:, 0]), "compressor_state_block_table must be [>= B, >= 1] (rank 2)"),
-        r("block_table_dtype", lambda a: dict(compressor_state_block_table=a["compressor_state_block_table"].long()), "compressor_state_block_table must have dtype int32"),
+        r("block_table_dtype", lambda a: dict(compressor_state_block_table=a["compressor_state_block_table"].float()), "compressor_state_block_table must have dtype int32 or int64"),
         r("block_table_too_few_rows", lambda a: dict(compressor_state_block_table=a["compressor_state_block_table"][:1]), "compressor_state_block_table must have at least B = 2 rows and one column"),
         r("block_table_no_column", lambda a: dict(compressor_state_block_table=a["compressor_state_block_table"][:, :0]), "compressor_state_block_table must have at least B = 2 rows and one column"),
         r("rope_cache_shape", lambda a: dict(rope_cache=a["rope_cache"][:, :2]), "rope_cache must be [blocks, ring, 1, 3] like compressor_state_cache = (2, 3, 1, 3)"),
@@ -328,14 +342,17 @@ def _scoring_rows(function: str):
 def _scores_rows():
     r = _rows("mqa_paged_scores")
     return _scoring_rows("mqa_paged_scores") + [
-        r("num_columns_negative", lambda a: dict(num_columns=-1), "num_columns must be a non-negative int, got -1"),
-        r("num_columns_float", lambda a: dict(num_columns=8.0), "num_columns must be a non-negative int, got 8.0"),
-        r("num_columns_bool", lambda a: dict(num_columns=True), "num_columns must be a non-negative int, got True"),
-        r("score_divisor_zero", lambda a: dict(score_divisor=0.0), "score_divisor must be a positive number, got 0.0"),
-        r("score_divisor_negative", lambda a: dict(score_divisor=-2), "score_divisor must be a positive number, got -2"),
-        r("score_divisor_nan", lambda a: dict(score_divisor=math.nan), "score_divisor must be a positive number, got nan"),
-        r("score_divisor_bool", lambda a: dict(score_divisor=True), "score_divisor must be a positive number, got True"),
-        r("score_divisor_string", lambda a: dict(score_divisor="2"), "score_divisor must be a positive number, got '2'"),
+        r("num_columns_negative", lambda a: dict(num_columns=-1), "num_columns must be a non-negative int or None, got -1"),
+        r("num_columns_float", lambda a: dict(num_columns=8.0), "num_columns must be a non-negative int or None, got 8.0"),
+        r("num_columns_bool", lambda a: dict(num_columns=True), "num_columns must be a non-negative int or None, got True"),
+        r("score_divisor_zero", lambda a: dict(score_divisor=0.0), "score_divisor must be a finite positive Python number or None, got 0.0"),
+        r("score_divisor_negative", lambda a: dict(score_divisor=-2), "score_divisor must be a finite positive Python number or None, got -2"),
+        r("score_divisor_nan", lambda a: dict(score_divisor=math.nan), "score_divisor must be a finite positive Python number or None, got nan"),
+        r("score_divisor_bool", lambda a: dict(score_divisor=True), "score_divisor must be a finite positive Python number or None, got True"),
+        r("score_divisor_string", lambda a: dict(score_divisor="2"), "score_divisor must be a finite positive Python number or None, got '2'"),
+        r("score_divisor_inf", lambda a: dict(score_divisor=math.inf), "score_divisor must be a finite positive Python number or None, got inf"),
+        r("score_divisor_list", lambda a: dict(score_divisor=[2.0]), "score_divisor must be a finite positive Python number or None, got [2.0]"),
+        r("num_columns_string", lambda a: dict(num_columns="8"), "num_columns must be a non-negative int or None, got '8'"),
     ]
 
 
@@ -345,6 +362,8 @@ def _select_rows():
         r("token_topk_negative", lambda a: dict(token_topk=-2), "token_topk must be a non-negative int, got -2"),
         r("token_topk_float", lambda a: dict(token_topk=4.0), "token_topk must be a non-negative int, got 4.0"),
         r("token_topk_not_multiple", lambda a: dict(token_topk=5), "token_topk must be a multiple of compress_ratio = 2, got 5"),
+        r("token_topk_bool", lambda a: dict(token_topk=True), "token_topk must be a non-negative int, got True"),
+        r("token_topk_none", lambda a: dict(token_topk=None), "token_topk must be a non-negative int, got None"),
     ]
 
 
@@ -362,6 +381,9 @@ def _topk_rows():
         r("k_float", lambda a: dict(k=3.0), "k must be a non-negative int, got 3.0"),
         r("k_bool", lambda a: dict(k=True), "k must be a non-negative int, got True"),
         r("k_none", lambda a: dict(k=None), "k must be a non-negative int, got None"),
+        r("k_list", lambda a: dict(k=[3]), "k must be a non-negative int, got [3]"),
+        r("k_string", lambda a: dict(k="3"), "k must be a non-negative int, got '3'"),
+        r("k_numpy_bool", lambda a: dict(k=np.bool_(True)), "k must be a non-negative int, got np.True_"),
     ]
 
 
@@ -370,7 +392,9 @@ def _expand_rows():
     return [
         r("ratio_zero", lambda a: dict(compress_ratio=0), "compress_ratio must be a positive int, got 0"),
         r("ratio_float", lambda a: dict(compress_ratio=2.5), "compress_ratio must be a positive int, got 2.5"),
+        r("ratio_bool", lambda a: dict(compress_ratio=True), "compress_ratio must be a positive int, got True"),
         r("token_topk_negative", lambda a: dict(token_topk=-4), "token_topk must be a non-negative int, got -4"),
+        r("token_topk_float", lambda a: dict(token_topk=4.0), "token_topk must be a non-negative int, got 4.0"),
         r("token_topk_not_multiple", lambda a: dict(token_topk=5), "token_topk must be a multiple of compress_ratio = 2, got 5"),
         r("block_indices_rank", lambda a: dict(block_indices=a["block_indices"][0]), "block_indices must be [R, token_topk // compress_ratio] (rank 2)"),
         r("block_indices_dtype", lambda a: dict(block_indices=a["block_indices"].float()), "block_indices must have dtype int32 or int64"),
@@ -418,6 +442,8 @@ def _attention_rows():
         r("softmax_scale_bool", lambda a: dict(softmax_scale=True), "softmax_scale must be a finite Python number or None, got True"),
         r("softmax_scale_string", lambda a: dict(softmax_scale="0.1"), "softmax_scale must be a finite Python number or None, got '0.1'"),
         r("softmax_scale_complex", lambda a: dict(softmax_scale=1j), "softmax_scale must be a finite Python number or None, got 1j"),
+        r("softmax_scale_list", lambda a: dict(softmax_scale=[0.1]), "softmax_scale must be a finite Python number or None, got [0.1]"),
+        r("softmax_scale_numpy_inf", lambda a: dict(softmax_scale=np.float32("inf")), "softmax_scale must be a finite Python number or None, got np.float32(inf)"),
     ]
 
 
@@ -433,8 +459,39 @@ def _non_contiguous_rows():
     return rows
 
 
+#: Optional array arguments (``None`` is valid for them).
+OPTIONAL_ARRAYS = {"rope_reshape_and_cache": {"k_scale", "v_scale", "offsets", "swa_slot_mapping"},
+                   "compress_groups": {"rope_cache"}}
+
+
+def _missing_array_rows():
+    """``None`` for every required array argument of every function: a TypeError naming it."""
+    rows = []
+    for function, base in BASES.items():
+        for name in base()[0]:
+            if name not in OPTIONAL_ARRAYS.get(function, ()):
+                rows.append(Bad(function, f"{name}_none", lambda a, name=name: {name: None},
+                                f"{name} must be an array (it is required), got None", base, error=TypeError))
+    return rows
+
+
+#: Arguments updated in place, per function.
+UPDATED_ARRAYS = {"rope_reshape_and_cache": ("key_cache", "value_cache"), "store_cache_rows": ("cache",)}
+
+
+def _expanded_rows():
+    """Every argument updated in place as an expanded (stride-0) view of its first page (torch only)."""
+    def expand_first(tensor):
+        return tensor[:1].expand(tensor.shape)
+    return [Bad(function, f"{name}_expanded", lambda a, name=name: {name: expand_first(a[name])},
+                f"{name} must not be an expanded view (a stride-0 dimension of size > 1): it is updated in place",
+                BASES[function], torch_only=True)
+            for function, names in UPDATED_ARRAYS.items() for name in names]
+
+
 TABLE = (_rope_rows() + _compress_rows() + _store_rows() + _scores_rows() + _topk_rows() + _expand_rows()
-         + _select_rows() + _attention_rows() + _non_contiguous_rows())
+         + _select_rows() + _attention_rows() + _non_contiguous_rows() + _missing_array_rows()
+         + _expanded_rows())
 
 
 def _build(row: Bad):
@@ -461,7 +518,7 @@ def test_bad_argument(row: Bad):
     arrays, options = _build(row)
     torch_error = _raised(lambda: getattr(qsa_torch, row.function)(**arrays, **options))
     message = str(torch_error)
-    assert type(torch_error) is ValueError, f"{type(torch_error).__name__}: {message}"
+    assert type(torch_error) is row.error, f"{type(torch_error).__name__}: {message}"
     assert message.startswith(f"{row.function}: "), message
     assert row.expected in message, message
     if row.torch_only:
@@ -713,11 +770,13 @@ STEP_TABLE = [
     ("index_q_rows", lambda a: dict(index_q=a["index_q"][:2]), "qsa_attention_step: index_q must be [T, heads, dim] with T = 5 rows"),
     ("index_k_rank", lambda a: dict(index_k=a["index_k"][:, 0]), "qsa_attention_step: index_k must be [T, heads, dim] with T = 5 rows"),
     ("index_k_heads", lambda a: dict(index_k=a["index_k"].expand(-1, 2, -1).contiguous()), "qsa_attention_step: index_k must have one head ([T, 1, DI])"),
-    # ... the stages' checks name the stage and its argument.
-    ("attention_dtype_fp32", lambda a: dict(q=a["q"].float(), k=a["k"].float(), v=a["v"].float()),
-     "rope_reshape_and_cache: key_cache must have dtype float32 or float8_e4m3fn, got bfloat16"),
     ("index_dtype_mismatch", lambda a: dict(index_k=a["index_k"].to(BF16)),
-     "compress_groups: compressor_state_cache must have raw_keys' dtype bfloat16, got float32"),
+     "qsa_attention_step: index_k must have index_q's dtype float32, got bfloat16"),
+    # ... and so do the stages' checks, naming the step argument the stage's is bound to.
+    ("attention_dtype_fp32", lambda a: dict(q=a["q"].float(), k=a["k"].float(), v=a["v"].float()),
+     "qsa_attention_step: state.key_cache must have dtype float32 or float8_e4m3fn, got bfloat16"),
+    ("index_cache_dtype_mismatch", lambda a: dict(index_q=a["index_q"].to(BF16), index_k=a["index_k"].to(BF16)),
+     "qsa_attention_step: state.compressor_state_cache must have index_k's dtype bfloat16, got float32"),
 ]
 
 

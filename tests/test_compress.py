@@ -511,118 +511,11 @@ def test_flow_storing_raw_keys_first_breaks_groups():
 
 
 # --------------------------------------------------------------------------
-# Validation: both adapters raise ValueError with the same message.
+# Wrong array types (every bad-argument case is a row of tests/test_bad_arguments.py).
 # --------------------------------------------------------------------------
 
 def _compress_base():
     return make_compress_inputs(Case(positions_dtype=torch.int32, rope_cache=True)), 4
-
-
-def _bad_compress(mutate, ratio=4):
-    def build():
-        args, _ = _compress_base()
-        mutate(args)
-        return args, ratio
-    return build
-
-
-def _bad_store(mutate):
-    def build():
-        _, cache, slots, rows = make_store_inputs(StoreCase(slot_dtype=torch.int32))
-        args = dict(cache=cache, slot_mapping=slots, rows=rows)
-        mutate(args)
-        return args
-    return build
-
-
-def _set(**changes):
-    """A mutation replacing arguments with functions of the current ones."""
-    return lambda a: a.update({n: fn(a) for n, fn in changes.items()})
-
-
-BAD_COMPRESS = {
-    "ratio_zero": (_bad_compress(lambda a: None, 0), "compress_ratio must be a positive int"),
-    "ratio_negative": (_bad_compress(lambda a: None, -4), "compress_ratio must be a positive int"),
-    "ratio_float": (_bad_compress(lambda a: None, 4.0), "compress_ratio must be a positive int"),
-    "ring_smaller_than_ratio": (_bad_compress(lambda a: None, 8), "must have a ring of at least compress_ratio = 8"),
-    "raw_keys_rank": (_bad_compress(_set(raw_keys=lambda a: a["raw_keys"][:, 0])), "raw_keys must be [R, 1, D]"),
-    "raw_keys_heads": (_bad_compress(_set(raw_keys=lambda a: a["raw_keys"].expand(-1, 2, -1).contiguous())), "raw_keys must have heads = 1"),
-    "raw_keys_dtype": (_bad_compress(_set(raw_keys=lambda a: a["raw_keys"].to(torch.int32))), "raw_keys must have dtype"),
-    "ring_dtype": (_bad_compress(_set(compressor_state_cache=lambda a: a["compressor_state_cache"].half())), "compressor_state_cache must have raw_keys' dtype"),
-    "ring_width": (_bad_compress(_set(compressor_state_cache=lambda a: a["compressor_state_cache"][..., :32])), "compressor_state_cache must have raw_keys' head dim"),
-    "ring_rank": (_bad_compress(_set(compressor_state_cache=lambda a: a["compressor_state_cache"][:, :, 0])), "compressor_state_cache must be [blocks, ring, 1, D]"),
-    "ring_heads": (_bad_compress(_set(compressor_state_cache=lambda a: a["compressor_state_cache"].expand(-1, -1, 2, -1).contiguous())), "compressor_state_cache must have heads = 1"),
-    "ring_empty_with_rows": (_bad_compress(_set(compressor_state_cache=lambda a: a["compressor_state_cache"][:0])), "must have at least one block when there are rows"),
-    "rope_cache_shape": (_bad_compress(_set(rope_cache=lambda a: a["rope_cache"][:, :3])), "rope_cache must be [blocks, ring, 1, 3]"),
-    "rope_cache_width": (_bad_compress(_set(rope_cache=lambda a: a["rope_cache"][..., :2])), "rope_cache must be [blocks, ring, 1, 3]"),
-    "rope_cache_dtype": (_bad_compress(_set(rope_cache=lambda a: a["rope_cache"].long())), "rope_cache must have raw_positions' dtype int32"),
-    "raw_positions_shape": (_bad_compress(_set(raw_positions=lambda a: a["raw_positions"][:, :, :2])), "raw_positions must be [R, 1, 3]"),
-    "raw_positions_rows": (_bad_compress(_set(raw_positions=lambda a: a["raw_positions"][1:])), "raw_positions must be [R, 1, 3]"),
-    "raw_positions_dtype": (_bad_compress(_set(raw_positions=lambda a: a["raw_positions"].float())), "raw_positions must have dtype int32 or int64"),
-    "token_to_req_length": (_bad_compress(_set(token_to_req=lambda a: a["token_to_req"][:-1])), "token_to_req must be [R]"),
-    "token_to_req_dtype": (_bad_compress(_set(token_to_req=lambda a: a["token_to_req"].long())), "token_to_req must have dtype int32"),
-    "logical_positions_length": (_bad_compress(_set(logical_positions=lambda a: a["logical_positions"][:3])), "logical_positions must be [R]"),
-    "logical_positions_dtype": (_bad_compress(_set(logical_positions=lambda a: a["logical_positions"].float())), "logical_positions must have dtype"),
-    "compressed_slots_length": (_bad_compress(_set(compressed_slots=lambda a: a["compressed_slots"][:-2])), "compressed_slots must be [R]"),
-    "compressed_slots_dtype": (_bad_compress(_set(compressed_slots=lambda a: a["compressed_slots"].to(torch.uint8))), "compressed_slots must have dtype"),
-    "block_table_too_few_rows": (_bad_compress(_set(compressor_state_block_table=lambda a: a["compressor_state_block_table"][:2])), "compressor_state_block_table must have at least B = 3 rows"),
-    "block_table_no_column": (_bad_compress(_set(compressor_state_block_table=lambda a: a["compressor_state_block_table"][:, :0])), "compressor_state_block_table must have at least B = 3 rows and one column"),
-    "block_table_rank": (_bad_compress(_set(compressor_state_block_table=lambda a: a["compressor_state_block_table"][:, 0])), "compressor_state_block_table must be [>= B, >= 1]"),
-    "block_table_dtype": (_bad_compress(_set(compressor_state_block_table=lambda a: a["compressor_state_block_table"].long())), "compressor_state_block_table must have dtype int32"),
-    "query_start_loc_short": (_bad_compress(_set(query_start_loc=lambda a: a["query_start_loc"][:1])), "query_start_loc must have B + 1 >= 2 entries"),
-    "query_start_loc_dtype": (_bad_compress(_set(query_start_loc=lambda a: a["query_start_loc"].long())), "query_start_loc must have dtype int32"),
-    "non_contiguous_last_dim": (_bad_compress(_set(raw_keys=lambda a: a["raw_keys"].transpose(0, 2).contiguous().transpose(0, 2))), "raw_keys must have a contiguous last dimension"),
-}
-
-BAD_STORE = {
-    "cache_rank": (_bad_store(_set(cache=lambda a: a["cache"][:, :, 0])), "cache must be [pages, P, 1, W]"),
-    "cache_heads": (_bad_store(_set(cache=lambda a: a["cache"].expand(-1, -1, 2, -1).contiguous())), "cache must have heads = 1"),
-    "cache_empty": (_bad_store(_set(cache=lambda a: a["cache"][:0])), "cache must have nonzero dimensions"),
-    "cache_dtype": (_bad_store(_set(cache=lambda a: a["cache"].to(torch.uint8), rows=lambda a: a["rows"].to(torch.uint8))), "cache must have dtype"),
-    "rows_dtype": (_bad_store(_set(rows=lambda a: a["rows"].half())), "rows must have cache's dtype bfloat16"),
-    "rows_width": (_bad_store(_set(rows=lambda a: a["rows"][:, :32])), "of cache's width W = 64"),
-    "rows_count": (_bad_store(_set(rows=lambda a: a["rows"][:-1])), "rows must have one row per slot_mapping entry (R = 7)"),
-    "rows_heads": (_bad_store(_set(rows=lambda a: a["rows"][:, None].expand(-1, 2, -1).contiguous())), "rows must have heads = 1"),
-    "rows_rank": (_bad_store(_set(rows=lambda a: a["rows"][0])), "rows must be [R, W] or [R, 1, W]"),
-    "slot_mapping_dtype": (_bad_store(_set(slot_mapping=lambda a: a["slot_mapping"].float())), "slot_mapping must have dtype int32 or int64"),
-    "slot_mapping_rank": (_bad_store(_set(slot_mapping=lambda a: a["slot_mapping"][:, None])), "slot_mapping must be [R]"),
-    "non_contiguous_rows": (_bad_store(_set(rows=lambda a: a["rows"].t().contiguous().t())), "rows must have a contiguous last dimension"),
-}
-
-
-def _jax_value_error(function, *args, **kwargs):
-    with jax.enable_x64(True):  # keep int64 arguments int64 on the JAX side
-        converted = [to_jax(a) for a in args]
-        options = {n: (to_jax(a) if isinstance(a, torch.Tensor) else a) for n, a in kwargs.items()}
-        with pytest.raises(ValueError) as error:
-            function(*converted, **options)
-    return str(error.value)
-
-
-@pytest.mark.parametrize("name", list(BAD_COMPRESS))
-def test_compress_invalid_arguments_same_error_in_both_adapters(name):
-    build, expected = BAD_COMPRESS[name]
-    args, ratio = build()
-    with pytest.raises(ValueError) as torch_error:
-        qsa_torch.compress_groups(**args, compress_ratio=ratio)
-    message = str(torch_error.value)
-    assert message.startswith("compress_groups: ") and expected in message, message
-    if name.startswith("non_contiguous"):
-        return  # JAX arrays are always row-major: the case cannot be built there
-    assert _jax_value_error(qsa_jax.compress_groups, **args, compress_ratio=ratio) == message
-
-
-@pytest.mark.parametrize("name", list(BAD_STORE))
-def test_store_invalid_arguments_same_error_in_both_adapters(name):
-    build, expected = BAD_STORE[name]
-    args = build()
-    with pytest.raises(ValueError) as torch_error:
-        qsa_torch.store_cache_rows(**args)
-    message = str(torch_error.value)
-    assert message.startswith("store_cache_rows: ") and expected in message, message
-    if name.startswith("non_contiguous"):
-        return
-    assert _jax_value_error(qsa_jax.store_cache_rows, **args) == message
 
 
 def test_wrong_array_types():

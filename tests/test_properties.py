@@ -8,7 +8,7 @@ requests for reading, empty batches, requests of length 0 and 1, rows that see
 0 blocks.  Every case is checked against the float64 references
 (tests/reference.py) and torch against JAX (under ``jax.jit``) bit for bit;
 cache cells addressed by no valid slot must be bit-identical afterwards (two
-rows writing one slot is unspecified by API.md: none are generated).
+rows writing one slot is unspecified by docs/api.md: none are generated).
 
 On the torch side every argument is a view into a larger buffer whose margins
 hold NaN (floats) or 0 (indices): a write past an argument changes a margin
@@ -43,10 +43,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import qsa_jax
-import qsa_kernels.select as select_plans
 import qsa_torch
 from qsa_kernels import runtime
-from qsa_kernels.launch import clear_plan_caches
+from qsa_kernels import tuning
 
 from . import reference as R
 from .util import DEVICE, assert_bitwise_equal, assert_close, f64, host, to_jax, tolerance
@@ -407,7 +406,7 @@ def compress_cases(draw):
     _, high = LIMITS[positions_dtype]
     token_to_req, positions = [], []
     for request, length in enumerate(lengths):
-        # A request's rows hold consecutive positions (API.md): from the
+        # A request's rows hold consecutive positions (docs/api.md): from the
         # start, mid-way, near the dtype's limit, or negative ones.
         first = draw(st.one_of(st.integers(0, 12), st.integers(-6, -1), st.just(high - 5)))
         for j in range(length):
@@ -594,7 +593,7 @@ def scores_cases(draw, options: bool = True):
         k_dtype=draw(st.sampled_from((q_dtype,) * 3 + FLOATS)), index_dtype=index_dtype, table_dtype=table_dtype,
         integer=draw(st.booleans()),
         num_columns=draw(st.none() | st.integers(0, columns + 5)) if options else None,
-        score_divisor=draw(st.none() | st.sampled_from((0.5, 3.0, math.inf))) if options else None,
+        score_divisor=draw(st.none() | st.sampled_from((0.5, 3.0, 1e30))) if options else None,  # finite (inf is rejected)
         seed=draw(st.integers(0, 2**16)),
     )
 
@@ -801,19 +800,17 @@ def select_cases(draw):
                       workspace_rows=draw(st.none() | st.integers(1, 3)))
 
 
-def check_select(c: SelectCase, monkeypatch: pytest.MonkeyPatch) -> None:
+def check_select(c: SelectCase) -> None:
     s = c.scoring
     arrays = scores_inputs(s)
     static = dict(token_topk=c.token_topk, compress_ratio=s.ratio)
-    with monkeypatch.context() as patch:
-        if c.workspace_rows is not None:
-            columns = max(1, s.table_width * s.P)
-            patch.setattr(select_plans, "LOGITS_WORKSPACE_BYTES", 4 * columns * c.workspace_rows)
-            clear_plan_caches()  # a plan of the same shapes may be memoised with the default workspace
+    overrides = {}
+    if c.workspace_rows is not None:
+        columns = max(1, s.table_width * s.P)
+        overrides["select"] = tuning.SelectTuning(logits_workspace_bytes=4 * columns * c.workspace_rows)
+    with tuning.override(**overrides):
         jax_out = run_jax("select_paged_tokens", arrays, **static)
         out, _ = run_torch("select_paged_tokens", arrays, **static)
-    if c.workspace_rows is not None:
-        clear_plan_caches()
     assert out.dtype == torch.int32 and out.shape == (len(s.token_to_req), c.token_topk + s.ratio - 1)
     if s.integer:
         # Exact scores: the float64 pipeline ranks identically, ties included.
@@ -832,8 +829,7 @@ def check_select(c: SelectCase, monkeypatch: pytest.MonkeyPatch) -> None:
 @examples("select")
 @given(case=select_cases())
 def test_select_paged_tokens(case):
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        check_select(case, monkeypatch)
+    check_select(case)
 
 
 # --------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from qsa_kernels import runtime
 
 from . import reference as R
 from .test_properties import RopeCase, check_rope
-from .util import DEVICE, assert_bitwise_equal, host, to_jax
+from .util import DEVICE, assert_bitwise_equal, assert_close, f64, host, to_jax
 
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 
@@ -78,7 +78,7 @@ def test_expand_query_position_int64_max():
 def test_expand_block_index_times_ratio_wraps():
     """Bug (stage 3, fixed): an int64 block index far out of range (-2**63, 2**62)
     times compress_ratio wraps to 0, so ``expand_block_indices`` emits the valid
-    tokens 0..3 instead of -1 (API.md: out-of-range values are treated like -1)."""
+    tokens 0..3 instead of -1 (docs/api.md: out-of-range values are treated like -1)."""
     args = (_i64([[-(2**63), 2**62, 5]]), _i64([100]), _i64([200]), _i32([0]))
     out = qsa_torch.expand_block_indices(*args, 4, 12)
     expected = R.expand_block_indices(*(host(a) for a in args), 4, 12)
@@ -130,9 +130,8 @@ def test_jax_cpu_host_callback_keeps_subnormals():
     assert_bitwise_equal(out, jax_out, "torch vs JAX")
 
 
-@pytest.mark.xfail(strict=True, reason="open bug: a failing torch step has already updated some caches (kernels/step.py)")
 def test_failed_step_leaves_the_state_unchanged():
-    """Bug (composed step, open): ``qsa_attention_step`` validates only its own
+    """Bug (composed step, fixed: the step is one plan): ``qsa_attention_step`` validates only its own
     arguments up front and leaves the rest to each stage, so a call that fails
     in a late stage has already run the early ones: with a compressed-key cache
     of the wrong width, torch raises "store_cache_rows: rows must have one row
@@ -150,3 +149,85 @@ def test_failed_step_leaves_the_state_unchanged():
         qsa_torch.qsa_attention_step(**{**arguments, "state": state})
     for name, value in before.items():
         assert_bitwise_equal(getattr(state, name), value, f"{name} after a failed step")
+
+
+# --------------------------------------------------------------------------
+# Issue 13: NaN and inf propagate through attention as the float64 softmax says
+# --------------------------------------------------------------------------
+
+def _first_valid_token(args, row):
+    """(page, offset) of a token ``row`` really attends (mapped, in range)."""
+    request = int(args["token_to_req"][row])
+    table, cache = host(args["block_table"]), args["k_cache"]
+    page_size = cache.shape[1]
+    for token in host(args["token_indices"])[row]:
+        if token < 0 or token // page_size >= table.shape[1]:
+            continue
+        page = int(table[request, token // page_size])
+        if 0 <= page < cache.shape[0]:
+            return page, int(token % page_size)
+    raise AssertionError("row attends nothing")
+
+
+def _poison(kind: str, args):
+    """Put one non-finite value where ``kind`` says (q made small: no weight underflows)."""
+    args = dict(args, q=(args["q"].float() * 0.1).to(args["q"].dtype), k_cache=args["k_cache"].clone(),
+                v_cache=args["v_cache"].clone())
+    page, offset = _first_valid_token(args, 0)
+    if kind == "nan_q":
+        args["q"][0, 1, 3] = float("nan")
+    elif kind == "inf_q":
+        args["q"][0, 2, 3] = float("inf")
+    elif kind == "nan_k":
+        args["k_cache"][page, offset, 0, 5] = float("nan")
+    elif kind == "inf_k":  # +inf scores for some heads of the group (NaN), -inf for others (weight 0)
+        args["k_cache"][page, offset, 0, 5] = float("inf")
+        args["q"][0, :2, 5] = args["q"][0, :2, 5].abs() + 0.1
+        args["q"][0, 2:4, 5] = -args["q"][0, 2:4, 5].abs() - 0.1
+    elif kind == "nan_v":
+        args["v_cache"][page, offset, 1, 7] = float("nan")
+    elif kind == "inf_v":
+        args["v_cache"][page, offset, 1, 7] = float("-inf")
+    elif kind == "all_scores_minus_inf":  # every valid score of row 0, head 0 is -inf: NaN, not zeros
+        args["k_cache"][:, :, 0, 0] = args["k_cache"][:, :, 0, 0].abs() + 0.5
+        args["q"][0, 0] = 0.0
+        args["q"][0, 0, 0] = float("-inf")
+    return args
+
+
+def _assert_same_nonfinite_then_close(out, ref, tol, what):
+    out = f64(out)
+    for name, test in (("NaN", np.isnan), ("+inf", np.isposinf), ("-inf", np.isneginf)):
+        assert np.array_equal(test(out), test(ref)), (
+            f"{what}: {name} at {np.argwhere(test(out) != test(ref))[:5].tolist()} differ from the reference")
+    finite = np.isfinite(ref)
+    assert_close(out[finite], ref[finite], tol, what)
+
+
+NONFINITE = ["nan_q", "inf_q", "nan_k", "inf_k", "nan_v", "inf_v", "all_scores_minus_inf"]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy's, on NaN/inf arithmetic (reference and interpreter)
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("kind", NONFINITE)
+def test_attention_nonfinite_inputs_follow_the_reference(kind, splits):
+    """Bug (stage 4, fixed): a NaN/inf in q or in one cell of a selected K row made the
+    whole output (of the head, or of the KV group) exactly zero, like "no valid
+    token", where the float64 reference gives NaN.  Validity is now counted apart
+    from the normaliser (a zero normaliser with valid tokens is NaN), and the merge
+    drops weight-0 splits without turning "all -inf" into zeros.  Rows with no
+    valid token stay zeros (make_inputs has three such rows)."""
+    from qsa_kernels import tuning
+
+    from .test_attention import Case, make_inputs, reference_for, run_jax
+
+    args = _poison(kind, make_inputs(Case(QH=8, KH=2, D=64, W=300, seed=1)))
+    ref = reference_for(args)
+    assert not np.isfinite(ref).all(), "the case has no non-finite output: it tests nothing"
+    assert np.isfinite(ref).any()
+    with tuning.override(attention=tuning.AttentionTuning(num_splits=splits)):
+        out = qsa_torch.sparse_paged_attention(**args)
+        jax_out = run_jax(args)
+    _assert_same_nonfinite_then_close(out, ref, 1e-2, f"{kind}, {splits} splits")
+    assert not f64(out)[1:4].any(), "rows without a valid token must stay zeros"
+    assert_bitwise_equal(jax_out, out, "torch vs JAX")

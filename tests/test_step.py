@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -415,3 +416,175 @@ def test_production_geometry_graph_and_jax():
         assert_bitwise_equal(getattr(graph_state, name), getattr(eager_state, name), f"graph {name}")
         assert_bitwise_equal(getattr(jax_state, name), getattr(eager_state, name), f"jax {name}")
     assert (host(eager_indices) >= 0).sum(1).min() >= 2048
+
+
+# --------------------------------------------------------------------------
+# All or nothing: a step that raises has changed no cache (issue 13)
+# --------------------------------------------------------------------------
+
+def _two_step_arguments():
+    """A fresh copy of :func:`_two_step_base` (the first step runs once per session)."""
+    base = _two_step_base()
+    return dict(base, state=clone_state(base["state"]))
+
+
+@functools.lru_cache(maxsize=1)
+def _two_step_base():
+    """Arguments of a second step whose groups straddle the first: pooling reads the ring.
+
+    Ratio 2, ring 2: request a's position 3 pools position 2 from the ring,
+    which this step's position 4 overwrites.  So a failed step that had
+    already stored its raw keys would make a retry pool the wrong key.
+    """
+    from .test_bad_arguments import step_arguments
+
+    geometry = CacheGeometry(page_size=4, num_pages=8, compress_ratio=2, compressed_page_size=2,
+                             num_compressed_pages=6, max_context=16, max_requests=2)
+    pager = PagedRequests(geometry)
+    arguments = step_arguments()  # its metadata is this pager's first step
+    pager.step({"a": 3, "b": 2})
+    _, state = qsa_torch.qsa_attention_step(**arguments)
+    host_meta = pager.step({"a": 3, "b": 1})
+    g = torch.Generator().manual_seed(11)
+    rand = lambda *shape, dtype=torch.bfloat16: torch.randn(*shape, generator=g).to(dtype).to(DEVICE)  # noqa: E731
+    return dict(arguments, q=rand(4, 4, 16), k=rand(4, 2, 16), v=rand(4, 2, 16),
+                index_q=rand(4, 2, 16, dtype=torch.float32), index_k=rand(4, 1, 16, dtype=torch.float32),
+                state=state, metadata=qsa_torch.StepMetadata.from_host(host_meta, DEVICE), return_token_indices=True)
+
+
+def _meta(**changes):
+    return lambda a: dict(metadata=dataclasses.replace(a["metadata"], **{n: f(a["metadata"]) for n, f in changes.items()}))
+
+
+def _non_contiguous(x):
+    wide = torch.zeros(*x.shape[:-1], 2 * x.shape[-1], dtype=x.dtype, device=x.device)
+    wide[..., ::2] = x
+    return wide[..., ::2]
+
+
+# (name, change, error type, message start, torch only)
+FAILED_STEPS = [
+    ("softmax_scale", lambda a: dict(softmax_scale=float("nan")), ValueError,
+     "qsa_attention_step: softmax_scale must be a finite Python number or None, got nan", False),
+    ("compressed_block_table_rank", _meta(compressed_block_table=lambda m: m.compressed_block_table[0]), ValueError,
+     "qsa_attention_step: metadata.compressed_block_table must be", False),
+    ("compressed_block_table_dtype", _meta(compressed_block_table=lambda m: m.compressed_block_table.float()),
+     ValueError, "qsa_attention_step: metadata.compressed_block_table must have dtype", False),
+    ("compressed_block_table_narrow", _meta(compressed_block_table=lambda m: m.compressed_block_table[:, :2]),
+     ValueError, "qsa_attention_step: metadata.compressed_block_table must have at least 3 columns", False),
+    ("sequence_lengths_length", _meta(sequence_lengths=lambda m: m.sequence_lengths[:1]), ValueError,
+     "qsa_attention_step: metadata.sequence_lengths must", False),
+    ("index_q_non_contiguous", lambda a: dict(index_q=_non_contiguous(a["index_q"])), ValueError,
+     "qsa_attention_step: index_q must have a contiguous last dimension (stride 1)", True),
+    ("index_cos_sin_width", lambda a: dict(index_cos_sin=a["index_cos_sin"][:, :8]), ValueError,
+     "qsa_attention_step: index_cos_sin must have width 2*F", False),
+    ("index_cos_sin_shorter_than_cos_sin", lambda a: dict(index_cos_sin=a["index_cos_sin"][:20]), ValueError,
+     "qsa_attention_step: index_cos_sin must have at least cos_sin's 32 rows (positions)", False),
+    ("compress_ratio_past_ring", lambda a: dict(compress_ratio=4, token_topk=4), ValueError,
+     "qsa_attention_step: state.compressor_state_cache must have a ring of at least compress_ratio = 4", False),
+    ("token_to_req_float", _meta(token_to_req=lambda m: m.token_to_req.float()), ValueError,
+     "qsa_attention_step: metadata.token_to_req must have dtype int32 or int64", False),
+    ("metadata_field_none", _meta(token_to_req=lambda m: None), TypeError,
+     "qsa_attention_step: metadata.token_to_req must be an array (it is required), got None", False),
+    ("index_k_dtype", lambda a: dict(index_k=a["index_k"].to(torch.bfloat16)), ValueError,
+     "qsa_attention_step: index_k must have index_q's dtype float32, got bfloat16", False),
+]
+
+
+def _jax_arguments(arguments):
+    from .test_bad_arguments import step_to_jax
+
+    converted = step_to_jax(arguments)
+    if arguments["metadata"].token_to_req is None:
+        converted["metadata"] = dataclasses.replace(converted["metadata"], token_to_req=None)
+    return converted
+
+
+@pytest.mark.parametrize("name, change, error, message, torch_only", FAILED_STEPS, ids=[c[0] for c in FAILED_STEPS])
+def test_failed_step_changes_no_cache_and_names_the_step_argument(name, change, error, message, torch_only):
+    arguments = _two_step_arguments()
+    bad = {**arguments, **change(arguments)}
+    before = {n: getattr(bad["state"], n).clone() for n in STATE_FIELDS}
+    with pytest.raises(error) as info:
+        qsa_torch.qsa_attention_step(**bad)
+    assert str(info.value).startswith(message), str(info.value)
+    for n in STATE_FIELDS:
+        assert_bitwise_equal(getattr(bad["state"], n), before[n], f"{n} after a failed step")
+    if not torch_only:
+        with jax.enable_x64(True):  # so that int64 stays int64 on the JAX side
+            jax_bad = _jax_arguments(bad)
+            with pytest.raises(error) as jax_info:
+                qsa_jax.qsa_attention_step(**jax_bad)
+        assert str(jax_info.value) == str(info.value)
+
+
+@pytest.mark.parametrize("name", ["index_cos_sin_width", "compress_ratio_past_ring", "metadata_field_none"])
+def test_retry_after_a_failed_step_equals_a_clean_run(name):
+    """The failed call wrote nothing, so the corrected retry pools the right ring keys: bit for bit a clean run."""
+    change = next(c[1] for c in FAILED_STEPS if c[0] == name)
+    arguments = _two_step_arguments()
+    jax_arguments = _jax_arguments(arguments)  # before torch updates the state in place
+    clean_state = clone_state(arguments["state"])
+    clean = qsa_torch.qsa_attention_step(**{**arguments, "state": clean_state})
+    with pytest.raises((ValueError, TypeError)):
+        qsa_torch.qsa_attention_step(**{**arguments, **change(arguments)})
+    retry = qsa_torch.qsa_attention_step(**arguments)
+    for what, a, b in (("out", retry[0], clean[0]), ("token_indices", retry[2], clean[2])):
+        assert_bitwise_equal(a, b, what)
+    for n in STATE_FIELDS:
+        assert_bitwise_equal(getattr(retry[1], n), getattr(clean[1], n), n)
+    # JAX: the same retry after the same failure, and the same bits as torch.
+    with pytest.raises((ValueError, TypeError)):  # JAX arrays are immutable: only the retry matters here
+        qsa_jax.qsa_attention_step(**_jax_arguments({**arguments, **change(arguments)}))
+    jax_retry = qsa_jax.qsa_attention_step(**jax_arguments)
+    assert_bitwise_equal(jax_retry[0], clean[0], "jax out")
+    for n in STATE_FIELDS:
+        assert_bitwise_equal(getattr(jax_retry[1], n), getattr(clean[1], n), f"jax {n}")
+
+
+def test_compressed_table_width_check_accepts_every_geometry():
+    """The width rule of the step (from the KV table's width) passes every CacheGeometry's tables,
+    and rejects one column fewer than the least context those KV tables imply needs."""
+    from qsa_kernels.launch import ArrayInfo
+    from qsa_kernels.step import _check_compressed_table_width
+    from qsa_kernels.validate import Checker
+
+    rng = np.random.default_rng(0)
+    check = Checker("qsa_attention_step")
+    for _ in range(3000):
+        page, ratio, cpage = (int(rng.integers(1, 70)) for _ in range(3))
+        max_context = int(rng.integers(1, 3000))
+        g = CacheGeometry(page_size=page, num_pages=1, compress_ratio=ratio, compressed_page_size=cpage,
+                          num_compressed_pages=1, max_context=max_context, max_requests=1)
+        arrays = dict(block_table=ArrayInfo.contiguous((2, g.table_width), "int32"),
+                      compressed_block_table=ArrayInfo.contiguous((2, g.compressed_table_width), "int32"),
+                      key_cache=ArrayInfo.contiguous((1, page, 1, 16), "bfloat16"),
+                      compressed_key_cache=ArrayInfo.contiguous((1, cpage, 1, 16), "float32"))
+        _check_compressed_table_width(check, arrays, ratio)
+        least = CacheGeometry(page_size=page, num_pages=1, compress_ratio=ratio, compressed_page_size=cpage,
+                              num_compressed_pages=1, max_context=(g.table_width - 1) * page + 1, max_requests=1)
+        if least.compressed_table_width > 1:
+            narrow = dict(arrays, compressed_block_table=ArrayInfo.contiguous((2, least.compressed_table_width - 1), "int32"))
+            with pytest.raises(ValueError, match="metadata.compressed_block_table must have at least"):
+                _check_compressed_table_width(check, narrow, ratio)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_position_past_cos_sin_gives_nan_out_rows():
+    """Stage 1's error signal (a position past cos_sin: NaN q row, no K/V write) reaches
+    ``out``: attention no longer turns a NaN query into zeros.  Only that row is NaN."""
+    arguments = _two_step_arguments()
+    positions = host(arguments["metadata"].positions)
+    assert positions.tolist() == [3, 4, 5, 2]
+    arguments["cos_sin"] = arguments["cos_sin"][:5]  # position 5 is past it; index_cos_sin covers it
+    jax_arguments = _jax_arguments(arguments)
+    key_cache = arguments["state"].key_cache.clone()
+    torch_out, state, _ = qsa_torch.qsa_attention_step(**arguments)
+    out = f64(torch_out)
+    assert np.isnan(out[2]).all(), "the row past cos_sin must be NaN"
+    assert np.isfinite(out[[0, 1, 3]]).all()
+    slot = int(host(arguments["metadata"].slot_mapping)[2])
+    page, offset = divmod(slot, key_cache.shape[1])
+    assert_bitwise_equal(state.key_cache[page, offset], key_cache[page, offset], "no K write for the NaN row")
+    jax_out, _, _ = qsa_jax.qsa_attention_step(**jax_arguments)
+    assert_bitwise_equal(jax_out, torch_out, "torch vs JAX")

@@ -2,12 +2,14 @@
 and fallback branches, and the direct select), the sliced path, and the
 shapes where the plan switches between them.
 
-CPU shapes are small: the tuning constants are shrunk so that every path and
-branch runs at widths of a few hundred columns.  Every case is checked
+CPU shapes are small: the tuning is shrunk (``tuning.override``) so that
+every path and branch runs at widths of a few hundred columns.  Every case is checked
 against the reference exactly, in both adapters (JAX bitwise equal to torch).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import numpy as np
@@ -17,17 +19,24 @@ import torch
 import qsa_jax
 import qsa_kernels.topk as topk_plans
 import qsa_torch
-from qsa_kernels.launch import ArrayInfo, clear_plan_caches
+from qsa_kernels import tuning
+from qsa_kernels.launch import ArrayInfo
+from qsa_kernels.tuning import TopkTuning
 
 from . import reference
 from .test_select import check_topk, topk_logits
 from .util import DEVICE, assert_bitwise_equal, host, to_jax
 
 
-def plan(rows, columns, k):
-    clear_plan_caches()  # tests change tuning constants between plans
+def plan(rows, columns, k, topk_tuning=None):
+    """The plan under ``topk_tuning`` (default: the tuning in force)."""
     return topk_plans.plan_topk_blocks(ArrayInfo.contiguous((rows, columns), "float32"),
-                                       ArrayInfo.contiguous((rows,), "int32"), k)
+                                       ArrayInfo.contiguous((rows,), "int32"), k, tuning=topk_tuning)
+
+
+def retuned(**fields):
+    """``tuning.override`` of some top-k fields, the others as in force."""
+    return tuning.override(topk=dataclasses.replace(tuning.current().topk, **fields))
 
 
 def kernels(program):
@@ -35,33 +44,30 @@ def kernels(program):
 
 
 @pytest.fixture
-def small_tiles(monkeypatch):
+def small_tiles():
     """Row-path tiles of 32 columns (one warp, one key a thread) and
     candidate buffers of 4k, so that small rows take every branch."""
-    monkeypatch.setattr(topk_plans, "TOPK_ROW_WARPS", 1)
-    monkeypatch.setattr(topk_plans, "TOPK_ROW_KEYS_PER_THREAD", 1)
-    monkeypatch.setattr(topk_plans, "TOPK_ROW_GROUP_KEYS_PER_THREAD", 1)
-    monkeypatch.setattr(topk_plans, "TOPK_MIN_CANDIDATES", 8)
+    with retuned(row_warps=1, row_keys_per_thread=1, row_group_keys_per_thread=1, min_candidates=8):
+        yield
 
 
 # --------------------------------------------------------------------------
 # Which path, from the static shape
 # --------------------------------------------------------------------------
 
-def test_path_thresholds(monkeypatch):
-    monkeypatch.setattr(topk_plans, "TOPK_PATH", "auto")
-    wide = topk_plans.TOPK_ROW_MAX_COLUMNS
-    few = topk_plans.TOPK_ROW_MIN_ROWS
+def test_path_thresholds():
+    wide = TopkTuning().row_max_columns
+    few = TopkTuning().row_min_rows
     assert kernels(plan(1, wide, 512)) == ["topk_row_kernel"]
     assert kernels(plan(few - 1, wide + 1, 512))[0] == "topk_group_max_kernel"
     assert kernels(plan(few, wide + 1, 512)) == ["topk_row_kernel"]
     assert kernels(plan(2048, 2048, 512)) == ["topk_row_kernel"]
     assert kernels(plan(1, 1 << 18, 512))[0] == "topk_group_max_kernel"
     # Forced paths, as the benchmark compares them.
-    monkeypatch.setattr(topk_plans, "TOPK_PATH", "sliced")
-    assert len(plan(1, 32768, 512).launches) == 4
-    monkeypatch.setattr(topk_plans, "TOPK_PATH", "row")
-    assert kernels(plan(1, 1 << 18, 512)) == ["topk_row_kernel"]
+    assert len(plan(1, 32768, 512, TopkTuning(path="sliced")).launches) == 4
+    assert kernels(plan(1, 1 << 18, 512, TopkTuning(path="row"))) == ["topk_row_kernel"]
+    with tuning.override(topk=TopkTuning(path="sliced")):
+        assert len(plan(2048, 2048, 512).launches) == 4
 
 
 @pytest.mark.parametrize("k", [1, 8, 512, 2048])
@@ -79,7 +85,7 @@ def test_row_path_bounds_only_wider_rows(k):
 
 
 def test_many_rows_share_sms():
-    few, many = topk_plans.TOPK_ROW_MANY_ROWS - 1, topk_plans.TOPK_ROW_MANY_ROWS
+    few, many = TopkTuning().row_many_rows - 1, TopkTuning().row_many_rows
     (a,), (b,) = plan(few, 32768, 512).launches, plan(many, 32768, 512).launches
     assert b.num_warps < a.num_warps and b.constexprs["TILE"] < a.constexprs["TILE"]
 
@@ -105,7 +111,7 @@ def row_branch(values: np.ndarray, k: int, launch) -> str:
     maxima = np.zeros(groups, np.uint32)
     np.maximum.at(maxima, np.arange(len(keys)) % groups, keys)
     kth = np.sort(maxima)[::-1][k - 1] if k <= groups else 0
-    bits = 8 * c["BOUND_PASSES"]
+    bits = c["BITS"] * c["BOUND_PASSES"]
     bound = (int(kth) >> (32 - bits)) << (32 - bits)
     count, above = int(np.sum(keys >= bound)), int(np.sum(keys > bound))
     if count <= capacity:
@@ -181,29 +187,86 @@ def test_k_past_visible_and_k_past_columns(small_tiles):
     check_topk(logits, torch.tensor([40, 39, 1], dtype=torch.int32), 40)
 
 
-def test_path_switch_shapes(small_tiles, monkeypatch):
+def test_path_switch_shapes(small_tiles):
     """Just below and above the row-width threshold, and at the row count
     that takes wide rows back to the row path; same result on both paths."""
-    monkeypatch.setattr(topk_plans, "TOPK_ROW_MAX_COLUMNS", 96)
-    monkeypatch.setattr(topk_plans, "TOPK_ROW_MIN_ROWS", 4)
     logits = topk_logits(24, 4, 97, special=True)
     visible = torch.tensor([97, 96, 50, 2], dtype=torch.int32)
-    for rows, columns, path in ((3, 96, "row"), (3, 97, "sliced"), (4, 97, "row")):
-        assert topk_plans.topk_path(rows, columns, 6) == path
-        clear_plan_caches()
-        check_topk(logits[:rows, :columns].contiguous(), visible[:rows].clamp(max=columns), 6)
+    with retuned(row_max_columns=96, row_min_rows=4):
+        for rows, columns, path in ((3, 96, "row"), (3, 97, "sliced"), (4, 97, "row")):
+            assert topk_plans.topk_path(rows, columns, 6, tuning.current().topk) == path
+            assert (kernels(plan(rows, columns, 6)) == ["topk_row_kernel"]) is (path == "row")
+            check_topk(logits[:rows, :columns].contiguous(), visible[:rows].clamp(max=columns), 6)
 
 
-def test_many_rows_switch(small_tiles, monkeypatch):
-    monkeypatch.setattr(topk_plans, "TOPK_ROW_WARPS", 2)
-    monkeypatch.setattr(topk_plans, "TOPK_ROW_KEYS_PER_THREAD", 2)
-    monkeypatch.setattr(topk_plans, "TOPK_ROW_MANY_ROWS", 4)
+def test_many_rows_switch(small_tiles):
     logits = topk_logits(25, 4, 300)
     visible = torch.tensor([300, 299, 128, 7], dtype=torch.int32)
-    assert plan(4, 300, 9).launches[0].constexprs["TILE"] < plan(3, 300, 9).launches[0].constexprs["TILE"]
-    check_topk(logits[:3], visible[:3], 9)
-    clear_plan_caches()
-    check_topk(logits, visible, 9)
+    with retuned(row_warps=2, row_keys_per_thread=2, row_many_rows=4):
+        assert plan(4, 300, 9).launches[0].constexprs["TILE"] < plan(3, 300, 9).launches[0].constexprs["TILE"]
+        check_topk(logits[:3], visible[:3], 9)
+        check_topk(logits, visible, 9)
+
+
+def test_tuning_reaches_the_row_plan():
+    """Every row-path field is read from the tuning passed (or in force), and
+    plans under different tunings are memoised apart."""
+    default = plan(4, 16384, 64)
+    (launch,) = default.launches
+    assert launch.num_warps == 16 and launch.constexprs["BOUND_PASSES"] == 2 and launch.constexprs["BITS"] == 8
+    assert launch.constexprs["TILE"] == 16 * 32 * 16 and launch.constexprs["GROUP_TILE"] == 16384
+    (launch,) = plan(4, 16384, 64, TopkTuning(row_warps=4, row_keys_per_thread=2, row_group_keys_per_thread=4,
+                                              bound_passes=3, radix_bits=4, min_candidates=300)).launches
+    assert launch.num_warps == 4 and launch.constexprs["TILE"] == 2 * 32 * 4
+    assert launch.constexprs["GROUP_TILE"] == 4 * 32 * 4 and launch.constexprs["BOUND_PASSES"] == 3
+    assert launch.constexprs["BITS"] == 4 and launch.scalars["capacity"] == 300
+    (launch,) = plan(300, 16384, 64, TopkTuning(row_many_rows=300)).launches
+    assert launch.num_warps == 8 and launch.constexprs["TILE"] == 8 * 32 * 8
+    assert kernels(plan(4, 16384, 64, TopkTuning(row_max_columns=8192)))[0] == "topk_group_max_kernel"
+    assert kernels(plan(4, 16384, 64, TopkTuning(row_max_columns=8192, row_min_rows=4))) == ["topk_row_kernel"]
+    with tuning.override(topk=TopkTuning(path="sliced")):
+        assert kernels(plan(4, 16384, 64))[0] == "topk_group_max_kernel"
+    assert plan(4, 16384, 64) is default
+
+
+def test_select_topk_tuning_reaches_the_row_path():
+    """select_paged_tokens' top-k takes its path and row-path tiles from its ``topk_tuning``."""
+    import qsa_kernels.select as select_plans
+
+    a = ArrayInfo.contiguous
+    infos = dict(q=a((3, 2, 16), "float32"), k_cache=a((40, 4, 1, 16), "float32"), page_table=a((2, 16), "int32"),
+                 token_to_req=a((3,), "int32"), query_positions=a((3,), "int32"), sequence_lengths=a((2,), "int32"))
+    options = dict(token_topk=16, compress_ratio=2)
+
+    def topk_launches(program):
+        return [launch for launch in program.launches if launch.kernel.__name__.startswith("topk_")]
+
+    (default,) = topk_launches(select_plans.plan_select_paged_tokens(**infos, **options))
+    assert default.kernel.__name__ == "topk_row_kernel" and default.num_warps == 16
+    small = TopkTuning(row_warps=1, row_keys_per_thread=1, row_group_keys_per_thread=1)
+    (launch,) = topk_launches(select_plans.plan_select_paged_tokens(**infos, **options, topk_tuning=small))
+    assert launch.num_warps == 1 and launch.constexprs["TILE"] == 32 and launch.constexprs["GROUP_TILE"] == 32
+    with tuning.override(topk=small):
+        (launch,) = topk_launches(select_plans.plan_select_paged_tokens(**infos, **options))
+        assert launch.constexprs["TILE"] == 32
+    sliced = topk_launches(select_plans.plan_select_paged_tokens(**infos, **options,
+                                                                 topk_tuning=TopkTuning(path="sliced")))
+    assert [launch.kernel.__name__ for launch in sliced][0] == "topk_group_max_kernel" and len(sliced) == 4
+
+
+def test_topk_tuning_is_checked():
+    for fields, message in ((dict(path="rows"), "TopkTuning: path must be one of 'auto', 'row', 'sliced', got 'rows'"),
+                            (dict(path=None), "TopkTuning: path must be one of 'auto', 'row', 'sliced', got None"),
+                            (dict(row_warps=12), "TopkTuning: row_warps must be a power of two, got 12"),
+                            (dict(row_warps=64), "TopkTuning: row_warps must be at most 32, got 64"),
+                            (dict(row_keys_per_thread=3), "TopkTuning: row_keys_per_thread must be a power of two"),
+                            (dict(row_min_rows=0), "TopkTuning: row_min_rows must be a positive int, got 0"),
+                            (dict(row_max_columns=2.0), "TopkTuning: row_max_columns must be a positive int"),
+                            (dict(bound_passes=5), "TopkTuning: bound_passes must be at most 32 // radix_bits = 4"),
+                            (dict(radix_bits=16), "TopkTuning: radix_bits must be at most 8, got 16")):
+        with pytest.raises(ValueError) as error:
+            TopkTuning(**fields)
+        assert str(error.value).startswith(message), error.value
 
 
 # --------------------------------------------------------------------------
