@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FUNCTIONS = ("rope_reshape_and_cache", "compress_groups", "store_cache_rows", "mqa_paged_scores", "topk_blocks",
              "expand_block_indices", "select_paged_tokens", "sparse_paged_attention", "qsa_attention_step")
 # Modules that may hold a function's plan (qsa_kernels.<module>.plan_<function>), across layouts.
-PLAN_MODULES = ("rope_cache", "compress", "score", "topk", "expand", "select", "attention")
+PLAN_MODULES = ("step", "rope_cache", "compress", "score", "topk", "expand", "select", "attention")
 STEPPED = ("rope_reshape_and_cache", "compress_groups", "store_cache_rows", "select_paged_tokens",
            "sparse_paged_attention")
 
@@ -93,10 +93,39 @@ def public_calls(device) -> dict:
 def stage_calls(step_arguments) -> list:
     """``(function, arguments)`` of each stage call one ``qsa_attention_step(**step_arguments)`` makes.
 
-    Runs the step once, with the torch backend's stage functions wrapped to
-    record their arguments by name.
+    A checkout whose step is one plan (``plan_qsa_attention_step``) gets the
+    stage calls built from the step's arrays (this step's RoPE'd inputs
+    aside, the same arrays the step's stages read); an older checkout, whose
+    step called the public stage functions through ``_BACKEND``, records them.
     """
     import qsa_torch
+
+    if not hasattr(qsa_torch._step, "_BACKEND"):
+        a, s, m = step_arguments, step_arguments["state"], step_arguments["metadata"]
+        ratio, topk = a["compress_ratio"], a["token_topk"]
+        select = dict(q=a["index_q"], k_cache=s.compressed_key_cache, page_table=m.compressed_block_table,
+                      token_to_req=m.token_to_req, query_positions=m.positions,
+                      sequence_lengths=m.sequence_lengths, token_topk=topk, compress_ratio=ratio)
+        return [
+            ("rope_reshape_and_cache", dict(q=a["q"], k=a["k"], v=a["v"], key_cache=s.key_cache,
+                                            value_cache=s.value_cache, slot_mapping=m.slot_mapping,
+                                            positions=m.positions, cos_sin=a["cos_sin"],
+                                            is_neox=a.get("is_neox", True))),
+            ("compress_groups", dict(raw_keys=a["index_k"], raw_positions=m.raw_positions,
+                                     compressor_state_cache=s.compressor_state_cache,
+                                     compressor_state_block_table=m.compressor_state_block_table,
+                                     token_to_req=m.token_to_req, query_start_loc=m.query_start_loc,
+                                     logical_positions=m.positions, compressed_slots=m.compressed_slots,
+                                     compress_ratio=ratio)),
+            ("store_cache_rows", dict(cache=s.compressor_state_cache, slot_mapping=m.compressor_state_slots,
+                                      rows=a["index_k"])),
+            ("select_paged_tokens", select),
+            ("sparse_paged_attention", dict(q=a["q"], k_cache=s.key_cache, v_cache=s.value_cache,
+                                            token_indices=qsa_torch.select_paged_tokens(**select),
+                                            block_table=m.block_table, token_to_req=m.token_to_req,
+                                            softmax_scale=a.get("softmax_scale"))),
+        ]
+
     from qsa_kernels import step
 
     calls = []
@@ -112,6 +141,19 @@ def stage_calls(step_arguments) -> list:
     backend = qsa_torch._step._BACKEND._replace(**{n: recording(n, getattr(qsa_torch, n)) for n in STEPPED})
     step.attention_step(backend, **step_arguments)
     return calls
+
+
+def step_programs(step_arguments) -> list:
+    """The programs one step runs: the step's own (one plan) or, in an older checkout, its stages'."""
+    try:
+        from qsa_kernels.step import STATE_FIELDS, METADATA_FIELDS, plan_qsa_attention_step  # noqa: F401
+    except ImportError:
+        return [program_of(name, recorded) for name, recorded in stage_calls(step_arguments)]
+    arguments = dict(step_arguments)
+    state, metadata = arguments.pop("state"), arguments.pop("metadata")
+    arguments.update({name: getattr(state, name) for name in STATE_FIELDS})
+    arguments.update({name: getattr(metadata, name) for name in METADATA_FIELDS})
+    return [program_of("qsa_attention_step", arguments)]
 
 
 def plan_of(function: str):
@@ -137,6 +179,7 @@ def program_of(function: str, arguments: dict):
              torch.int64: "int64", torch.uint8: "uint8"}
     dtypes = {v: k for k, v in names.items()}
     plan = plan_of(function)
+    arguments = {**{name: None for name in plan.array_arguments}, **arguments}  # absent optional arrays
     arrays, options = split_arguments(plan, arguments)
     infos = {k: None if v is None else ArrayInfo(tuple(v.shape), names[v.dtype], v.stride()) for k, v in arrays.items()}
     program = plan(**infos, **options)
@@ -220,7 +263,7 @@ def main(argv=None) -> None:
             fn = getattr(qsa_torch, function)
             row = dict(function=function, public_us=host_us(lambda: fn(**arguments), calls, repeats, sync))
             if function == "qsa_attention_step":
-                programs = [program_of(name, recorded) for name, recorded in stage_calls(arguments)]
+                programs = step_programs(arguments)
             else:
                 programs = [program_of(function, arguments)]
             row["launches"] = sum(len(p.runnable_launches) for p, _ in programs)

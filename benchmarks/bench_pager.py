@@ -219,7 +219,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, nargs="*", default=[1, 64, 256])
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--out", default=None, help="also write the JSON here")
+    parser.add_argument("--out", "--json", dest="out", default=None, help="also write the JSON here")
     args = parser.parse_args()
     rows = [measure(b, args.steps) for b in args.requests]
     report = {"host": platform.processor() or platform.machine(), "python": platform.python_version(),

@@ -20,11 +20,17 @@ Paths, per shape:
   query so no step can be dropped;
 * ``torch_graph_us``: CUDA-graph replay of N steps; ``torch_eager_us``:
   ``triton.testing.do_bench`` median of one eager step;
+* ``torch_compile_us``: ``torch.compile(fullgraph=True)`` of the step (Inductor,
+  default mode), do_bench median; ``torch_compile_graph_us``: the same with
+  ``mode="reduce-overhead"`` (Inductor's CUDA graphs; the caches are marked
+  static addresses, as a module's buffers would be), N back-to-back calls
+  between two events, per call (GPU only: None on the CPU);
 * ``dense_graph_us``: the dense attention layer, CUDA-graph replay: stage 1
   (RoPE + KV write) and ``scaled_dot_product_attention`` (flash) over each
   request's whole context (GQA as MQA per KV head).
 
 Goals reported: JAX jitted step device time within 5% of the torch graph step;
+``torch.compile(mode="reduce-overhead")`` within 5% of the hand-captured graph;
 at 128K the QSA layer at least 15x faster than the dense layer for every batch.
 Shapes run in order of importance (128K first) and stop at a time budget, with
 a note.  ``benchmarks/plot_step.py`` draws the JSON.
@@ -113,6 +119,18 @@ class Shape:
 
         return qsa_torch.qsa_attention_step(**self.inputs, state=self.state, metadata=self.meta, cos_sin=self.cos_sin,
                                             index_cos_sin=self.index_cos_sin, **self.options)[0]
+
+    def compiled_step(self, mode: str | None):
+        """``torch.compile`` of the step (fullgraph: no graph break allowed), over this shape's tensors."""
+        import torch
+
+        import qsa_torch
+
+        for name in ("key_cache", "value_cache", "compressor_state_cache", "compressed_key_cache"):
+            torch._dynamo.mark_static_address(getattr(self.state, name))
+        step = torch.compile(qsa_torch.qsa_attention_step, fullgraph=True, mode=mode)
+        return lambda: step(**self.inputs, state=self.state, metadata=self.meta, cos_sin=self.cos_sin,
+                            index_cos_sin=self.index_cos_sin, **self.options)[0]
 
     def dense_step(self):
         """Stage 1, then flash SDPA over every request's whole context (the caches viewed as [B, L, KH, D])."""
@@ -205,14 +223,34 @@ class Runner:
         row = dict(batch=batch, context=context, cache_gib=round(need / 2**30, 2))
         row["torch_eager_us"] = common.torch_median_us(shape.torch_step, self.smoke)
         row["torch_graph_us"] = common.torch_graph_us(shape.torch_step, calls=LOOP_CALLS, smoke=self.smoke)
+        row.update(self.compiled(shape, label))
         row["dense_graph_us"] = common.torch_graph_us(shape.dense_step, calls=LOOP_CALLS, smoke=self.smoke)
         row.update(self.jax(shape, label))
         row["jax_over_torch_device"] = _ratio(row.get("jax_loop_us"), row.get("torch_graph_us"))
+        row["compile_graph_over_graph"] = _ratio(row.get("torch_compile_graph_us"), row.get("torch_graph_us"))
         row["dense_over_qsa"] = _ratio(row.get("dense_graph_us"), row.get("torch_graph_us"))
         del shape
         if self.device.type == "cuda":
             self.torch.cuda.empty_cache()
         return row
+
+    def compiled(self, shape: Shape, label: str) -> dict:
+        """torch.compile columns (GPU only: Inductor needs a device; CPU smoke runs skip them)."""
+        if self.device.type != "cuda":
+            return {}
+        columns = {}
+        for column, mode in (("torch_compile_us", None), ("torch_compile_graph_us", "reduce-overhead")):
+            try:
+                self.torch._dynamo.reset()
+                step = shape.compiled_step(mode)
+                if mode is None:
+                    columns[column] = common.torch_median_us(step, self.smoke)
+                else:
+                    columns[column] = common.torch_loop_us(step, calls=LOOP_CALLS, smoke=self.smoke)
+            except Exception as error:  # keep the other columns of the shape
+                self.notes.append(f"{label}: torch.compile mode={mode} failed: {type(error).__name__}: "
+                                  f"{str(error)[:200]}")
+        return columns
 
     def jax(self, shape: Shape, label: str) -> dict:
         if self.share == "dlpack":
@@ -254,8 +292,9 @@ def main():
                 rows.append(row)
                 common.print_table([row], list(row))
 
-    columns = ["batch", "context", "cache_gib", "torch_eager_us", "torch_graph_us", "jax_wall_us", "jax_loop_us",
-               "dense_graph_us", "jax_over_torch_device", "dense_over_qsa"]
+    columns = ["batch", "context", "cache_gib", "torch_eager_us", "torch_compile_us", "torch_compile_graph_us",
+               "torch_graph_us", "jax_wall_us", "jax_loop_us", "dense_graph_us", "jax_over_torch_device",
+               "compile_graph_over_graph", "dense_over_qsa"]
     print()
     common.print_table(rows, columns)
     goals = _goals(rows, batches, contexts[0])
@@ -267,6 +306,9 @@ def main():
         "one QSA attention layer's decode step (all four stages), one row per request, production geometry; "
         "every row completes a compressed group (the step's most expensive case)",
         f"torch_graph_us: CUDA graph of {LOOP_CALLS} steps, per step; torch_eager_us: do_bench median",
+        "torch_compile_us: torch.compile(fullgraph=True) of the step, Inductor default mode, do_bench median",
+        f"torch_compile_graph_us: the same with mode='reduce-overhead' (caches marked static), {LOOP_CALLS} "
+        "back-to-back calls between two events, per call",
         f"jax_wall_us: {LOOP_CALLS} back-to-back jitted calls with the state donated, wall clock per call",
         f"jax_loop_us: one jitted lax.fori_loop of {LOOP_CALLS} steps, unroll=True, per step (device time)",
         "dense_graph_us: stage 1 + flash SDPA over the whole context (GQA as MQA per KV head), CUDA graph",
@@ -287,6 +329,10 @@ def _ratio(a, b):
 def _goals(rows, batches, longest) -> list[str]:
     ratios = [r["jax_over_torch_device"] for r in rows if r.get("jax_over_torch_device")]
     lines = []
+    compiled = [r["compile_graph_over_graph"] for r in rows if r.get("compile_graph_over_graph")]
+    if compiled:
+        lines.append(f"goal: torch.compile(mode='reduce-overhead') step within 5% of the hand-captured graph: "
+                     f"worst ratio {max(compiled):.3f} -> {'met' if max(compiled) <= 1.05 else 'NOT met'}")
     if ratios:
         lines.append(f"goal: JAX step device time within 5% of the torch graph step: worst ratio "
                      f"{max(ratios):.3f} -> {'met' if max(ratios) <= 1.05 else 'NOT met'}")

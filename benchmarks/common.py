@@ -73,6 +73,31 @@ def torch_graph_us(fn, calls: int = 20, smoke: bool = False) -> float | None:
     return statistics.median(times)
 
 
+def torch_loop_us(fn, calls: int = 20, smoke: bool = False) -> float | None:
+    """Median µs per call of ``calls`` back-to-back calls of ``fn`` between two CUDA events (GPU only).
+
+    For functions that replay graphs themselves (``torch.compile(mode="reduce-overhead")``):
+    comparable to :func:`torch_graph_us` of the same ``calls``, host cost included.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3 if smoke else 15):
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / calls)
+    return statistics.median(times)
+
+
 def _wall_median_us(fn, repeats: int, calls: int = 1, sync=None) -> float:
     times = []
     for _ in range(repeats):

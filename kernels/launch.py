@@ -16,17 +16,27 @@ Conventions every kernel follows, so one signature serves both adapters:
   (``input_output_aliases``);
 * ``scalars`` (sizes, strides) are runtime arguments in torch and constants in
   JAX; ``constexprs`` are constants in both.
+
+:func:`execute` is the one executor of a Program: both adapters (and the JAX
+CPU path) call it with their own ``allocate`` and ``launch`` callables, so
+allocation, skipped empty launches, output threading, fills of unwritten
+buffers and instrumentation (:func:`observe_launches`) behave the same
+everywhere.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
-__all__ = ["ArrayInfo", "Buffer", "Launch", "Program", "cached_plan", "clear_plan_caches", "contiguous_strides", "split_arguments"]
+__all__ = ["ArrayInfo", "Buffer", "Launch", "LaunchEvent", "Program", "cached_plan", "clear_plan_caches",
+           "contiguous_strides", "execute", "kernel_name", "observe_launches", "split_arguments",
+           "triton_launch"]
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -67,11 +77,20 @@ class ArrayInfo(NamedTuple):
 
 @dataclass(frozen=True)
 class Buffer:
-    """A fresh array the program allocates (an output or a workspace)."""
+    """A fresh array the program allocates (an output or a workspace).
+
+    Launches that run write every element of the buffers they output (tests
+    poison allocations to prove it), so a buffer is allocated uninitialised.
+    ``fill`` is what it holds when it must have a value that no launch gives
+    it: a result, or a launch input, that no launch before writes (every
+    writer has an empty grid).  The executor applies it, identically in both
+    adapters.
+    """
 
     name: str
     shape: tuple[int, ...]
     dtype: str
+    fill: int | float = 0
 
     @property
     def info(self) -> ArrayInfo:
@@ -91,6 +110,9 @@ class Launch:
     num_warps: int = 4
     num_stages: int = 3
 
+    def __post_init__(self):
+        check_kernel_arguments(self)
+
     def aliases(self) -> dict[int, int]:
         """Input index -> output index for outputs updated in place."""
         return {
@@ -102,6 +124,61 @@ class Launch:
     @property
     def empty(self) -> bool:
         return math.prod(self.grid) == 0
+
+
+def kernel_name(kernel) -> str:
+    """A Triton kernel's function name (compiled ``JITFunction`` or interpreted)."""
+    return getattr(kernel, "__name__", None) or kernel.fn.__name__
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_parameters(kernel) -> tuple[tuple[str, bool, bool], ...]:
+    """``(name, is_constexpr, has_default)`` of each parameter of a ``@triton.jit`` kernel."""
+    fn = getattr(kernel, "fn", kernel)
+    while hasattr(fn, "fn"):  # autotuners/heuristics wrap the JITFunction
+        fn = fn.fn
+    return tuple(
+        (p.name, "constexpr" in str(p.annotation), p.default is not inspect.Parameter.empty)
+        for p in inspect.signature(fn).parameters.values())
+
+
+def check_kernel_arguments(launch: Launch) -> None:
+    """Every name a launch binds is a parameter of its kernel, and every parameter is bound.
+
+    Pointers are positional (inputs then outputs); sizes and strides
+    (``scalars``) and ``constexprs`` are keywords.  jax-triton passes every
+    keyword as a compile-time constant, so a misspelled keyword would
+    silently become an unused constant there: refuse it here, when the plan
+    builds the launch.
+    """
+    parameters = _kernel_parameters(launch.kernel)
+    name = kernel_name(launch.kernel)
+    positional = len(launch.inputs) + len(launch.outputs)
+    names = [p[0] for p in parameters]
+    if positional > len(names):
+        raise TypeError(f"Launch of {name}: {positional} array arguments (inputs {launch.inputs}, outputs "
+                        f"{launch.outputs}) but the kernel has {len(names)} parameters {tuple(names)}")
+    keywords = {p[0]: p for p in parameters[positional:]}
+    for kind, bound in (("scalars", launch.scalars), ("constexprs", launch.constexprs)):
+        for key in bound:
+            if key in names[:positional]:
+                raise TypeError(f"Launch of {name}: {kind} key {key!r} is also bound positionally: inputs and "
+                                f"outputs cover the first {positional} parameters {tuple(names[:positional])}")
+            if key not in keywords:
+                raise TypeError(f"Launch of {name}: {kind} key {key!r} is not a parameter of the kernel "
+                                f"(keyword parameters: {tuple(keywords)})")
+            if keywords[key][1] != (kind == "constexprs"):
+                wanted = "constexprs" if keywords[key][1] else "scalars"
+                raise TypeError(f"Launch of {name}: {key!r} is given in {kind} but is "
+                                f"{'a tl.constexpr' if keywords[key][1] else 'a runtime'} parameter "
+                                f"(put it in {wanted})")
+    duplicated = set(launch.scalars) & set(launch.constexprs)
+    if duplicated:
+        raise TypeError(f"Launch of {name}: {sorted(duplicated)} given both as scalars and constexprs")
+    missing = [key for key, (_, _, has_default) in keywords.items()
+               if not has_default and key not in launch.scalars and key not in launch.constexprs]
+    if missing:
+        raise TypeError(f"Launch of {name}: parameters {missing} are not bound (by scalars or constexprs)")
 
 
 @dataclass(frozen=True)
@@ -117,13 +194,23 @@ class Program:
     launches: tuple[Launch, ...]
     results: tuple[str, ...]
 
+    def __post_init__(self):
+        fresh = {b.name for b in self.buffers}
+        for launch in self.launches:
+            for name in launch.outputs:
+                # An argument is updated in place: torch writes the caller's
+                # tensor, JAX must alias it, so the launch must also read it.
+                if name not in fresh and name not in launch.inputs:
+                    raise ValueError(f"{self.function}: launch of {kernel_name(launch.kernel)} writes argument "
+                                     f"{name!r} without reading it (updated arguments must be inputs too)")
+
     def buffer(self, name: str) -> Buffer | None:
         for b in self.buffers:
             if b.name == name:
                 return b
         return None
 
-    @property
+    @functools.cached_property
     def updated_arguments(self) -> tuple[str, ...]:
         """Arguments some launch writes in place (caches)."""
         fresh = {b.name for b in self.buffers}
@@ -134,13 +221,110 @@ class Program:
                     names.append(name)
         return tuple(names)
 
+    @functools.cached_property
+    def fresh_results(self) -> tuple[str, ...]:
+        """The results that are buffers (allocated by the call), in ``results`` order."""
+        fresh = {b.name for b in self.buffers}
+        return tuple(name for name in self.results if name in fresh)
+
     def returned(self, results: tuple):
         """Results as the public function returns them: a lone result bare, else the tuple."""
         return results[0] if len(results) == 1 else results
 
-    @property
+    @functools.cached_property
     def runnable_launches(self) -> tuple[Launch, ...]:
+        """The launches with a nonempty grid (an empty grid launches nothing)."""
         return tuple(launch for launch in self.launches if not launch.empty)
+
+    @functools.cached_property
+    def filled_buffers(self) -> frozenset[str]:
+        """Buffers allocated with their ``fill``: results and launch inputs that no runnable launch wrote first."""
+        written: set[str] = set()
+        needed: set[str] = set()
+        fresh = {b.name: b for b in self.buffers}
+        for launch in self.runnable_launches:
+            needed.update(name for name in launch.inputs if name in fresh and name not in written)
+            written.update(launch.outputs)
+        needed.update(name for name in self.results if name in fresh and name not in written)
+        return frozenset(needed)
+
+
+# --------------------------------------------------------------------------
+# The executor and its instrumentation hook
+# --------------------------------------------------------------------------
+
+class LaunchEvent(NamedTuple):
+    """What an observer sees of one kernel launch (see :func:`observe_launches`)."""
+
+    adapter: str  # "torch", "jax" (compiled: seen when jax traces the call) or "jax-host" (CPU callback)
+    function: str  # the public function the program serves
+    kernel: str  # the kernel's function name
+    grid: tuple[int, ...]
+    launch: Launch
+
+
+_observers: list[Callable[[LaunchEvent], None]] = []
+_observers_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def observe_launches(callback: Callable[[LaunchEvent], None] | None = None) -> Iterator[list[LaunchEvent]]:
+    """See every kernel launch any adapter makes while the context is open.
+
+    With no ``callback``, the events are collected in the list the context
+    yields.  Observers are process-wide (the JAX CPU path launches from its
+    interpreter thread) and are called just before each launch.  Empty
+    launches are skipped and never seen.
+    """
+    events: list[LaunchEvent] = []
+    observer = events.append if callback is None else callback
+    with _observers_lock:
+        _observers.append(observer)
+    try:
+        yield events
+    finally:
+        with _observers_lock:
+            _observers.remove(observer)
+
+
+def triton_launch(launch: Launch, inputs: Sequence, outputs: Sequence) -> Sequence:
+    """Launch ``launch`` with Triton's own ``kernel[grid](...)`` (in place: returns ``outputs``)."""
+    launch.kernel[launch.grid](*inputs, *outputs, **launch.scalars, **launch.constexprs,
+                               num_warps=launch.num_warps, num_stages=launch.num_stages)
+    return outputs
+
+
+def execute(program: Program, arrays: Mapping[str, Any], *, adapter: str,
+            allocate: Callable[[Buffer, int | float | None], Any],
+            launch: Callable[[Launch, list, list], Sequence],
+            guard: Callable[[], Any] | None = None) -> tuple:
+    """Run ``program`` over ``arrays`` (its arguments by name; ``None`` for absent ones).
+
+    ``allocate(buffer, fill)`` makes a buffer's array: uninitialised when
+    ``fill`` is ``None``, else filled with it (``Program.filled_buffers``).
+    ``launch(launch, inputs, outputs)`` runs one launch and returns its
+    outputs' new values (torch: the same tensors, written in place; JAX: the
+    arrays ``triton_call`` returns).  Outputs are threaded through later
+    launches; empty launches are skipped; ``guard()``, if given, is entered
+    around the launches (interpreter lock, CUDA device).  Returns the
+    results, in ``program.results`` order.
+    """
+    env = dict(arrays)
+    filled = program.filled_buffers
+    for buffer in program.buffers:
+        env[buffer.name] = allocate(buffer, buffer.fill if buffer.name in filled else None)
+    launches = program.runnable_launches
+    if launches:
+        with guard() if guard is not None else contextlib.nullcontext():
+            for step in launches:
+                if _observers:
+                    event = LaunchEvent(adapter, program.function, kernel_name(step.kernel), step.grid, step)
+                    for observer in tuple(_observers):
+                        observer(event)
+                outputs = launch(step, [env[name] for name in step.inputs], [env[name] for name in step.outputs])
+                for name, value in zip(step.outputs, outputs):
+                    env[name] = value
+    return tuple(env[name] for name in program.results)
 
 
 def split_arguments(plan, arguments: Mapping[str, Any]) -> tuple[dict, dict]:

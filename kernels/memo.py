@@ -14,8 +14,8 @@
 
 After a plan is made (a miss), checks common to every plan run once: every
 array has a contiguous last dimension, no array the program updates in place
-is an expanded (stride-0) view, and every launch names exactly its kernel's
-parameters.
+is an expanded (stride-0) view.  (Each launch is checked against its kernel's
+parameters when it is built: :class:`.launch.Launch`.)
 """
 
 from __future__ import annotations
@@ -94,8 +94,6 @@ def cached_plan(plan=None, /, *, options: Mapping[str, Option] | None = None):
         for name in program.updated_arguments:
             if name in arguments and arguments[name] is not None:
                 check.not_expanded(name, arguments[name])
-        for launch in program.launches:
-            check_launch_signature(function, launch)
         return program
 
     # Calls seen before, keyed by the values as given *and their types*
@@ -163,22 +161,6 @@ def cached_plan(plan=None, /, *, options: Mapping[str, Option] | None = None):
     memoised.cache_info = build.cache_info
     _PLAN_CACHES.append(memoised)
     return memoised
-
-
-def check_launch_signature(function: str, launch) -> None:
-    """A launch names exactly its kernel's parameters: pointers (inputs, then
-    outputs) first, then every scalar and constexpr by name.  (jax-triton would
-    turn a misspelled keyword into a silent constexpr.)  A plan bug, not a user's."""
-    names = getattr(launch.kernel, "arg_names", None)
-    if names is None:  # not a Triton kernel (a test double)
-        return
-    pointers = len(launch.inputs) + len(launch.outputs)
-    given, expected = set(launch.scalars) | set(launch.constexprs), set(names[pointers:])
-    if len(names) < pointers or given != expected or len(launch.scalars) + len(launch.constexprs) != len(given):
-        kernel = getattr(launch.kernel, "__name__", None) or launch.kernel.fn.__name__
-        raise RuntimeError(
-            f"{function}: the launch of {kernel} does not match its parameters: {pointers} pointers for "
-            f"{names[:pointers]}, unknown {sorted(given - expected)}, missing {sorted(expected - given)}")
 
 
 def clear_plan_caches() -> None:

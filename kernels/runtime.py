@@ -6,8 +6,11 @@ kernels on CPU arrays).  The choice is made once, before ``triton`` is first
 imported, so that a CPU user needs no setup.  An explicit ``TRITON_INTERPRET``
 in the environment always wins.
 
-This module imports neither torch nor jax (nor triton): probing for a device
-goes through the CUDA driver library directly.
+This module imports neither torch nor jax (nor triton), and it never
+initialises CUDA: ``cuInit`` in a parent process leaves a forked child unable
+to use CUDA, so importing the package must not call it (torch's own
+``import torch`` does not either).  Devices are counted through NVML (what
+``nvidia-smi`` uses; no CUDA context), then ``/proc/driver/nvidia/gpus``.
 """
 
 from __future__ import annotations
@@ -19,18 +22,47 @@ import threading
 __all__ = ["INTERPRETED", "interpreter_lock", "cuda_device_visible"]
 
 
-def cuda_device_visible() -> bool:
-    """True when the CUDA driver reports at least one device to this process."""
+def _hidden_by_environment() -> bool:
+    """``CUDA_VISIBLE_DEVICES`` set to nothing (or to a leading -1) hides every device from CUDA."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return False
+    first = visible.split(",")[0].strip()
+    return first == "" or first.startswith("-")
+
+
+def _nvml_device_count() -> int | None:
+    """Devices NVML reports, or ``None`` without a usable NVML library."""
     try:
-        libcuda = ctypes.CDLL("libcuda.so.1")
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
     except OSError:
+        return None
+    try:
+        if nvml.nvmlInit_v2() != 0:
+            return None
+        count = ctypes.c_uint(0)
+        ok = nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 0
+        nvml.nvmlShutdown()
+    except AttributeError:
+        return None
+    return count.value if ok else None
+
+
+def _proc_device_count() -> int | None:
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return None
+
+
+def cuda_device_visible() -> bool:
+    """True when at least one CUDA device is visible to this process, found without initialising CUDA."""
+    if _hidden_by_environment():
         return False
-    count = ctypes.c_int(0)
-    if libcuda.cuInit(0) != 0:
-        return False
-    if libcuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
-        return False
-    return count.value > 0
+    for count in (_nvml_device_count(), _proc_device_count()):
+        if count is not None:
+            return count > 0
+    return False
 
 
 def _decide() -> bool:

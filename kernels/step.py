@@ -110,7 +110,7 @@ index_dtype=None, device=None)`` allocates zero caches.
 """
 
 METADATA_DOC = """\
-Index arrays of one step (all int32), built on the host by
+Index arrays of one step (int32, or int64), built on the host by
 ``qsa_kernels.paging.PagedRequests.step`` and converted with
 ``StepMetadata.from_host(host_metadata, device=None)``.[jax:  A pytree
 (registered dataclass).]

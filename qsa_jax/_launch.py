@@ -4,8 +4,8 @@ Compiled process: each launch is a ``jax_triton.triton_call`` (see
 :mod:`qsa_jax._triton_call`, the only module that touches jax-triton).
 Interpreted process (no CUDA device; jax-triton cannot even be imported with a
 CPU-only jaxlib): the whole program runs from one host callback through the
-torch executor on zero-copy CPU tensors, so the same plans and kernels run
-under ``jax.jit`` in CI.
+shared executor (``qsa_kernels.launch.execute``) on zero-copy CPU torch
+tensors, so the same plans and kernels run under ``jax.jit`` in CI.
 
 Every call is wrapped so that ``jax.grad`` and ``jax.vmap`` fail with a message
 naming the public function, not an internal error.
@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from qsa_kernels import runtime
-from qsa_kernels.launch import ArrayInfo, Program, split_arguments
+from qsa_kernels.launch import ArrayInfo, Buffer, Program, execute, split_arguments, triton_launch
 from qsa_kernels.validate import check_host_indices_fit_int32, device_error, type_error
 
 from . import _sharding
@@ -133,7 +133,7 @@ _interpreter_thread = _InterpreterThread() if runtime.INTERPRETED else None
 
 
 def _run_on_host(program: Program, names, arrays):
-    from qsa_torch import _launch as torch_launch  # the interpreter executor
+    import torch  # the interpreter runs on CPU torch tensors (never through qsa_torch)
 
     updated = set(program.updated_arguments)
     result_types = []
@@ -145,16 +145,22 @@ def _run_on_host(program: Program, names, arrays):
             source = arrays[names.index(name)]
             result_types.append(jax.ShapeDtypeStruct(source.shape, source.dtype))
 
-    def host(*host_arrays):
-        import torch
+    def allocate(buffer: Buffer, fill):
+        dtype = getattr(torch, buffer.dtype)  # plans name dtypes as torch does
+        if fill is None:
+            return torch.empty(buffer.shape, dtype=dtype)
+        return torch.full(buffer.shape, fill, dtype=dtype)
 
+    def host(*host_arrays):
         tensors = {}
         for name, array in zip(names, host_arrays):
             array = np.array(array, copy=True) if name in updated else np.asarray(array)
             if not array.flags.writeable:
                 array = array.copy()
             tensors[name] = _to_torch(array)
-        outputs = _interpreter_thread(lambda: torch_launch.run(program, tensors, torch.device("cpu")))
+        outputs = _interpreter_thread(lambda: execute(
+            program, tensors, adapter="jax-host", allocate=allocate, launch=triton_launch,
+            guard=lambda: runtime.interpreter_lock))
         return tuple(_to_numpy(out) for out in outputs)
 
     return jax.pure_callback(host, tuple(result_types), *arrays)

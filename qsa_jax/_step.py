@@ -37,7 +37,10 @@ def qsa_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, index_q: ArrayL
                        index_cos_sin: ArrayLike, *, compress_ratio: int, token_topk: int,
                        is_neox: bool = True, softmax_scale: float | None = None,
                        return_token_indices: bool = False) -> tuple[Array, QSAState] | tuple[Array, QSAState, Array]:
-    arguments = _step.state_arguments(locals(), QSAState, StepMetadata)
+    arguments = _step.state_arguments(dict(  # by name, as in qsa_torch
+        q=q, k=k, v=v, index_q=index_q, index_k=index_k, state=state, metadata=metadata, cos_sin=cos_sin,
+        index_cos_sin=index_cos_sin, compress_ratio=compress_ratio, token_topk=token_topk, is_neox=is_neox,
+        softmax_scale=softmax_scale, return_token_indices=return_token_indices), QSAState, StepMetadata)
     results = _launch.call(_step.plan_qsa_attention_step, arguments)
     return _step.step_results(results, state, return_token_indices)
 

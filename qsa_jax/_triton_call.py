@@ -10,7 +10,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from qsa_kernels.launch import Program
+from qsa_kernels.launch import Buffer, Launch, Program, execute
 
 
 def _import_jax_triton():
@@ -29,45 +29,31 @@ def _import_jax_triton():
 _jax_triton = None
 
 
+def _allocate(buffer: Buffer, fill):
+    # Unfilled buffers are placeholders: the launch that writes one gets its
+    # shape and dtype as an out_shape and returns the array.
+    if fill is None:
+        return jax.ShapeDtypeStruct(buffer.shape, jnp.dtype(buffer.dtype))
+    return jnp.full(buffer.shape, fill, jnp.dtype(buffer.dtype))
+
+
+def _launch(launch: Launch, inputs: list, outputs: list) -> list:
+    return _jax_triton.triton_call(
+        *inputs,
+        kernel=launch.kernel,
+        out_shape=[jax.ShapeDtypeStruct(value.shape, value.dtype) for value in outputs],
+        grid=launch.grid,
+        input_output_aliases=launch.aliases(),
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
+        **launch.scalars,
+        **launch.constexprs,
+    )
+
+
 def run(program: Program, env: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
+    """Run ``program`` through the shared executor, one ``triton_call`` per launch."""
     global _jax_triton
     if _jax_triton is None:
         _jax_triton = _import_jax_triton()
-    env = dict(env)
-    for buffer in program.buffers:
-        # Buffers that no launch writes (empty grids) still need a value.
-        env[buffer.name] = None
-    for launch in program.runnable_launches:
-        for name in launch.inputs:
-            if env[name] is None:  # a buffer read before any launch writes it (the step's empty scratch caches)
-                buffer = program.buffer(name)
-                env[name] = jnp.zeros(buffer.shape, jnp.dtype(buffer.dtype))
-        out_shapes = []
-        for name in launch.outputs:
-            buffer = program.buffer(name)
-            if name in launch.inputs or buffer is None:
-                source = env[name]
-                out_shapes.append(jax.ShapeDtypeStruct(source.shape, source.dtype))
-            else:
-                out_shapes.append(jax.ShapeDtypeStruct(buffer.shape, jnp.dtype(buffer.dtype)))
-        outputs = _jax_triton.triton_call(
-            *(env[name] for name in launch.inputs),
-            kernel=launch.kernel,
-            out_shape=out_shapes,
-            grid=launch.grid,
-            input_output_aliases=launch.aliases(),
-            num_warps=launch.num_warps,
-            num_stages=launch.num_stages,
-            **launch.scalars,
-            **launch.constexprs,
-        )
-        for name, value in zip(launch.outputs, outputs):
-            env[name] = value
-    results = []
-    for name in program.results:
-        value = env[name]
-        if value is None:
-            buffer = program.buffer(name)
-            value = jnp.zeros(buffer.shape, jnp.dtype(buffer.dtype))
-        results.append(value)
-    return tuple(results)
+    return execute(program, env, adapter="jax", allocate=_allocate, launch=_launch)

@@ -16,7 +16,10 @@ from . import _launch
 def sparse_paged_attention(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike, token_indices: ArrayLike,
                            block_table: ArrayLike, token_to_req: ArrayLike,
                            softmax_scale: float | None = None) -> Array:
-    return _launch.call(plan_sparse_paged_attention, locals())  # every argument, by name
+    return _launch.call(plan_sparse_paged_attention, dict(q=q, k_cache=k_cache, v_cache=v_cache,
+                                                          token_indices=token_indices,
+                                                          block_table=block_table, token_to_req=token_to_req,
+                                                          softmax_scale=softmax_scale))
 
 
 sparse_paged_attention.__doc__ = torch_doc(DOC)

@@ -1,15 +1,58 @@
-"""Binds qsa_kernels programs to torch tensors and launches them."""
+"""Binds qsa_kernels programs to torch tensors: the eager executor and the torch custom ops.
+
+Every public function is ``_launch.call(plan, arguments_by_name)``.  A call
+runs one of two ways, with the same plan, the same executor
+(:func:`qsa_kernels.launch.execute`) and the same results:
+
+* **eager** (plain CPU/CUDA tensors, no torch.compile, no dispatch mode):
+  validate, plan (memoised), launch.  No dispatcher round trip, so a call
+  costs the plan lookup plus the launches.
+* **as a torch custom op** in the ``qsa`` namespace, whenever torch itself
+  must see the call: under ``torch.compile`` / ``torch.export``, fake and
+  meta tensors, ``FakeTensorMode`` or any other dispatch mode.  The op's fake
+  implementation runs the plan (so validation errors and result shapes come
+  from the plan) and allocates the fresh results; it never launches.
+
+Why ``torch.library.custom_op`` and not ``triton_op`` + ``wrap_triton``: a
+custom op is opaque to Inductor, which then calls it as it is (launching the
+same compiled Triton kernels, through the same executor, as eager does):
+results are bitwise the eager ones, and CUDA graphs (``reduce-overhead``)
+capture the launches on the current stream.  ``triton_op`` would let
+Inductor re-emit each ``kernel[grid]`` call itself: it traces the launch
+through ``wrap_triton``, which does not run under Triton's interpreter (the
+CPU path), re-types Python float scalars as fp64 (``tl.dot`` then fails an
+assertion on ``scale_log2``), and would put a second launch path beside the
+executor.
+
+Ops are generated from the plans, never written by hand: the schema's
+arguments are the plan's parameters (arrays ``Tensor`` / ``Tensor?``,
+options ``Scalar?``: ints, floats, bools or None), the mutated arguments are
+the Program's ``updated_arguments`` and the returns are its fresh results
+(custom ops cannot return their inputs: the caller's own cache tensors are
+returned for in-place results, as in eager).  Both can depend on options
+(``return_zeros``, ``return_token_indices``), so one op exists per plan and
+*shape of result*: ``qsa::<function>`` plus a suffix naming what it updates
+and how many fresh tensors it returns, made the first time a call needs it.
+Under ``torch.compile`` the binding runs inside ``torch._dynamo.nonstrict_trace``
+(Dynamo does not trace the plans; AOTAutograd runs them on fake tensors), so
+a whole composition traces with no graph break.
+"""
 
 from __future__ import annotations
 
-import contextlib
+import functools
+import inspect
+import sys
+import threading
 from typing import Mapping
 
 import torch
 
 from qsa_kernels import runtime
-from qsa_kernels.launch import ArrayInfo, Program, split_arguments
+from qsa_kernels.launch import ArrayInfo, Buffer, Launch, Program, execute, split_arguments
 from qsa_kernels.validate import device_error, type_error
+
+from . import _fast_launch
 
 DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -22,75 +65,311 @@ DTYPES = {
     "uint8": torch.uint8,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+NAMESPACE = "qsa"
+
+
+_new_tuple = tuple.__new__  # builds an ArrayInfo without its Python-level __new__ (hot path)
 
 
 def info(tensor: torch.Tensor) -> ArrayInfo:
     """Shape, dtype and strides of a tensor, as plans see them."""
-    return ArrayInfo(tuple(tensor.shape), DTYPE_NAMES.get(tensor.dtype) or str(tensor.dtype).removeprefix("torch."), tensor.stride())
+    dtype = DTYPE_NAMES.get(tensor.dtype) or str(tensor.dtype).removeprefix("torch.")
+    return _new_tuple(ArrayInfo, (tuple(tensor.shape), dtype, tensor.stride()))
 
 
-def metadata(function: str, arrays: Mapping[str, object]) -> dict[str, ArrayInfo | None]:
+def _static_info(tensor: torch.Tensor) -> ArrayInfo:
+    # Fake tensors may carry symbolic sizes: kernels specialise on every size
+    # (grids, tiles), so the plan sees (and guards on) concrete ints.
+    return ArrayInfo(tuple(int(s) for s in tensor.shape),
+                     DTYPE_NAMES.get(tensor.dtype) or str(tensor.dtype).removeprefix("torch."),
+                     tuple(int(s) for s in tensor.stride()))
+
+
+def metadata(function: str, arrays: Mapping[str, object], read=info) -> dict[str, ArrayInfo | None]:
     """Check types and devices, and read every array's metadata.
 
     ``None`` entries are absent optional arguments.  All tensors must share
-    one device; in a compiled process that device must be a CUDA device.
+    one device; in a compiled process that device must be a CUDA device, in
+    an interpreted one the CPU.  Meta tensors are accepted anywhere: they
+    only ever reach the ops' fake implementations.
+    """
+    return _read(function, arrays, read)[0]
+
+
+def _read(function: str, arrays: Mapping[str, object], read=info):
+    """``(infos, first tensor, plain)``: :func:`metadata`'s checks and whether the call can run eagerly.
+
+    *plain*: every tensor is a plain (not fake, functional or other subclass)
+    tensor on a real device, so torch needs to see nothing of the call.
     """
     infos: dict[str, ArrayInfo | None] = {}
     first_name = first = None
+    plain = True
     for name, value in arrays.items():
         if value is None:
             infos[name] = None
             continue
-        if not isinstance(value, torch.Tensor):
-            raise type_error(function, name, "a torch.Tensor", value)
+        if type(value) is not torch.Tensor:
+            if not isinstance(value, torch.Tensor):
+                raise type_error(function, name, "a torch.Tensor", value)
+            plain = False
         if first is None:
-            first_name, first = name, value
-        elif value.get_device() != first.get_device() or value.is_meta != first.is_meta:
+            first_name, first, index = name, value, value.get_device()
+            meta = index < 0 and value.is_meta  # CPU and meta tensors both have index -1
+        elif value.get_device() != index or (index < 0 and value.is_meta != meta):
             raise device_error(function, name, value.device, first_name, first.device)
-        infos[name] = info(value)
+        infos[name] = read(value)
     if first is not None:
-        on_cuda = first.is_cuda
-        if runtime.INTERPRETED and not (first.get_device() < 0 and not first.is_meta):
+        if meta:
+            plain = False
+        elif runtime.INTERPRETED and index >= 0:
             raise ValueError(f"{function}: this process runs Triton's interpreter (no CUDA device was visible at import), so tensors must be on the CPU, got {first.device}")
-        if not runtime.INTERPRETED and not on_cuda:
+        elif not runtime.INTERPRETED and index < 0:
             raise ValueError(f"{function}: this process runs compiled Triton kernels, so tensors must be on a CUDA device, got {first.device}")
-    return infos
+    return infos, first, plain
+
+
+# --------------------------------------------------------------------------
+# Eager execution
+# --------------------------------------------------------------------------
+
+def launch_kernel(launch: Launch, inputs: list, outputs: list) -> list:
+    """The one place the torch adapter launches a kernel (in place on ``outputs``).
+
+    Through :mod:`._fast_launch`: bound once per Triton specialization, then
+    the compiled launcher is called directly (``kernel[grid]`` under the
+    interpreter, on a first call, and whenever the binding cannot be reused).
+    """
+    _fast_launch.launch(launch.kernel, launch.grid, (*inputs, *outputs), launch.scalars, launch.constexprs,
+                        launch.num_warps, launch.num_stages)
+    return outputs
+
+
+class _Allocate:
+    """The executor's ``allocate`` for one device."""
+
+    __slots__ = ("device",)
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __call__(self, buffer: Buffer, fill):
+        if fill is None:
+            return torch.empty(buffer.shape, dtype=DTYPES[buffer.dtype], device=self.device)
+        return torch.full(buffer.shape, fill, dtype=DTYPES[buffer.dtype], device=self.device)
+
+
+def _interpreter_guard():
+    return runtime.interpreter_lock
+
+
+class _CudaGuard:
+    """Make ``device`` current around the launches, only when it is not already."""
+
+    __slots__ = ("index", "previous")
+
+    def __init__(self, device: torch.device):
+        self.index = device.index
+
+    def __enter__(self):
+        self.previous = torch.cuda.current_device()
+        if self.index is not None and self.index != self.previous:
+            torch.cuda.set_device(self.index)
+
+    def __exit__(self, *exc):
+        if self.index is not None and self.index != self.previous:
+            torch.cuda.set_device(self.previous)
 
 
 def run(program: Program, arrays: Mapping[str, torch.Tensor | None], device: torch.device) -> tuple[torch.Tensor, ...]:
     """Allocate the program's buffers and launch its kernels on ``device``'s current stream."""
-    env = {name: value for name, value in arrays.items() if value is not None}
-    for buffer in program.buffers:
-        env[buffer.name] = torch.empty(buffer.shape, dtype=DTYPES[buffer.dtype], device=device)
-    launches = program.runnable_launches
-    if launches:
-        if runtime.INTERPRETED:
-            guard = runtime.interpreter_lock
+    guard = _interpreter_guard if runtime.INTERPRETED else (lambda: _CudaGuard(device))
+    return execute(program, arrays, adapter="torch", allocate=_Allocate(device), launch=launch_kernel, guard=guard)
+
+
+def _check_updates(function: str, program: Program, arrays: Mapping[str, torch.Tensor | None]) -> None:
+    """Refuse in-place writes torch's own in-place ops would refuse (autograd, inference tensors)."""
+    for name in program.updated_arguments:
+        tensor = arrays[name]
+        if tensor.requires_grad and torch.is_grad_enabled():
+            what = "a leaf Variable that requires grad" if tensor.is_leaf else "a tensor that requires grad"
+            raise RuntimeError(f"{function}: {name} is updated in place, but it is {what} (these kernels are "
+                               f"not differentiable): call under torch.no_grad() or pass a tensor that does not "
+                               f"require grad")
+        if tensor.is_inference() and not torch.is_inference_mode_enabled():
+            raise RuntimeError(f"{function}: {name} is updated in place, but it is an inference tensor and "
+                               f"this call is outside InferenceMode (inplace update to inference tensor outside "
+                               f"InferenceMode is not allowed)")
+
+
+def _no_mode() -> bool:
+    """No dispatch or torch-function mode is active (FakeTensorMode, a user's logging mode...)."""
+    return not (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled())
+
+
+# --------------------------------------------------------------------------
+# Custom ops
+# --------------------------------------------------------------------------
+
+_OPS: dict[tuple, object] = {}  # (plan, updated arguments, fresh results) -> OpOverload
+_OPS_LOCK = threading.Lock()  # two threads must not register one op twice
+
+
+@functools.lru_cache(maxsize=None)
+def _parameters(plan) -> tuple[inspect.Parameter, ...]:
+    """The plan's arrays and options, in its order: the op's schema arguments.
+
+    A plan that declares its options (``plan.options``) may take other
+    parameters (tuning) that calls leave to their defaults: they stay out of
+    the schema.
+    """
+    parameters = inspect.signature(getattr(plan, "__wrapped__", plan)).parameters.values()
+    declared = getattr(plan, "options", None)
+    return tuple(p for p in parameters
+                 if declared is None or p.name in plan.array_arguments or p.name in declared)
+
+
+def _schema(plan, updated: tuple[str, ...], fresh: int) -> str:
+    arguments = []
+    for parameter in _parameters(plan):
+        name, default = parameter.name, parameter.default
+        if name in plan.array_arguments:
+            alias = f"(a{updated.index(name)}!)" if name in updated else ""
+            optional = default is None or "None" in str(parameter.annotation)
+            kind = f"Tensor{alias}" + ("?" if optional else "")
         else:
-            guard = torch.cuda.device(device)
-        with guard:
-            for launch in launches:
-                launch.kernel[launch.grid](
-                    *(env[name] for name in launch.inputs),
-                    *(env[name] for name in launch.outputs),
-                    **launch.scalars,
-                    **launch.constexprs,
-                    num_warps=launch.num_warps,
-                    num_stages=launch.num_stages,
-                )
-    return tuple(env[name] for name in program.results)
+            kind = "Scalar?"
+        if default is not inspect.Parameter.empty:
+            arguments.append(f"{kind} {name}={default!r}")
+        else:
+            arguments.append(f"{kind} {name}")
+    returns = "()" if fresh == 0 else "Tensor" if fresh == 1 else "(" + ", ".join(["Tensor"] * fresh) + ")"
+    return f"({', '.join(arguments)}) -> {returns}"
+
+
+def _op_name(function: str, updated: tuple[str, ...], fresh: int) -> str:
+    name = function + (("__updates_" + "_".join(updated)) if updated else "")
+    return f"{name}__returns_{fresh}"
+
+
+def _bind(plan, values: tuple, keywords: dict) -> tuple[dict, dict]:
+    """An op's values (the dispatcher passes defaulted ones by keyword) as the plan's ``(arrays, options)``."""
+    parameters = _parameters(plan)
+    arguments = {parameter.name: value for parameter, value in zip(parameters, values)}
+    for parameter in parameters[len(values):]:
+        arguments[parameter.name] = keywords.get(parameter.name, parameter.default)
+    return split_arguments(plan, arguments)
+
+
+def _make_op(plan, updated: tuple[str, ...], fresh: int):
+    function = plan.function
+    name = _op_name(function, updated, fresh)
+
+    def implementation(*values, **keywords):
+        arrays, options = _bind(plan, values, keywords)
+        program = plan(**_infos(plan, arrays)[0], **options)
+        device = next(value.device for value in arrays.values() if value is not None)
+        results = dict(zip(program.results, run(program, arrays, device)))
+        return _returns(tuple(results[n] for n in program.fresh_results))
+
+    def fake(*values, **keywords):
+        # Never launches: the plan validates and sizes the fresh results.
+        arrays, options = _bind(plan, values, keywords)
+        program = plan(**_infos(plan, arrays, _static_info)[0], **options)
+        device = next(value.device for value in arrays.values() if value is not None)
+        buffers = {b.name: b for b in program.buffers}
+        return _returns(tuple(torch.empty(buffers[n].shape, dtype=DTYPES[buffers[n].dtype], device=device)
+                              for n in program.fresh_results))
+
+    op = torch.library.custom_op(f"{NAMESPACE}::{name}", implementation, mutates_args=updated,
+                                 schema=_schema(plan, updated, fresh))
+    op.register_fake(fake)
+    return getattr(getattr(torch.ops, NAMESPACE), name).default
+
+
+def _returns(fresh: tuple):
+    return None if not fresh else fresh[0] if len(fresh) == 1 else fresh
+
+
+def op_for(plan, program: Program):
+    """The custom op that runs ``program``'s kind of call of ``plan`` (made on first use)."""
+    key = (plan, program.updated_arguments, len(program.fresh_results))
+    op = _OPS.get(key)
+    if op is None:
+        with _OPS_LOCK:
+            op = _OPS.get(key)
+            if op is None:
+                op = _OPS[key] = _make_op(plan, *key[1:])
+    return op
+
+
+def op_arguments(plan, arguments: Mapping[str, object]) -> tuple:
+    """The op's positional values for a call's arguments (plan defaults for the rest)."""
+    return tuple(arguments.get(p.name, p.default) for p in _parameters(plan))
+
+
+# --------------------------------------------------------------------------
+# The public functions' entry point
+# --------------------------------------------------------------------------
+
+def _infos(plan, arrays: Mapping[str, object], read=info):
+    """:func:`_read` under the names the plan's errors use (``plan.labels``: the step's "state.key_cache")."""
+    labels = getattr(plan, "labels", None)
+    if not labels:
+        return _read(plan.function, arrays, read)
+    infos, first, plain = _read(plan.function, {labels[name]: value for name, value in arrays.items()}, read)
+    return {name: infos[labels[name]] for name in arrays}, first, plain
+
+
+def _call(plan, arguments: Mapping[str, object]):
+    arrays, options = split_arguments(plan, arguments)
+    function = plan.function
+    infos, first, plain = _infos(plan, arrays)
+    program = plan(**infos, **options)
+    if not _is_compiling():
+        _check_updates(function, program, arrays)
+        if plain and _no_mode():
+            return program.returned(run(program, arrays, first.device))
+    fresh = op_for(plan, program)(*op_arguments(plan, arguments))
+    fresh = () if fresh is None else (fresh,) if isinstance(fresh, torch.Tensor) else tuple(fresh)
+    made = dict(zip(program.fresh_results, fresh))
+    return program.returned(tuple(made[name] if name in made else arrays[name] for name in program.results))
+
+
+# True while Dynamo traces (and under torch.export); a flag read in eager.
+_is_compiling = torch.compiler.is_compiling
+
+
+def _concrete(value):
+    # Options that reach the graph as symbols (a Python int or float that
+    # Dynamo made dynamic) are specialised: plans take plain numbers.
+    if isinstance(value, torch.SymBool):
+        return bool(value)
+    if isinstance(value, torch.SymInt):
+        return int(value)
+    if isinstance(value, torch.SymFloat):
+        return float(value)
+    return value
+
+
+# torch >= 2.7; without it eager calls still work (torch.compile would break the graph here).
+_nonstrict_trace = getattr(torch._dynamo, "nonstrict_trace", lambda fn: fn)
+
+
+@_nonstrict_trace
+def _traced_call(module: str, name: str, names: tuple, given: dict):
+    # AOTAutograd runs this on fake/functional tensors: the plan runs in
+    # Python and the op lands in the graph.
+    return _call(getattr(sys.modules[module], name), {n: _concrete(given.get(n)) for n in names})
 
 
 def call(plan, arguments: Mapping[str, object]):
     """Run the public function ``plan`` serves, given its arguments by name."""
-    arrays, options = split_arguments(plan, arguments)
-    # A plan may name its arguments differently in errors (the step: "state.key_cache").
-    labels = getattr(plan, "labels", None)
-    if labels:
-        infos = metadata(plan.function, {labels[name]: value for name, value in arrays.items()})
-        infos = {name: infos[labels[name]] for name in arrays}
-    else:
-        infos = metadata(plan.function, arrays)
-    program = plan(**infos, **options)
-    device = next(value.device for value in arrays.values() if value is not None)
-    return program.returned(run(program, arrays, device))
+    if _is_compiling():
+        # Dynamo traces neither the plans nor attributes of their memo
+        # wrapper: hand the plan over by module and name.
+        # nonstrict_trace takes no None inputs: absent ones are put back inside.
+        fn = plan.__wrapped__
+        given = {name: value for name, value in arguments.items() if value is not None}
+        return _traced_call(fn.__module__, fn.__name__, tuple(arguments), given)
+    return _call(plan, arguments)

@@ -19,7 +19,12 @@ def rope_reshape_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: 
                            v_scale: ArrayLike | None = None, offsets: ArrayLike | None = None,
                            swa_slot_mapping: ArrayLike | None = None,
                            return_zeros: bool = False) -> tuple[Array, ...]:
-    return _launch.call(plan_rope_reshape_and_cache, locals())  # every argument, by name
+    return _launch.call(plan_rope_reshape_and_cache, dict(q=q, k=k, v=v, key_cache=key_cache,
+                                                          value_cache=value_cache, slot_mapping=slot_mapping,
+                                                          positions=positions, cos_sin=cos_sin,
+                                                          is_neox=is_neox, k_scale=k_scale, v_scale=v_scale,
+                                                          offsets=offsets, swa_slot_mapping=swa_slot_mapping,
+                                                          return_zeros=return_zeros))
 
 
 rope_reshape_and_cache.__doc__ = torch_doc(DOC)

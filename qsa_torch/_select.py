@@ -20,22 +20,35 @@ def mqa_paged_scores(q: ArrayLike, k_cache: ArrayLike, page_table: ArrayLike, to
                      query_positions: ArrayLike, sequence_lengths: ArrayLike, compress_ratio: int,
                      num_columns: int | None = None,
                      score_divisor: float | None = None) -> tuple[Array, Array]:
-    return _launch.call(plan_mqa_paged_scores, locals())  # every argument, by name
+    return _launch.call(plan_mqa_paged_scores, dict(q=q, k_cache=k_cache, page_table=page_table,
+                                                    token_to_req=token_to_req,
+                                                    query_positions=query_positions,
+                                                    sequence_lengths=sequence_lengths,
+                                                    compress_ratio=compress_ratio, num_columns=num_columns,
+                                                    score_divisor=score_divisor))
 
 
 def topk_blocks(logits: ArrayLike, visible_blocks: ArrayLike, k: int) -> Array:
-    return _launch.call(plan_topk_blocks, locals())  # every argument, by name
+    return _launch.call(plan_topk_blocks, dict(logits=logits, visible_blocks=visible_blocks, k=k))
 
 
 def expand_block_indices(block_indices: ArrayLike, query_positions: ArrayLike, sequence_lengths: ArrayLike,
                          token_to_req: ArrayLike, compress_ratio: int, token_topk: int) -> Array:
-    return _launch.call(plan_expand_block_indices, locals())  # every argument, by name
+    return _launch.call(plan_expand_block_indices, dict(block_indices=block_indices,
+                                                        query_positions=query_positions,
+                                                        sequence_lengths=sequence_lengths,
+                                                        token_to_req=token_to_req,
+                                                        compress_ratio=compress_ratio, token_topk=token_topk))
 
 
 def select_paged_tokens(q: ArrayLike, k_cache: ArrayLike, page_table: ArrayLike, token_to_req: ArrayLike,
                         query_positions: ArrayLike, sequence_lengths: ArrayLike, token_topk: int,
                         compress_ratio: int) -> Array:
-    return _launch.call(plan_select_paged_tokens, locals())  # every argument, by name
+    return _launch.call(plan_select_paged_tokens, dict(q=q, k_cache=k_cache, page_table=page_table,
+                                                       token_to_req=token_to_req,
+                                                       query_positions=query_positions,
+                                                       sequence_lengths=sequence_lengths,
+                                                       token_topk=token_topk, compress_ratio=compress_ratio))
 
 
 mqa_paged_scores.__doc__ = torch_doc(SCORES_DOC)

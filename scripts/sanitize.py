@@ -43,6 +43,7 @@ if ROOT not in sys.path:  # run from anywhere: the checkout's qsa_torch / qsa_ja
     sys.path.insert(0, ROOT)
 
 from qsa_kernels import runtime  # noqa: E402  (decides interpreted vs compiled first)
+from qsa_kernels.launch import observe_launches  # noqa: E402
 
 BF16, FP8 = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)
 FUNCTIONS = ("rope", "compress", "store", "scores", "topk", "expand", "select", "attention")
@@ -54,16 +55,6 @@ SHARED_MEMORY = ("scores", "topk", "select", "attention")
 # Frameworks: the same cases through qsa_torch or qsa_jax (under jax.jit)
 # --------------------------------------------------------------------------
 
-def recording(run, kernels: set):
-    """An adapter's ``_launch.run`` that also records the names of the kernels it launches."""
-    def recording_run(program, *args, **kwargs):
-        for launch in program.runnable_launches:
-            kernel = launch.kernel
-            kernels.add(getattr(kernel, "__name__", None) or kernel.fn.__name__)
-        return run(program, *args, **kwargs)
-    return recording_run
-
-
 class TorchRunner:
     name = "torch"
 
@@ -71,14 +62,10 @@ class TorchRunner:
         import torch
 
         import qsa_torch
-        from qsa_torch import _launch
 
         self.torch, self.qsa = torch, qsa_torch
         self.device = torch.device("cpu" if runtime.INTERPRETED else "cuda")
-        self.kernels: set[str] = set()
-        run = _launch.run
-
-        _launch.run = recording(run, self.kernels)
+        self.kernels: set[str] = set()  # filled by main() through the executor's launch hook
 
     def put(self, array: np.ndarray):
         torch = self.torch
@@ -126,13 +113,9 @@ class JaxRunner:
         import jax.numpy as jnp
 
         import qsa_jax
-        from qsa_jax import _launch
 
         self.jax, self.jnp, self.qsa = jax, jnp, qsa_jax
-        self.kernels: set[str] = set()
-        run = _launch.run
-
-        _launch.run = recording(run, self.kernels)
+        self.kernels: set[str] = set()  # filled by main() through the executor's launch hook
 
     def put(self, array: np.ndarray):
         return self.jnp.asarray(array)
@@ -501,21 +484,23 @@ def main(argv=None) -> int:
         cases += [(name, lambda rng, fn=fn: fn(rt, rng)) for name, groups, fn in BIG_CASES
                   if any(g in functions for g in groups)]
     passed, failed = [], []
-    for i, (name, case) in enumerate(cases):
-        case_start = time.time()
-        try:
-            case(np.random.default_rng(args.seed + i))
-        except Exception as error:  # noqa: BLE001 - report every case, then fail the run
-            failed.append(name)
-            print(f"case {name}: FAILED {type(error).__name__}: {error}", flush=True)
-            traceback.print_exc()
-            if "CUDA" in str(error) or "illegal" in str(error).lower():
-                break  # the context is gone: later cases would only cascade
-        else:
-            passed.append(name)
-            # The kernels so far on every line: a run cut short still tells what it covered.
-            print(f"case {name}: ok ({time.time() - case_start:.1f} s); kernels: {' '.join(sorted(rt.kernels))}",
-                  flush=True)
+    # Every kernel any case launches, as the shared executor reports it.
+    with observe_launches(lambda event: rt.kernels.add(event.kernel)):
+        for i, (name, case) in enumerate(cases):
+            case_start = time.time()
+            try:
+                case(np.random.default_rng(args.seed + i))
+            except Exception as error:  # noqa: BLE001 - report every case, then fail the run
+                failed.append(name)
+                print(f"case {name}: FAILED {type(error).__name__}: {error}", flush=True)
+                traceback.print_exc()
+                if "CUDA" in str(error) or "illegal" in str(error).lower():
+                    break  # the context is gone: later cases would only cascade
+            else:
+                passed.append(name)
+                # The kernels so far on every line: a run cut short still tells what it covered.
+                print(f"case {name}: ok ({time.time() - case_start:.1f} s); kernels: {' '.join(sorted(rt.kernels))}",
+                      flush=True)
     kernels = sorted(rt.kernels)
     print("KERNELS COVERED: " + " ".join(kernels), flush=True)
     result = dict(framework=rt.name, interpreted=runtime.INTERPRETED, small=args.small, functions=functions,

@@ -164,7 +164,5 @@ def test_torch_adapter_does_not_import_the_jax_adapter():
     assert _crossings("qsa_torch", ("qsa_jax", "jax", "jaxlib", "jax_triton")) == []
 
 
-@pytest.mark.xfail(strict=True, reason="qsa_jax/_launch.py's CPU path still imports qsa_torch._launch; "
-                   "issue 10's single executor in qsa_kernels.launch removes it (then drop this mark)")
 def test_jax_adapter_does_not_import_the_torch_adapter():
     assert _crossings("qsa_jax", ("qsa_torch",)) == []

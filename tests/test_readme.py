@@ -6,6 +6,11 @@ sees the installed packages or the checkout exactly as a user would), and
 must exit cleanly.  Each example carries asserts of its own (shapes, values
 against NumPy, torch == JAX); a block without one fails here, so an example
 cannot silently stop checking anything.
+
+The examples of docs/scaling-out.md need 2 host devices or 2 processes
+(``mp.spawn`` cannot start a worker defined in ``python -c`` code):
+``tests/test_sharding.py`` runs them, in the environment they need, and
+checks what they shard; they are not run twice.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+#: Documents whose examples another test runs (document name -> that test).
+RUN_ELSEWHERE = {"scaling-out.md": "tests/test_sharding.py"}
+DOCUMENTS = [ROOT / "README.md", *sorted(d for d in (ROOT / "docs").glob("*.md") if d.name not in RUN_ELSEWHERE)]
 FENCE = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
 TIMEOUT_S = 600  # the CPU interpreter on a loaded 2-core machine; each block takes 5-30 s alone
 
@@ -50,6 +57,13 @@ def test_the_documents_have_examples():
     counts = {d.name: sum(1 for b in BLOCKS if b.values[0] == d) for d in DOCUMENTS}
     assert counts["README.md"] >= 2, counts   # one per framework
     assert counts["api.md"] >= 3, counts      # stage 1 in both frameworks, top-k parity, export
+
+
+def test_examples_left_out_here_are_run_elsewhere():
+    for name, test in RUN_ELSEWHERE.items():
+        text = (ROOT / "docs" / name).read_text()
+        assert FENCE.search(text), f"docs/{name} has no python example: drop it from RUN_ELSEWHERE"
+        assert f'"docs", "{name}"' in (ROOT / test).read_text(), f"{test} no longer reads docs/{name}'s examples"
 
 
 def test_quick_start_is_two_commands_that_exist():

@@ -1,0 +1,385 @@
+"""qsa_torch's functions as torch custom ops: torch.compile, opcheck, fake and meta tensors, export, fork.
+
+Inputs are sanitize.py's small adversarial cases (indices to skip, shared
+pages, invalid requests), one per public function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import qsa_torch
+from qsa_kernels import runtime
+from qsa_kernels.launch import observe_launches
+from qsa_torch import _launch
+
+from .util import DEVICE, assert_bitwise_equal
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import sanitize  # noqa: E402
+
+CASES = {  # test id -> (sanitize case, option changes)
+    "rope": ("rope_paged_fp16_gptj", {}),
+    "rope_no_zeros": ("rope_flash_bf16_swa_offsets", dict(return_zeros=False)),  # one result fewer: another op
+    "compress": ("compress_decode_fp32_d96", {}),
+    "store": ("store_int64_w3_rows3d_slots32", {}),
+    "scores": ("scores_fp32_q_bf16_cache", {}),
+    "topk": ("topk_decode_ties", {}),
+    "expand": ("expand", {}),
+    "select": ("select_decode", {}),
+    "attention": ("attention_decode_split_k", {}),  # two launches (split, merge)
+}
+
+
+def build(case_id: str):
+    """``(public function, arguments by name)`` for one case, as fresh CPU/GPU tensors."""
+    case, changes = CASES[case_id]
+    index = next(i for i, (name, _, _) in enumerate(sanitize.CASES) if name == case)
+    function, arrays, static, _ = sanitize.CASES[index][2](np.random.default_rng(index), True)
+    static.pop("_logits_workspace_bytes", None)
+    runner = sanitize.TorchRunner.__new__(sanitize.TorchRunner)
+    runner.torch, runner.device = torch, DEVICE
+    tensors = {n: (None if a is None else runner.put(a)) for n, a in arrays.items()}
+    return getattr(qsa_torch, function), dict(tensors, **dict(static, **changes))
+
+
+def cloned(arguments: dict) -> dict:
+    return {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in arguments.items()}
+
+
+def as_tuple(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+def plan_of(function):
+    module = sys.modules[function.__module__]
+    return getattr(module, "plan_" + function.__name__)
+
+
+def op_and_values(function, arguments):
+    plan = plan_of(function)
+    arrays, options = _launch.split_arguments(plan, arguments)
+    program = plan(**_launch.metadata(plan.function, arrays), **options)
+    return _launch.op_for(plan, program), _launch.op_arguments(plan, arguments), program
+
+
+def assert_same_results(got, expected, got_arguments, expected_arguments, what):
+    got, expected = as_tuple(got), as_tuple(expected)
+    assert len(got) == len(expected), what
+    for i, (a, b) in enumerate(zip(got, expected)):
+        assert_bitwise_equal(a, b, f"{what}: result {i}")
+    for name, value in expected_arguments.items():  # caches updated in place, identically
+        if isinstance(value, torch.Tensor):
+            assert_bitwise_equal(got_arguments[name], value, f"{what}: argument {name}")
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_compiled_fullgraph_equals_eager_and_opcheck(case_id):
+    function, arguments = build(case_id)
+    eager_arguments = cloned(arguments)
+    expected = function(**eager_arguments)
+    op, values, program = op_and_values(function, arguments)
+    torch.library.opcheck(op, tuple(v.clone() if isinstance(v, torch.Tensor) else v for v in values))
+
+    torch._dynamo.reset()
+    compiled_arguments = cloned(arguments)
+    got = torch.compile(function, fullgraph=True, backend="aot_eager")(**compiled_arguments)
+    assert_same_results(got, expected, compiled_arguments, eager_arguments, f"{case_id} compiled")
+    for name, result in zip(program.results, as_tuple(got)):
+        if name in program.updated_arguments:  # in-place results are the caller's own tensors
+            assert result is compiled_arguments[name], name
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_fake_and_meta_tensors_never_launch(case_id):
+    function, arguments = build(case_id)
+    expected = as_tuple(function(**cloned(arguments)))
+    with observe_launches() as launches:
+        with FakeTensorMode() as mode:
+            fake = {n: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for n, v in arguments.items()}
+            fake_out = as_tuple(function(**fake))
+        meta = {n: v.to("meta") if isinstance(v, torch.Tensor) else v for n, v in arguments.items()}
+        meta_out = as_tuple(function(**meta))
+    assert launches == [], "a kernel launched on fake or meta tensors"
+    for outs, kind in ((fake_out, "fake"), (meta_out, "meta")):
+        assert [(tuple(t.shape), t.dtype) for t in outs] == [(tuple(t.shape), t.dtype) for t in expected], kind
+    assert all(t.is_meta for t in meta_out)
+
+
+def test_fake_tensors_raise_the_plans_error():
+    function, arguments = build("store")
+    with FakeTensorMode() as mode:
+        fake = {n: mode.from_tensor(v) for n, v in arguments.items()}
+        fake["rows"] = fake["rows"][:, :, :2]
+        with pytest.raises(ValueError, match="store_cache_rows: rows must have one row per slot_mapping entry"):
+            qsa_torch.store_cache_rows(**fake)
+
+
+def test_compiled_with_options_as_inputs():
+    """Options passed into the compiled function (Dynamo may make them symbolic after a change) stay exact."""
+    _, arguments = build("scores")
+    arguments = {n: v for n, v in arguments.items() if n != "score_divisor"}
+
+    def scores(arguments, divisor, columns):
+        return qsa_torch.mqa_paged_scores(**dict(arguments, num_columns=columns), score_divisor=divisor)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(scores, fullgraph=True, backend="aot_eager")
+    for divisor, columns in ((2.5, 12), (3.25, 12), (4.0, 9)):
+        assert_same_results(compiled(arguments, divisor, columns), scores(arguments, divisor, columns), {}, {},
+                            f"divisor {divisor}, {columns} columns")
+
+
+def test_compiled_composition_equals_eager():
+    """Store rows into a compressed-key cache, then score against it: the second op reads the first's write."""
+    _, scores_arguments = build("scores")
+    cache = scores_arguments["k_cache"]
+    pages, page = cache.shape[:2]
+    generator = torch.Generator().manual_seed(3)
+    slots = torch.randperm(pages * page, generator=generator)[:5].to(torch.int64).to(DEVICE)
+    rows = torch.randn(5, 1, cache.shape[-1], generator=generator).to(cache.dtype).to(DEVICE)
+
+    def composition(arguments, slots, rows):
+        qsa_torch.store_cache_rows(arguments["k_cache"], slots, rows)
+        logits, visible = qsa_torch.mqa_paged_scores(**arguments)
+        return logits * 2, visible
+
+    eager_arguments, compiled_arguments = cloned(scores_arguments), cloned(scores_arguments)
+    expected = composition(eager_arguments, slots, rows)
+    torch._dynamo.reset()
+    got = torch.compile(composition, fullgraph=True, backend="aot_eager")(compiled_arguments, slots, rows)
+    assert_same_results(got, expected, compiled_arguments, eager_arguments, "composition")
+    assert not torch.equal(compiled_arguments["k_cache"], scores_arguments["k_cache"]), "nothing was stored"
+
+
+def test_compiled_step_equals_eager():
+    from .test_step import STATE_FIELDS, clone_state, valid_arguments
+
+    arguments, _ = valid_arguments()
+    state = arguments.pop("state")
+    eager_state, compiled_state = clone_state(state), clone_state(state)
+    expected = qsa_torch.qsa_attention_step(state=eager_state, **arguments, return_token_indices=True)
+    torch._dynamo.reset()
+    step = torch.compile(qsa_torch.qsa_attention_step, fullgraph=True, backend="aot_eager")
+    out, new_state, indices = step(state=compiled_state, **arguments, return_token_indices=True)
+    assert_bitwise_equal(out, expected[0], "out")
+    assert_bitwise_equal(indices, expected[2], "token_indices")
+    for name in STATE_FIELDS:
+        assert getattr(new_state, name) is getattr(compiled_state, name), name
+        assert_bitwise_equal(getattr(compiled_state, name), getattr(eager_state, name), name)
+
+
+def test_opcheck_every_op_the_step_uses():
+    """Whatever ops the composed step dispatches (stage ops today, one step op once it is one plan) pass opcheck."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from .test_step import valid_arguments
+
+    copy = lambda x: x.clone() if isinstance(x, torch.Tensor) else x  # noqa: E731
+    calls = {}
+
+    class Record(TorchDispatchMode):  # a mode makes every call go through its op
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func.namespace == "qsa" and func not in calls:
+                calls[func] = (tuple(copy(a) for a in args), {n: copy(v) for n, v in kwargs.items()})
+            return func(*args, **kwargs)
+
+    arguments, _ = valid_arguments()
+    with Record():
+        qsa_torch.qsa_attention_step(**arguments, return_token_indices=True)
+    assert calls, "the step dispatched no qsa op"
+    for op, (args, kwargs) in calls.items():
+        torch.library.opcheck(op, args, kwargs)
+
+
+class Layer(torch.nn.Module):
+    def forward(self, cache, slots, rows, q, page_table, token_to_req, query_positions, sequence_lengths):
+        qsa_torch.store_cache_rows(cache, slots, rows)
+        return qsa_torch.mqa_paged_scores(q, cache, page_table, token_to_req, query_positions, sequence_lengths,
+                                          compress_ratio=4)
+
+
+def test_export_of_a_module_calling_stage_ops():
+    _, a = build("scores")
+    cache = a["k_cache"]
+    slots = torch.tensor([3, -1, 0], dtype=torch.int64, device=DEVICE)
+    rows = torch.randn(3, 1, cache.shape[-1]).to(cache.dtype).to(DEVICE)
+    names = ("q", "page_table", "token_to_req", "query_positions", "sequence_lengths")
+    inputs = lambda: (cache.clone(), slots, rows, *(a[n] for n in names))  # noqa: E731
+    exported = torch.export.export(Layer(), inputs())
+    assert any(str(node.target).startswith("qsa.") for node in exported.graph.nodes), exported.graph
+    eager_inputs, exported_inputs = inputs(), inputs()
+    expected = Layer()(*eager_inputs)
+    got = exported.module()(*exported_inputs)
+    for x, y in zip(got, expected):
+        assert_bitwise_equal(x, y, "exported")
+    assert_bitwise_equal(exported_inputs[0], eager_inputs[0], "cache")
+
+
+class StepLayer(torch.nn.Module):
+    """One step over flat arrays (containers built inside, so export needs no pytree registration)."""
+
+    def __init__(self, options):
+        super().__init__()
+        self.options = options
+
+    def forward(self, q, k, v, index_q, index_k, cos_sin, index_cos_sin, *flat):
+        from .test_step import STATE_FIELDS
+
+        state = qsa_torch.QSAState(*flat[:len(STATE_FIELDS)])
+        metadata = qsa_torch.StepMetadata(*flat[len(STATE_FIELDS):])
+        return qsa_torch.qsa_attention_step(q, k, v, index_q, index_k, state, metadata, cos_sin, index_cos_sin,
+                                            **self.options)[0]
+
+
+def test_export_of_a_module_calling_the_step():
+    from qsa_kernels.paging import METADATA_FIELDS
+
+    from .test_step import STATE_FIELDS, clone_state, valid_arguments
+
+    arguments, _ = valid_arguments()
+    state, metadata = arguments.pop("state"), arguments.pop("metadata")
+    options = {n: arguments.pop(n) for n in ("compress_ratio", "token_topk", "is_neox")}
+    arrays = [arguments[n] for n in ("q", "k", "v", "index_q", "index_k", "cos_sin", "index_cos_sin")]
+    inputs = lambda s: (*arrays, *(getattr(s, n) for n in STATE_FIELDS),  # noqa: E731
+                        *(getattr(metadata, n) for n in METADATA_FIELDS))
+    layer = StepLayer(options)
+    exported = torch.export.export(layer, inputs(clone_state(state)))
+    eager_state, exported_state = clone_state(state), clone_state(state)
+    assert_bitwise_equal(exported.module()(*inputs(exported_state)), layer(*inputs(eager_state)), "out")
+    for name in STATE_FIELDS:
+        assert_bitwise_equal(getattr(exported_state, name), getattr(eager_state, name), name)
+
+
+def test_in_place_writes_follow_torchs_rules():
+    _, arguments = build("store")
+    cache = arguments["cache"].float().requires_grad_()
+    rows = arguments["rows"].float()
+    with pytest.raises(RuntimeError, match="store_cache_rows: cache is updated in place, but it is a leaf Variable that requires grad"):
+        qsa_torch.store_cache_rows(cache, arguments["slot_mapping"], rows)
+    with torch.no_grad():  # as for torch's own in-place ops
+        qsa_torch.store_cache_rows(cache, arguments["slot_mapping"], rows)
+    with torch.inference_mode():
+        inference_cache = arguments["cache"].clone()
+        qsa_torch.store_cache_rows(inference_cache, arguments["slot_mapping"], arguments["rows"])
+    with pytest.raises(RuntimeError, match="store_cache_rows: cache is updated in place, but it is an inference tensor"):
+        qsa_torch.store_cache_rows(inference_cache, arguments["slot_mapping"], arguments["rows"])
+
+
+FORK_CHILD = r"""
+import ctypes, os, sys
+calls = []
+real_cdll = ctypes.CDLL
+class Recording:
+    def __init__(self, library):
+        self._library = library
+    def __getattr__(self, name):
+        calls.append(name)
+        return getattr(self._library, name)
+def cdll(name, *args, **kwargs):
+    library = real_cdll(name, *args, **kwargs)
+    return Recording(library) if "libcuda" in str(name) else library
+ctypes.CDLL = cdll
+import torch, qsa_torch
+from qsa_kernels import runtime
+assert "cuInit" not in calls, calls
+pid = os.fork()
+if pid == 0:  # the child initialises CUDA itself (compiled process) or runs the interpreter
+    device = "cpu" if runtime.INTERPRETED else "cuda"
+    cache = torch.zeros(2, 4, 1, 8, device=device)
+    qsa_torch.store_cache_rows(cache, torch.tensor([5, -1], dtype=torch.int32, device=device),
+                               torch.ones(2, 8, device=device))
+    cache = cache.cpu()
+    os._exit(0 if cache[1, 1].eq(1).all() and cache.sum() == 8 else 3)
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_fork_after_import_and_no_cuinit():
+    """A child forked after ``import qsa_torch`` runs a kernel (on the GPU: CUDA was not initialised before the fork)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the package decides itself
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-c", FORK_CHILD], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "child 0", result.stderr[-3000:]
+
+
+def test_runtime_probe_never_calls_cuinit():
+    source = open(runtime.__file__).read()
+    assert "cuInit" not in source.replace("``cuInit``", "")
+
+
+# --------------------------------------------------------------------------
+# GPU only: Inductor, CUDA graphs
+# --------------------------------------------------------------------------
+
+def step_inputs():
+    from .test_step import clone_state, valid_arguments
+
+    arguments, _ = valid_arguments()
+    return arguments, clone_state
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_inductor_step_equals_eager(mode):
+    from .test_step import STATE_FIELDS
+
+    from torch._dynamo.utils import counters
+
+    arguments, clone_state = step_inputs()
+    state = arguments.pop("state")
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(qsa_torch.qsa_attention_step, fullgraph=True, mode=mode)
+    eager_state, compiled_state = clone_state(state), clone_state(state)
+    for name in STATE_FIELDS:  # caches are static inputs, as a module's buffers would be
+        torch._dynamo.mark_static_address(getattr(compiled_state, name))
+    for _ in range(3):  # reduce-overhead records the graph on a later call
+        expected = qsa_torch.qsa_attention_step(state=eager_state, **arguments, return_token_indices=True)
+        got = step(state=compiled_state, **arguments, return_token_indices=True)
+        torch.cuda.synchronize()
+        assert_bitwise_equal(got[0], expected[0], "out")
+        assert_bitwise_equal(got[2], expected[2], "token_indices")
+        for name in STATE_FIELDS:
+            assert_bitwise_equal(getattr(compiled_state, name), getattr(eager_state, name), name)
+    if mode == "reduce-overhead":  # the step really ran as a CUDA graph
+        assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+
+
+@pytest.mark.gpu
+def test_cuda_graph_of_the_compiled_step():
+    from .test_step import STATE_FIELDS
+
+    arguments, clone_state = step_inputs()
+    state = arguments.pop("state")
+    torch._dynamo.reset()
+    step = torch.compile(qsa_torch.qsa_attention_step, fullgraph=True)
+    graph_state, eager_state = clone_state(state), clone_state(state)
+    step(state=clone_state(state), **arguments)  # compile outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(state=clone_state(state), **arguments)  # warm up on a side stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = step(state=graph_state, **arguments)
+    for name in STATE_FIELDS:  # the capture itself wrote nothing
+        getattr(graph_state, name).copy_(getattr(state, name))
+    graph.replay()
+    expected, _ = qsa_torch.qsa_attention_step(state=eager_state, **arguments)
+    torch.cuda.synchronize()
+    assert_bitwise_equal(out, expected, "out")
+    for name in STATE_FIELDS:
+        assert_bitwise_equal(getattr(graph_state, name), getattr(eager_state, name), name)
