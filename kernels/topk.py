@@ -1,8 +1,35 @@
 """Stage 3b: exact top-k blocks of each row (``topk_blocks``).
 
 An exact radix select on order-preserving uint32 keys
-(``-0.0 == +0.0``; NaN below ``-inf``), in four phases, each a launch over
-``(row, slice)`` programs so that one long row still spreads over many SMs:
+(``-0.0 == +0.0``; NaN below ``-inf``), by one of two paths that the plan
+chooses from the static shape (:func:`topk_path`):
+
+**Row path** (one launch, one program per row; rows up to
+``TopkTuning.row_max_columns`` wide, or any width once there are
+``TopkTuning.row_min_rows`` rows to fill the GPU).  The program streams its
+row in tiles (L2-resident after the first pass):
+
+1. group maxima of G >= 2k strided groups, kept in registers, and a bound
+   ``L`` <= the k-th largest key: the k-th largest group maximum truncated
+   to its top ``radix_bits * bound_passes`` bits (still a lower bound, and
+   cheaper than the exact maximum);
+2. one pass compacts the columns of the keys >= ``L`` (typically ~1.4k of
+   them) into a per-row candidate buffer in column order; a block barrier
+   makes them visible to the whole program;
+3. a radix select over the candidates (keys re-read from the row, held in
+   registers when they fit one tile) finds the k-th largest key ``T`` and
+   writes the selection, then ``-1`` padding.  Every candidate lies between
+   ``L`` and the row's maximum, so the leading digits those two share are
+   known: their passes are skipped (the bound's radix does the same with
+   the extreme group maxima).
+
+If the candidates overflow the buffer (many keys equal to ``L``), the row
+itself is selected from (one more placement pass when ``T == L``, else a
+radix select streamed over the row).  Rows so narrow that the groups would
+be single columns skip the bound: the radix select runs on the row directly.
+
+**Sliced path** (four launches over ``(row, slice)`` programs, so that one
+long row still spreads over many SMs):
 
 1. group maxima: every slice reduces its columns to the maxima of G strided
    groups (column ``c`` is in group ``c % G``);
@@ -62,14 +89,19 @@ def _order_key(x):
 
 
 @triton.jit
-def _source(key_ptr, col_ptr, idx, n, FROM_LOGITS: tl.constexpr):
-    """(keys, columns, valid) of entries ``idx < n``: a logits row or a candidate list."""
+def _source(key_ptr, col_ptr, idx, n, FROM_LOGITS: tl.constexpr, GATHER: tl.constexpr = False):
+    """(keys, columns, valid) of entries ``idx < n``: a logits row, a
+    candidate list of keys and columns, or (GATHER) a list of columns of
+    the logits row ``key_ptr``."""
     valid = idx < n
     if FROM_LOGITS:
         # Entries outside the source get key 0, the lowest: they can only
         # lower a group maximum, never raise it.
         keys = tl.where(valid, _order_key(tl.load(key_ptr + idx, mask=valid, other=0.0).to(tl.float32)), 0)
         cols = idx
+    elif GATHER:
+        cols = tl.load(col_ptr + idx, mask=valid, other=0)
+        keys = tl.where(valid, _order_key(tl.load(key_ptr + cols, mask=valid, other=0.0).to(tl.float32)), 0)
     else:
         keys = tl.load(key_ptr + idx, mask=valid, other=0).to(tl.uint32, bitcast=True)
         cols = tl.load(col_ptr + idx, mask=valid, other=-1)
@@ -90,29 +122,80 @@ def _digit_histogram(keys, valid, prefix, PASS: tl.constexpr, BITS: tl.constexpr
 @triton.jit
 def _choose_digit(histogram, prefix, remaining, PASS: tl.constexpr, BITS: tl.constexpr):
     """Digit of the ``remaining``-th largest key; returns the extended prefix and what remains to take."""
+    prefix, remaining, _exact = _choose_digit_exact(histogram, prefix, remaining, PASS, BITS)
+    return prefix, remaining
+
+
+@triton.jit
+def _choose_digit_exact(histogram, prefix, remaining, PASS: tl.constexpr, BITS: tl.constexpr):
+    """:func:`_choose_digit`, and whether the chosen digit's keys are
+    exactly what remains to take (then every key matching the prefix is
+    taken: the prefix, with ``remaining`` equal keys, is a final answer)."""
     SHIFT: tl.constexpr = 32 - (PASS + 1) * BITS
-    at_or_above = tl.sum(histogram, 0) - tl.cumsum(histogram, 0) + histogram
-    # Fewer than ``remaining`` keys in all: digit 0 (the key ends up 0 and
-    # every key equal to it is taken).
-    digit = tl.maximum(tl.sum((at_or_above >= remaining).to(tl.int32), 0) - 1, 0)
-    above = tl.sum(tl.where(tl.arange(0, 1 << BITS) > digit, histogram, 0), 0)
-    return prefix | (digit.to(tl.uint32) << SHIFT), remaining - above
+    at_or_above = tl.cumsum(histogram, 0, reverse=True)
+    # at_or_above never increases with the digit: the chosen digit is the
+    # last one with at_or_above >= remaining, and the keys above it are
+    # those of the digits after it.  Fewer than ``remaining`` keys in all:
+    # digit 0 (the key ends up 0 and every key equal to it is taken).  The
+    # chosen digit's at_or_above equals remaining iff some digit's does.
+    # All three counts come from one reduction (16 + 16 + 32 bits).
+    reaching = at_or_above >= remaining
+    exact = at_or_above == remaining
+    beyond = tl.where((at_or_above < remaining) & (tl.arange(0, 1 << BITS) > 0), histogram, 0)
+    packed = tl.sum(reaching.to(tl.int64) + (exact.to(tl.int64) << 16) + (beyond.to(tl.int64) << 32), 0)
+    digit = tl.maximum((packed & 0xFFFF).to(tl.int32) - 1, 0)
+    above = (packed >> 32).to(tl.int32)
+    return prefix | (digit.to(tl.uint32) << SHIFT), remaining - above, ((packed >> 16) & 0xFFFF) != 0
 
 
 @triton.jit
 def _kth_largest_resident(keys, valid, k, BITS: tl.constexpr):
     """(k-th largest key, how many keys equal to it are among the top k) of a register tensor."""
+    return _kth_largest_prefix(keys, valid, k, 32 // BITS, BITS)
+
+
+@triton.jit
+def _kth_largest_prefix(keys, valid, k, PASSES: tl.constexpr, BITS: tl.constexpr):
+    """The top ``PASSES * BITS`` bits of the k-th largest key of a register
+    tensor, low bits zero (a lower bound of it; 0 if there are fewer than k
+    keys), and what remains to take of the keys matching them."""
     prefix = tl.full((), 0, tl.uint32)
     remaining = tl.full((), 0, tl.int32) + k
-    for p in tl.static_range(32 // BITS):
+    for p in tl.static_range(PASSES):
         histogram = _digit_histogram(keys, valid, prefix, p, BITS)
         prefix, remaining = _choose_digit(histogram, prefix, remaining, p, BITS)
     return prefix, remaining
 
 
 @triton.jit
+def _kth_largest_between(keys, valid, k, lo, hi, PASSES: tl.constexpr, BITS: tl.constexpr):
+    """:func:`_kth_largest_prefix` of keys known to lie in ``[lo, hi]``, as
+    a (threshold, equal keys to take) pair that :func:`_place_tile` accepts
+    (the threshold is the k-th largest key, or a prefix of it that every
+    key it matches shares).  The leading digits that ``lo`` and ``hi``
+    share are every key's, so their passes are skipped (typically the first
+    one or two), and so are the passes after an exact digit."""
+    prefix = tl.full((), 0, tl.uint32)
+    remaining = tl.full((), 0, tl.int32) + k
+    shared = lo ^ hi
+    done = tl.full((), 0, tl.int32)
+    for p in tl.static_range(PASSES):
+        # Digits 0..p of lo and hi are equal: so are every key's.
+        if (shared >> (32 - (p + 1) * BITS)) == 0:
+            prefix = (hi >> (32 - (p + 1) * BITS)) << (32 - (p + 1) * BITS)
+        elif done == 0:
+            # Once the chosen digit's keys are exactly those remaining, the
+            # prefix (low digits zero) is final: every key matching it is
+            # above it or equal to it, and all of them are taken.
+            histogram = _digit_histogram(keys, valid, prefix, p, BITS)
+            prefix, remaining, exact = _choose_digit_exact(histogram, prefix, remaining, p, BITS)
+            done = exact.to(tl.int32)
+    return prefix, remaining
+
+
+@triton.jit
 def _kth_largest_streamed(key_ptr, col_ptr, n, k, FROM_LOGITS: tl.constexpr,
-                          TILE: tl.constexpr, BITS: tl.constexpr):
+                          TILE: tl.constexpr, BITS: tl.constexpr, GATHER: tl.constexpr = False):
     """As :func:`_kth_largest_resident` over source entries ``[0, n)``, a tile at a time."""
     prefix = tl.full((), 0, tl.uint32)
     remaining = tl.full((), 0, tl.int32) + k
@@ -120,7 +203,7 @@ def _kth_largest_streamed(key_ptr, col_ptr, n, k, FROM_LOGITS: tl.constexpr,
         histogram = tl.zeros((1 << BITS,), tl.int32)
         start = tl.full((), 0, tl.int32)
         while start < n:
-            keys, _cols, valid = _source(key_ptr, col_ptr, start + tl.arange(0, TILE), n, FROM_LOGITS)
+            keys, _cols, valid = _source(key_ptr, col_ptr, start + tl.arange(0, TILE), n, FROM_LOGITS, GATHER)
             histogram += _digit_histogram(keys, valid, prefix, p, BITS)
             start += TILE
         prefix, remaining = _choose_digit(histogram, prefix, remaining, p, BITS)
@@ -306,19 +389,254 @@ def topk_finish_kernel(
         tl.store(out_row + cols, tl.full((PAD_TILE,), -1, tl.int32), mask=(cols >= selected) & (cols < K))
 
 
+# --------------------------------------------------------------------------
+# Row path: one program per row, one launch.
+# --------------------------------------------------------------------------
+
+@triton.jit
+def _place_tile(keys, cols, valid, threshold, take_equal, equal_before, position, out_ptr):
+    """:func:`_place` of one register tile: writes, from ``position`` on in
+    tile order, the columns with key > threshold and those equal to it whose
+    rank among equal keys (``equal_before`` earlier) is below ``take_equal``.
+    Returns the next position and equal count.  One prefix sum: the counts
+    above and equal (each < 2**16 in a tile) are packed in one int32."""
+    above = (valid & (keys > threshold)).to(tl.int32)
+    equal = (valid & (keys == threshold)).to(tl.int32)
+    packed = above + (equal << 16)
+    before = tl.cumsum(packed, 0) - packed
+    above_before = before & 0xFFFF
+    equal_rank = equal_before + (before >> 16)
+    # Equal keys taken before this one: those of rank below take_equal.
+    taken_equal = tl.minimum(equal_rank, take_equal) - tl.minimum(equal_before, take_equal)
+    take = (above != 0) | ((equal != 0) & (equal_rank < take_equal))
+    tl.store(out_ptr + position + above_before + taken_equal, cols, mask=take)
+    totals = tl.sum(packed, 0)
+    equal_total = totals >> 16
+    taken = (totals & 0xFFFF) + tl.minimum(equal_before + equal_total, take_equal) - tl.minimum(equal_before, take_equal)
+    return position + taken, equal_before + equal_total
+
+
+@triton.jit
+def _select_and_place(logits_row, candidates, n, k, lo, hi, out_ptr, FROM_LOGITS: tl.constexpr,
+                      TILE: tl.constexpr, BITS: tl.constexpr, RESIDENT: tl.constexpr):
+    """Writes the columns of the k largest of source entries ``[0, n)``
+    (the logits row, or the candidate columns of it), whose keys lie in
+    ``[lo, hi]``, in source order; in registers when they fit one tile (and
+    RESIDENT), else streamed a tile at a time."""
+    zero = tl.full((), 0, tl.int32)
+    GATHER: tl.constexpr = not FROM_LOGITS
+    if RESIDENT and n <= TILE:
+        keys, cols, valid = _source(logits_row, candidates, tl.arange(0, TILE), n, FROM_LOGITS, GATHER)
+        threshold, take_equal = _kth_largest_between(keys, valid, k, lo, hi, 32 // BITS, BITS)
+        _place_tile(keys, cols, valid, threshold, take_equal, zero, zero, out_ptr)
+    else:
+        threshold, take_equal = _kth_largest_streamed(logits_row, candidates, n, k, FROM_LOGITS, TILE, BITS, GATHER)
+        position = zero
+        equal_before = zero
+        start = zero
+        while start < n:
+            keys, cols, valid = _source(logits_row, candidates, start + tl.arange(0, TILE), n, FROM_LOGITS, GATHER)
+            position, equal_before = _place_tile(keys, cols, valid, threshold, take_equal, equal_before,
+                                                 position, out_ptr)
+            start += TILE
+
+
+@triton.jit
+def _group_max_bound(logits_row, width, num_columns, k, GROUPS: tl.constexpr, TILE: tl.constexpr,
+                     PASSES: tl.constexpr, BITS: tl.constexpr):
+    """(A lower bound of the row's k-th largest key (0 if fewer than k
+    keys), the row's largest key).  The bound is the k-th largest of G
+    strided group maxima (k groups have a maximum at or above it), truncated
+    to its top ``PASSES * BITS`` bits."""
+    # A tile viewed as [TILE // G, G]: column c lands in group c % G.
+    offsets = tl.arange(0, TILE // GROUPS)[:, None] * GROUPS + tl.arange(0, GROUPS)[None, :]
+    maxima = tl.zeros((GROUPS,), tl.uint32)
+    start = tl.full((), 0, tl.int32)
+    # The first load is masked by the row's columns, not its visible width,
+    # so that it need not wait for visible_blocks to arrive.
+    raw = tl.load(logits_row + offsets, mask=offsets < num_columns, other=0.0)
+    while start < width:
+        # Two tiles in flight: the next one is loaded before this one is reduced.
+        idx = start + offsets
+        keys = tl.where(idx < width, _order_key(raw.to(tl.float32)), 0)
+        raw = tl.load(logits_row + TILE + idx, mask=TILE + idx < width, other=0.0)
+        maxima = tl.maximum(maxima, tl.max(keys, 0))
+        start += TILE
+    groups = tl.arange(0, GROUPS)
+    top = tl.max(maxima, 0)
+    # Empty groups (maximum 0, the lowest key) can only lower the bound.
+    bound, _remaining = _kth_largest_between(maxima, groups < GROUPS, k, tl.min(maxima, 0), top, PASSES, BITS)
+    return bound, top
+
+
+@triton.jit
+def _prefetch(logits_row, start, width, TILE: tl.constexpr):
+    """Raw logits of columns ``[start, start + TILE)`` below ``width``."""
+    cols = start + tl.arange(0, TILE)
+    return tl.load(logits_row + cols, mask=cols < width, other=0.0)
+
+
+@triton.jit
+def _compact_at_least(logits_row, width, bound, cand_ptr, capacity, TILE: tl.constexpr):
+    """Writes the columns of the keys >= bound, in column order, to the
+    candidates (the first ``capacity`` of them; their keys are loaded again
+    from the row, which is cheaper in registers than storing them).
+    Returns (keys >= bound, keys > bound)."""
+    count = tl.full((), 0, tl.int32)
+    above = tl.full((), 0, tl.int32)
+    start = tl.full((), 0, tl.int32)
+    # The next tile is loaded while this one is counted (its latency hides
+    # behind the prefix sum): the loop carries the raw values.
+    raw = _prefetch(logits_row, start, width, TILE)
+    while start < width:
+        cols = start + tl.arange(0, TILE)
+        valid = cols < width
+        keys = tl.where(valid, _order_key(raw.to(tl.float32)), 0)
+        raw = _prefetch(logits_row, start + TILE, width, TILE)
+        at_least = (valid & (keys >= bound)).to(tl.int32)
+        beyond = (valid & (keys > bound)).to(tl.int32)
+        slot = count + tl.cumsum(at_least, 0) - at_least
+        keep = (at_least != 0) & (slot < capacity)
+        tl.store(cand_ptr + slot, cols, mask=keep)
+        totals = tl.sum(at_least + (beyond << 16), 0)
+        count += totals & 0xFFFF
+        above += totals >> 16
+        start += TILE
+    return count, above
+
+
+@triton.jit
+def _pad(out_row, selected, K: tl.constexpr, PAD_TILE: tl.constexpr):
+    """-1 in ``out_row[selected:K]``."""
+    for t in range((K + PAD_TILE - 1) // PAD_TILE):
+        cols = t * PAD_TILE + tl.arange(0, PAD_TILE)
+        tl.store(out_row + cols, tl.full((PAD_TILE,), -1, tl.int32), mask=(cols >= selected) & (cols < K))
+
+
+@triton.jit
+def topk_row_kernel(
+    logits_ptr,  # [rows, C] float32/bf16/fp16 (row stride lg_sr)
+    visible_ptr,  # [rows] int32/int64
+    out_ptr,  # [rows, K] int32: selected columns, then -1
+    cand_ptr,  # [rows, capacity] int32: candidate columns (workspace)
+    num_columns, lg_sr, capacity,
+    K: tl.constexpr, GROUPS: tl.constexpr, GROUP_TILE: tl.constexpr, TILE: tl.constexpr,
+    CAND_TILE: tl.constexpr, BITS: tl.constexpr, BOUND_PASSES: tl.constexpr, BOUNDED: tl.constexpr,
+    PAD_TILE: tl.constexpr,
+):
+    """The whole top-k of one row (module docstring, row path).
+
+    Tiles: GROUP_TILE columns per step of the group maxima (a load and a
+    max: wide), TILE per step of the other passes over the row (prefix sums
+    and scattered stores: narrower, for registers), CAND_TILE candidates
+    held in registers.  Without BOUNDED, TILE covers the row (the plan
+    makes sure: C <= G <= TILE).
+    """
+    row = tl.program_id(0).to(tl.int64)
+    width = _row_width(visible_ptr, row, num_columns)
+    logits_row = logits_ptr + row * lg_sr
+    out_row = out_ptr + row * K
+    lowest = tl.full((), 0, tl.uint32)  # keys lie in [lowest, highest]
+    highest = tl.full((), 0xFFFFFFFF, tl.uint32)
+    if BOUNDED:
+        bound, top = _group_max_bound(logits_row, width, num_columns, K, GROUPS, GROUP_TILE, BOUND_PASSES, BITS)
+        candidates = cand_ptr + row * capacity
+        count, above = _compact_at_least(logits_row, width, bound, candidates, capacity, TILE)
+        # Every thread reads candidates that others wrote.
+        tl.debug_barrier()
+        if count <= capacity:
+            _select_and_place(logits_row, candidates, count, K, bound, top, out_row, False, CAND_TILE, BITS, True)
+        elif above < K:
+            # Too many keys equal the bound, and it is the k-th largest: all
+            # keys above it, then the first K - above equal to it.
+            zero = tl.full((), 0, tl.int32)
+            _place(logits_row, logits_row, zero, width, bound, K - above, zero, zero,
+                   out_row, out_row, TILE, True, False)
+        else:
+            _select_and_place(logits_row, logits_row, width, K, lowest, highest, out_row, True, TILE, BITS, False)
+    else:
+        # TILE covers the row: one load, masked by the row's columns so that
+        # it need not wait for visible_blocks.
+        cols = tl.arange(0, TILE)
+        raw = tl.load(logits_row + cols, mask=cols < num_columns, other=0.0)
+        valid = cols < width
+        keys = tl.where(valid, _order_key(raw.to(tl.float32)), 0)
+        threshold, take_equal = _kth_largest_between(keys, valid, K, lowest, highest, 32 // BITS, BITS)
+        zero = tl.full((), 0, tl.int32)
+        _place_tile(keys, cols, valid, threshold, take_equal, zero, zero, out_row)
+    _pad(out_row, tl.minimum(width, K), K, PAD_TILE)
+
+
+def topk_path(rows: int, columns: int, k: int, tuning: TopkTuning) -> str:
+    """``"row"`` (one program per row) or ``"sliced"`` (rows split over
+    programs), from the static shape unless ``tuning.path`` forces one."""
+    if tuning.path != "auto":
+        return tuning.path
+    return "row" if columns <= tuning.row_max_columns or rows >= tuning.row_min_rows else "sliced"
+
+
+def topk_groups(columns: int, k: int, tuning: TopkTuning) -> int:
+    """G >= 2k strided groups keep the candidates (keys at or above the k-th
+    largest group maximum) near k; G >= C makes single-column groups."""
+    return min(triton.next_power_of_2(2 * k), triton.next_power_of_2(max(columns, 1)), tuning.max_groups)
+
+
 def topk_parts(rows: int, columns: int, k: int, logits_stride: int, row_counts,
                logits: str, visible: str, out: str, tuning: TopkTuning):
     """Workspaces and launches of an exact top-k over ``logits`` ``[rows, columns]``.
 
-    The tiling is chosen for ``rows``; ``row_counts`` are the rows of each
-    run of the four launches (several runs reuse the workspaces).
+    The path and tiling are chosen for ``rows``; ``row_counts`` are the rows
+    of each run of the launches (several runs reuse the workspaces).
     """
     if rows == 0 or k == 0:
         return (), ()
+    parts = _row_parts if topk_path(rows, columns, k, tuning) == "row" else _sliced_parts
+    return parts(rows, columns, k, logits_stride, row_counts, logits, visible, out, tuning)
+
+
+def _row_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out, tuning: TopkTuning):
+    """The row path: one launch of one program per row."""
     width = max(columns, 1)
-    # G >= 2k strided groups keep the candidates (keys above the k-th
-    # largest group maximum) near k; G >= C makes single-column groups.
-    groups = min(triton.next_power_of_2(2 * k), triton.next_power_of_2(width), tuning.max_groups)
+    row_width = max(16, triton.next_power_of_2(width))
+    groups = topk_groups(columns, k, tuning)
+    share = 1 if rows < tuning.row_many_rows else 2
+    warps = max(1, tuning.row_warps // share)
+    keys_per_thread = max(1, tuning.row_keys_per_thread // share)
+    # Single-column groups: the bound would be the answer itself, so the
+    # radix select runs on the row (TILE covers it: width <= G <= 4096).
+    bounded = groups < triton.next_power_of_2(width)
+    if bounded:
+        # G maxima and G // 2 candidates stay in registers: 8 a thread at most.
+        warps = max(warps, min(32, groups // 256))
+        tile = min(row_width, keys_per_thread * 32 * warps)
+    else:
+        # The row stays in registers through the radix passes: 8 keys a thread.
+        tile = row_width
+        warps = max(4, min(16, tile // (32 * min(keys_per_thread, 8))))
+    threads = 32 * warps
+    group_tile = max(groups, min(row_width, tuning.row_group_keys_per_thread * threads))
+    assert tile <= 16384, "row-path prefix sums pack two 16-bit counts"
+    assert bounded or tile >= columns, "the direct select holds the whole row"
+    capacity = min(triton.cdiv(width, tile) * tile, max(tuning.min_candidates, 4 * k)) if bounded else 1
+    # Typically about 1.4k keys reach the bound: one register tile of 2k.
+    cand_tile = min(tile, max(16, triton.next_power_of_2(2 * k)))
+    candidates = "topk_candidates"
+    buffers = (Buffer(candidates, (rows, capacity), "int32"),)
+    launches = tuple(
+        Launch(topk_row_kernel, (count,), (logits, visible), (out, candidates),
+               dict(num_columns=columns, lg_sr=logits_stride, capacity=capacity),
+               dict(K=k, GROUPS=groups, GROUP_TILE=group_tile, TILE=tile, CAND_TILE=cand_tile,
+                    BITS=tuning.radix_bits, BOUND_PASSES=tuning.bound_passes, BOUNDED=bounded,
+                    PAD_TILE=min(1024, triton.next_power_of_2(k))),
+               num_warps=warps, num_stages=1)
+        for count in row_counts)
+    return buffers, launches
+
+
+def _sliced_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out, tuning: TopkTuning):
+    """The sliced path: four launches over (row, slice) programs."""
+    width = max(columns, 1)
+    groups = topk_groups(columns, k, tuning)
     tile = max(groups, min(tuning.tile, max(16, triton.next_power_of_2(width))))
     row_tiles = triton.cdiv(width, tile)
     # Split rows into slices until there are enough programs for the GPU.

@@ -119,9 +119,14 @@ class AttentionTuning:
 
 @_tuning_value
 class TopkTuning:
-    """Stage 3b (``topk_blocks``, and the top-k of ``select_paged_tokens``)."""
+    """Stage 3b (``topk_blocks``, and the top-k of ``select_paged_tokens``).
 
-    #: Columns a top-k program handles per step (raised to G where needed).
+    Two paths (:mod:`.topk`): the row path (one launch, one program per
+    row) and the sliced path (four launches over ``(row, slice)``
+    programs); ``path`` picks one or lets the static shape decide.
+    """
+
+    #: Columns a sliced-path program handles per step (raised to G where needed).
     tile: int = 4096
     #: Candidate buffer per row: at least this many, or 4k.
     min_candidates: int = 4096
@@ -129,14 +134,51 @@ class TopkTuning:
     target_programs: int = 256
     max_slices: int = 64
     max_groups: int = 4096
-    #: Bits per radix pass (a divisor of 32).
+    #: Bits per radix pass (a divisor of 32, at most 8).
     radix_bits: int = 8
+    #: Top-k path: "auto" (by shape, see ``topk.topk_path``), "row" or
+    #: "sliced" (forced; benchmarks compare them).
+    path: str = "auto"
+    #: One program per row for rows at most this wide, or for any width once
+    #: there are this many rows (enough programs to fill an H200 without slicing).
+    row_max_columns: int = 65536
+    row_min_rows: int = 32
+    #: A row program's warps, and the keys each of its threads handles per
+    #: step: of the group maxima (a load and a max), and of the other passes
+    #: (prefix sums and scattered stores: ~7 registers a key on sm_90).  From
+    #: ``row_many_rows`` rows on, warps and the other passes' keys are halved,
+    #: so that several programs share an SM.  (Powers of two: they make tiles.)
+    row_warps: int = 16
+    row_many_rows: int = 264
+    row_group_keys_per_thread: int = 32
+    row_keys_per_thread: int = 16
+    #: Radix passes (of ``radix_bits``) of the row path's group-maximum bound.
+    bound_passes: int = 2
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
-            _positive_int("TopkTuning", field.name, getattr(self, field.name))
+            if field.name != "path":
+                _positive_int("TopkTuning", field.name, getattr(self, field.name))
         if 32 % self.radix_bits:
             raise ValueError(f"TopkTuning: radix_bits must divide 32, got {self.radix_bits!r}")
+        if self.radix_bits > 8:  # a digit's counts (up to 2**bits) are packed in 16 bits
+            raise ValueError(f"TopkTuning: radix_bits must be at most 8, got {self.radix_bits!r}")
+        if not isinstance(self.path, str) or self.path not in TOPK_PATHS:
+            raise ValueError(f"TopkTuning: path must be one of {', '.join(map(repr, TOPK_PATHS))}, "
+                             f"got {self.path!r}")
+        for name in ("row_warps", "row_group_keys_per_thread", "row_keys_per_thread"):
+            value = getattr(self, name)
+            if value & (value - 1):
+                raise ValueError(f"TopkTuning: {name} must be a power of two, got {value!r}")
+        if self.row_warps > 32:
+            raise ValueError(f"TopkTuning: row_warps must be at most 32, got {self.row_warps!r}")
+        if self.bound_passes > 32 // self.radix_bits:
+            raise ValueError(f"TopkTuning: bound_passes must be at most 32 // radix_bits = "
+                             f"{32 // self.radix_bits}, got {self.bound_passes!r}")
+
+
+#: The values of ``TopkTuning.path``.
+TOPK_PATHS = ("auto", "row", "sliced")
 
 
 @_tuning_value

@@ -37,6 +37,7 @@ from qsa_kernels.expand import plan_expand_block_indices
 from qsa_kernels.score import plan_mqa_paged_scores
 from qsa_kernels.select import plan_select_paged_tokens
 from qsa_kernels.topk import plan_topk_blocks
+from qsa_kernels.tuning import TopkTuning
 
 ROOT = Path(__file__).resolve().parent.parent
 a = ArrayInfo.contiguous
@@ -100,8 +101,10 @@ def _scores(rows, requests, context, num_columns=None, score_divisor=None, **kw)
                                        num_columns=num_columns, score_divisor=score_divisor)
 
 
-def _topk(rows, columns, k, dtype=FP32, index=I32):
-    return plan_topk_blocks, dict(logits=a((rows, columns), dtype), visible_blocks=a((rows,), index), k=k)
+def _topk(rows, columns, k, dtype=FP32, index=I32, **tuning):
+    """``tuning``: TopkTuning fields (a path forced, as benchmarks/bench_topk.py does)."""
+    return plan_topk_blocks, dict(logits=a((rows, columns), dtype), visible_blocks=a((rows,), index), k=k,
+                                  tuning=TopkTuning(**tuning))
 
 
 def _expand(rows, token_topk, ratio=4, index=I32):
@@ -165,6 +168,22 @@ CASES = {
     "topk/decode-256-128k-k512": _topk(256, 1 << 15, 512),
     "topk/prefill-2048-128k-k2048-bf16": _topk(2048, 1 << 15, 2048, dtype=BF16),
     "topk/short-rows-k-past-row-end-fp16-int64": _topk(8, 100, 128, dtype=FP16, index=I64),
+    # The row path (one program per row): bounded with 16 warps, halved tiles
+    # for many rows, and the direct select of single-column groups; the
+    # sliced path past TopkTuning.row_max_columns with few rows.
+    "topk/row-decode-1-32k-k512": _topk(1, 1 << 15, 512),
+    "topk/row-prefill-2048-8k-k512": _topk(2048, 1 << 11, 512),
+    "topk/row-decode-64-1m-k512": _topk(64, 1 << 18, 512),
+    "topk/row-direct-k2048-4096": _topk(16, 4096, 2048),
+    "topk/row-decode-1-256k-k2048": _topk(1, 1 << 16, 2048),
+    "topk/row-prefill-2048-8k-k1": _topk(2048, 1 << 13, 1, dtype=FP16),
+    "topk/sliced-decode-8-512k-k512": _topk(8, 1 << 17, 512),
+    # Each path forced where the other is chosen (benchmarks/bench_topk.py
+    # times both), and the --sweep's smallest row-path configuration.
+    "topk/forced-sliced-decode-256-128k-k512": _topk(256, 1 << 15, 512, path="sliced"),
+    "topk/forced-row-decode-1-1m-k512": _topk(1, 1 << 18, 512, path="row"),
+    "topk/row-8-warps-8-keys-1-bound-pass-2048-8k": _topk(2048, 1 << 13, 512, row_warps=8,
+                                                           row_keys_per_thread=8, bound_passes=1),
     # Stage 3: expansion, and the whole selection (chunked past 128 MiB of
     # logits).  Shapes shared with the cases above compile once.
     "expand/decode-256-topk2048": _expand(256, 2048),

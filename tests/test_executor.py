@@ -15,6 +15,7 @@ import qsa_jax
 import qsa_torch
 from qsa_kernels import compress, select
 from qsa_kernels.launch import ArrayInfo, Buffer, Launch, Program, execute, observe_launches
+from qsa_kernels.tuning import TopkTuning
 from qsa_torch import _launch as torch_launch
 
 KERNEL = compress.store_cache_rows_kernel  # (cache, slot_mapping, rows, scale, cache_out, sizes..., constexprs...)
@@ -61,10 +62,13 @@ def test_program_refuses_writing_an_argument_it_does_not_read():
 def test_every_plan_launch_matches_its_kernel():
     """The shipped plans build (so their launches passed the check) and bind every kernel parameter."""
     a = ArrayInfo.contiguous
-    program = select.plan_select_paged_tokens(
-        a((3, 2, 16), "float32"), a((4, 4, 1, 16), "float32"), a((2, 3), "int32"), a((3,), "int32"),
-        a((3,), "int32"), a((2,), "int32"), token_topk=4, compress_ratio=2)
-    assert len(program.runnable_launches) == 6  # score, 4 top-k phases, expand
+    arrays = (a((3, 2, 16), "float32"), a((4, 4, 1, 16), "float32"), a((2, 3), "int32"), a((3,), "int32"),
+              a((3,), "int32"), a((2,), "int32"))
+    program = select.plan_select_paged_tokens(*arrays, token_topk=4, compress_ratio=2)
+    assert len(program.runnable_launches) == 3  # score, the top-k row path, expand
+    sliced = select.plan_select_paged_tokens(*arrays, token_topk=4, compress_ratio=2,
+                                             topk_tuning=TopkTuning(path="sliced"))
+    assert len(sliced.runnable_launches) == 6  # score, 4 top-k phases, expand
 
 
 def recording_allocate(made):

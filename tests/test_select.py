@@ -145,7 +145,9 @@ def check_topk(logits, visible, k):
     assert out.dtype == torch.int32 and tuple(out.shape) == (logits.shape[0], k)
     expected = reference.topk_blocks(f64(logits), host(visible), k)
     assert np.array_equal(host(out), expected), f"top-{k}: {host(out)} vs {expected}"
-    jax_out = jax.jit(qsa_jax.topk_blocks, static_argnums=2)(to_jax(logits), to_jax(visible), k)
+    # A fresh function: JAX plans when it traces, so a tuning override (tests
+    # shrink tiles) reaches it only through a new trace.
+    jax_out = jax.jit(lambda x, v: qsa_jax.topk_blocks(x, v, k))(to_jax(logits), to_jax(visible))
     assert_bitwise_equal(out, jax_out, "top-k torch vs jax")
 
 
@@ -184,7 +186,7 @@ def test_topk_split_rows(kind):
     else:
         logits = topk_logits(4, rows, columns, special=kind == "special")
     visible = torch.tensor([columns, 150, 77], dtype=torch.int32)
-    with tuning.override(topk=tuning.TopkTuning(tile=16, min_candidates=8)):
+    with tuning.override(topk=tuning.TopkTuning(path="sliced", tile=16, min_candidates=8)):
         program = topk_plans.plan_topk_blocks(qsa_torch._launch.info(logits),
                                               qsa_torch._launch.info(visible), k)
         assert program.launches[0].scalars["slices"] > 1

@@ -345,9 +345,9 @@ def test_override_is_part_of_the_plan_key_and_ends_with_its_block():
         with tuning.override(topk=tuning.TopkTuning(min_candidates=8)):  # nests: select stays small
             assert tuning.current().select is small
             nested = plan_select_paged_tokens(**infos, **options)
-            assert nested.buffer("logits").shape == (1, columns) and nested.buffer("topk_cand_key").shape == (1, 8)
+            assert nested.buffer("logits").shape == (1, columns) and nested.buffer("topk_candidates").shape == (1, 8)
     assert chunked.buffer("logits").shape == (1, columns) and default.buffer("logits").shape == (3, columns)
-    assert chunked.buffer("topk_cand_key").shape == (1, 16)
+    assert chunked.buffer("topk_candidates").shape == (1, 16)  # the row path's, at 8 columns
     # Back to the defaults, and to the memoised default plan: no cache to clear.
     assert tuning.current() == tuning.Tuning()
     assert plan_select_paged_tokens(**infos, **options) is default

@@ -1,0 +1,207 @@
+"""topk_blocks by path against torch.topk and jax.lax.top_k, on one grid.
+
+Grid: rows {1, 8, 64, 256, 2048} x columns {2048, 8192, 32768, 131072,
+262144} (compressed blocks: contexts 8K..1M at ratio 4), k = 512; shapes
+whose fp32 logits pass MAX_LOGITS_BYTES are skipped.  Logits: half-normal
+scores (|N(0, 1)|, continuous like the scorer's), every column visible.
+
+Per shape, CUDA-graph replay (device time, L2 warm), median µs per call:
+- ``ours_us``: topk_blocks as planned (``TopkTuning.path = "auto"``;
+  ``path`` says which path the plan chose);
+- ``row_us`` / ``sliced_us``: the one-program-per-row path and the old
+  four-launch sliced path, each forced (``tuning.override`` of
+  ``TopkTuning.path``), in the same run;
+- ``torch_topk_us``: ``torch.topk(logits, k, sorted=False)`` (values and
+  indices, unordered; ours also orders the columns);
+- ``lax_topk_us``: ``jax.lax.top_k`` on the same logits (a jitted fori_loop
+  of calls, per call: device-time estimate), where JAX has a GPU and the
+  logits are at most MAX_LAX_BYTES.
+Bytes: one pass over the logits is ``R x C x 4``; the row path reads the row
+twice (group maxima, compaction) plus ~1.4k candidates a row, the sliced path
+three times.  ``*_gbps`` is one pass's bytes over the time (a lower bound of
+the achieved bandwidth).  The summary gives median speedups over the grid.
+
+    python benchmarks/bench_topk.py [--json PATH] [--smoke] [--sweep]
+
+``--sweep`` instead times the row path's tuning (``TopkTuning.row_warps`` x
+``row_keys_per_thread`` x ``bound_passes``) on a few shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the card
+
+import common  # noqa: E402
+
+K = 512
+ROWS = [1, 8, 64, 256, 2048]
+COLUMNS = [2048, 8192, 32768, 131072, 262144]
+MAX_LOGITS_BYTES = 1 << 30  # skips 2048 x 262144 (2 GiB)
+MAX_LAX_BYTES = 256 << 20
+GRAPH_BUDGET_S = 0.15  # per measurement: fewer calls per graph for slow shapes
+HARD_STOP_S = 420.0  # past this, remaining shapes are skipped (noted in the JSON)
+SMOKE = dict(K=8, ROWS=[1, 3], COLUMNS=[64, 300], MAX_LOGITS_BYTES=1 << 20, MAX_LAX_BYTES=1 << 20)
+
+
+def timed_us(fn, smoke):
+    """CUDA-graph µs per call (without CUDA: the wall-clock median, so --smoke runs)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return common.torch_median_us(fn, smoke)
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    estimate_us = (time.perf_counter() - start) * 1e6
+    calls = max(1, min(20, int(GRAPH_BUDGET_S * 1e6 / 18 / max(estimate_us, 1.0))))
+    return common.torch_graph_us(fn, calls=calls, smoke=smoke)
+
+
+def ours_us(qsa_torch, topk_tuning, logits, visible, k, smoke):
+    """(topk_blocks µs, its result) planned with ``topk_tuning``.
+
+    The tuning is part of the plan's memo key: nothing to restore or clear afterwards.
+    """
+    from qsa_kernels import tuning
+
+    with tuning.override(topk=topk_tuning):
+        out = qsa_torch.topk_blocks(logits, visible, k)
+        return timed_us(lambda: qsa_torch.topk_blocks(logits, visible, k), smoke), out
+
+
+def lax_topk_us(jax, logits, k, smoke):
+    """jax.lax.top_k per call in one jitted fori_loop (each result feeds the next input)."""
+    jnp = jax.numpy
+
+    def step(x):
+        _, index = jax.lax.top_k(x, k)
+        return x.at[0, 0].set(jnp.where(index[0, 0] == -12345, 1.0, x[0, 0]))
+
+    return common.jax_loop_us(step, logits, calls=2 if smoke else 20, smoke=smoke)
+
+
+SWEEP_SHAPES = [(1, 32768), (64, 262144), (2048, 2048), (2048, 32768)]
+SWEEP = dict(row_warps=[8, 16], row_keys_per_thread=[8, 16], bound_passes=[1, 2])  # TopkTuning fields
+
+
+def sweep(args):
+    """The row path's µs per tuning, on SWEEP_SHAPES (results checked against the default's)."""
+    import itertools
+
+    import torch
+
+    import qsa_torch
+    from qsa_kernels.tuning import TopkTuning
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shapes = [(1, 64), (3, 300)] if args.smoke else SWEEP_SHAPES
+    k = SMOKE["K"] if args.smoke else K
+    generator = torch.Generator(device=device).manual_seed(0)
+    row = TopkTuning(path="row")
+    defaults = {name: getattr(row, name) for name in SWEEP}
+    results = []
+    for rows, columns in shapes:
+        logits = torch.randn(rows, columns, device=device, generator=generator).abs_()
+        visible = torch.full((rows,), columns, device=device, dtype=torch.int32)
+        _, expected = ours_us(qsa_torch, row, logits, visible, k, args.smoke)
+        for values in itertools.product(*SWEEP.values()):
+            fields = dict(zip(SWEEP, values))
+            us, out = ours_us(qsa_torch, dataclasses.replace(row, **fields), logits, visible, k, args.smoke)
+            result = dict(rows=rows, columns=columns, k=k, **fields, row_us=us,
+                          matches=bool(torch.equal(out, expected)))
+            results.append(result)
+            common.print_table([result], list(result))
+    path = args.json.replace("topk.json", "topk_sweep.json") if args.json.endswith("results/topk.json") else args.json
+    common.write_json(path, "topk_blocks row-path tuning sweep", results,
+                      [f"defaults {defaults}; CUDA-graph replay, median us per call; logits |N(0,1)|"])
+
+
+def main():
+    parser = common.parser(__doc__, "topk.json")
+    parser.add_argument("--sweep", action="store_true", help="time the row path's tuning instead of the grid")
+    args = parser.parse_args()
+    if args.sweep:
+        return sweep(args)
+    import torch
+
+    import qsa_kernels.topk as topk_plans
+    import qsa_torch
+    from qsa_kernels.tuning import TopkTuning
+
+    try:
+        import jax
+
+        jax_gpu = any(d.platform == "gpu" for d in jax.devices())
+    except Exception:  # noqa: BLE001 -- JAX is optional here
+        jax = None
+        jax_gpu = False
+    g = dict(K=K, ROWS=ROWS, COLUMNS=COLUMNS, MAX_LOGITS_BYTES=MAX_LOGITS_BYTES, MAX_LAX_BYTES=MAX_LAX_BYTES)
+    if args.smoke:
+        g.update(SMOKE)
+    k = g["K"]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator(device=device).manual_seed(0)
+    auto = TopkTuning()  # the defaults: path "auto"
+    started = time.perf_counter()
+    notes = [
+        f"k = {k}; logits |N(0,1)| fp32, every column visible; CUDA-graph replay, median us per call",
+        "ours_us: TopkTuning.path auto (path = the plan's choice); row_us / sliced_us: each path forced",
+        "torch_topk_us: torch.topk(sorted=False); lax_topk_us: jax.lax.top_k, jitted fori_loop per call",
+        "one pass = R x C x 4 bytes; *_gbps = one pass / time; row path reads a row twice, sliced thrice",
+        f"skipped: logits above {g['MAX_LOGITS_BYTES'] >> 20} MiB; lax.top_k above {g['MAX_LAX_BYTES'] >> 20} MiB"
+        + ("" if jax_gpu else " and everywhere (no JAX GPU in this process)"),
+    ]
+    results = []
+    for rows in g["ROWS"]:
+        for columns in g["COLUMNS"]:
+            nbytes = rows * columns * 4
+            if nbytes > g["MAX_LOGITS_BYTES"]:
+                continue
+            if time.perf_counter() - started > HARD_STOP_S:
+                notes.append(f"stopped after {HARD_STOP_S:.0f} s: ({rows}, {columns}) and later shapes skipped")
+                break
+            logits = torch.randn(rows, columns, device=device, generator=generator).abs_()
+            visible = torch.full((rows,), columns, device=device, dtype=torch.int32)
+            row = dict(rows=rows, columns=columns, k=k, bytes_one_pass=nbytes,
+                       path=topk_plans.topk_path(rows, columns, k, auto))
+            row["ours_us"], expected = ours_us(qsa_torch, auto, logits, visible, k, args.smoke)
+            for path in ("row", "sliced"):
+                forced = dataclasses.replace(auto, path=path)
+                row[f"{path}_us"], out = ours_us(qsa_torch, forced, logits, visible, k, args.smoke)
+                row[f"{path}_matches"] = bool(torch.equal(out, expected))
+            row["torch_topk_us"] = timed_us(lambda: torch.topk(logits, k, dim=1, sorted=False), args.smoke)
+            if jax_gpu and nbytes <= g["MAX_LAX_BYTES"]:
+                torch.cuda.synchronize()
+                row["lax_topk_us"] = lax_topk_us(jax, common.to_jax(logits), k, args.smoke)
+            for name in ("ours", "row", "sliced", "torch_topk", "lax_topk"):
+                row[f"{name}_gbps"] = common.gbps(nbytes, row.get(f"{name}_us"))
+            for name in ("torch_topk", "sliced", "lax_topk"):
+                if row.get(f"{name}_us") and row["ours_us"]:
+                    row[f"speedup_vs_{name}"] = row[f"{name}_us"] / row["ours_us"]
+            results.append(row)
+            common.print_table([row], list(row))
+            del logits, visible
+    summary = {}
+    for name in ("torch_topk", "sliced", "lax_topk"):
+        speedups = [r[f"speedup_vs_{name}"] for r in results if f"speedup_vs_{name}" in r]
+        if speedups:
+            summary[f"median_speedup_vs_{name}"] = statistics.median(speedups)
+            summary[f"min_speedup_vs_{name}"] = min(speedups)
+    notes.append("summary: " + ", ".join(f"{key} {value:.2f}" for key, value in summary.items()))
+    notes.append(f"total run time {time.perf_counter() - started:.0f} s")
+    common.print_table(results, ["rows", "columns", "path", "ours_us", "row_us", "sliced_us", "torch_topk_us",
+                                 "lax_topk_us", "speedup_vs_torch_topk", "speedup_vs_sliced", "ours_gbps",
+                                 "row_matches", "sliced_matches"])
+    print(notes[-2])
+    common.write_json(args.json, "topk_blocks paths vs torch.topk and jax.lax.top_k", results, notes)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,329 @@
+"""topk_blocks by path: the one-program-per-row path (its bound, candidate
+and fallback branches, and the direct select), the sliced path, and the
+shapes where the plan switches between them.
+
+CPU shapes are small: the tuning is shrunk (``tuning.override``) so that
+every path and branch runs at widths of a few hundred columns.  Every case is checked
+against the reference exactly, in both adapters (JAX bitwise equal to torch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import qsa_jax
+import qsa_kernels.topk as topk_plans
+import qsa_torch
+from qsa_kernels import tuning
+from qsa_kernels.launch import ArrayInfo
+from qsa_kernels.tuning import TopkTuning
+
+from . import reference
+from .test_select import check_topk, topk_logits
+from .util import DEVICE, assert_bitwise_equal, host, to_jax
+
+
+def plan(rows, columns, k, topk_tuning=None):
+    """The plan under ``topk_tuning`` (default: the tuning in force)."""
+    return topk_plans.plan_topk_blocks(ArrayInfo.contiguous((rows, columns), "float32"),
+                                       ArrayInfo.contiguous((rows,), "int32"), k, tuning=topk_tuning)
+
+
+def retuned(**fields):
+    """``tuning.override`` of some top-k fields, the others as in force."""
+    return tuning.override(topk=dataclasses.replace(tuning.current().topk, **fields))
+
+
+def kernels(program):
+    return [launch.kernel.__name__ for launch in program.launches]
+
+
+@pytest.fixture
+def small_tiles():
+    """Row-path tiles of 32 columns (one warp, one key a thread) and
+    candidate buffers of 4k, so that small rows take every branch."""
+    with retuned(row_warps=1, row_keys_per_thread=1, row_group_keys_per_thread=1, min_candidates=8):
+        yield
+
+
+# --------------------------------------------------------------------------
+# Which path, from the static shape
+# --------------------------------------------------------------------------
+
+def test_path_thresholds():
+    wide = TopkTuning().row_max_columns
+    few = TopkTuning().row_min_rows
+    assert kernels(plan(1, wide, 512)) == ["topk_row_kernel"]
+    assert kernels(plan(few - 1, wide + 1, 512))[0] == "topk_group_max_kernel"
+    assert kernels(plan(few, wide + 1, 512)) == ["topk_row_kernel"]
+    assert kernels(plan(2048, 2048, 512)) == ["topk_row_kernel"]
+    assert kernels(plan(1, 1 << 18, 512))[0] == "topk_group_max_kernel"
+    # Forced paths, as the benchmark compares them.
+    assert len(plan(1, 32768, 512, TopkTuning(path="sliced")).launches) == 4
+    assert kernels(plan(1, 1 << 18, 512, TopkTuning(path="row"))) == ["topk_row_kernel"]
+    with tuning.override(topk=TopkTuning(path="sliced")):
+        assert len(plan(2048, 2048, 512).launches) == 4
+
+
+@pytest.mark.parametrize("k", [1, 8, 512, 2048])
+def test_row_path_bounds_only_wider_rows(k):
+    """Rows up to 2k columns (single-column groups) skip the bound; wider rows use it."""
+    for columns, bounded in ((2 * k, False), (2 * k + 1, True)):
+        (launch,) = plan(4, columns, k).launches
+        assert launch.constexprs["BOUNDED"] is bounded
+        assert launch.constexprs["TILE"] >= (1 if bounded else columns)
+    # Every tile fits the 16-bit counts packed by the prefix sums.
+    for rows in (64, 2048):
+        for columns in (2048, 32768, 1 << 18):
+            (launch,) = plan(rows, columns, k).launches
+            assert launch.constexprs["TILE"] <= 16384 and launch.constexprs["GROUP_TILE"] >= launch.constexprs["GROUPS"]
+
+
+def test_many_rows_share_sms():
+    few, many = TopkTuning().row_many_rows - 1, TopkTuning().row_many_rows
+    (a,), (b,) = plan(few, 32768, 512).launches, plan(many, 32768, 512).launches
+    assert b.num_warps < a.num_warps and b.constexprs["TILE"] < a.constexprs["TILE"]
+
+
+# --------------------------------------------------------------------------
+# The row path's branches, at small widths
+# --------------------------------------------------------------------------
+
+def _order_keys(values: np.ndarray) -> np.ndarray:
+    """The kernels' order (NaN lowest, -0.0 == +0.0) as uint32, from float32 bits."""
+    values = np.where(values == 0, np.float32(0), values.astype(np.float32))
+    bits = values.view(np.uint32)
+    keys = np.where(bits >> 31 != 0, ~bits, bits | np.uint32(0x80000000)).astype(np.uint32)
+    return np.where(np.isnan(values), np.uint32(0), keys)
+
+
+def row_branch(values: np.ndarray, k: int, launch) -> str:
+    """Which branch of the row kernel a row takes (its bound recomputed here
+    from the definition: the k-th largest group maximum, truncated)."""
+    c = launch.constexprs
+    groups, capacity = c["GROUPS"], launch.scalars["capacity"]
+    keys = _order_keys(values)
+    maxima = np.zeros(groups, np.uint32)
+    np.maximum.at(maxima, np.arange(len(keys)) % groups, keys)
+    kth = np.sort(maxima)[::-1][k - 1] if k <= groups else 0
+    bits = c["BITS"] * c["BOUND_PASSES"]
+    bound = (int(kth) >> (32 - bits)) << (32 - bits)
+    count, above = int(np.sum(keys >= bound)), int(np.sum(keys > bound))
+    if count <= capacity:
+        return "candidates in registers" if count <= c["CAND_TILE"] else "candidates streamed"
+    return "ties at the bound" if above < k else "whole row"
+
+
+def branch_case(kind, columns=200):
+    g = torch.Generator().manual_seed(21)
+    if kind == "sorted":  # the top keys are the group maxima: few candidates
+        return torch.arange(columns, dtype=torch.float32).repeat(3, 1)
+    if kind == "random":
+        return torch.randn(3, columns, generator=g)
+    if kind == "periodic":  # the large keys share one group: the bound is low
+        logits = torch.rand(3, columns, generator=g)
+        logits[:, ::16] += 2 + torch.rand(3, len(range(0, columns, 16)), generator=g)
+        return logits
+    if kind == "narrow":  # every key shares the bound's top 16 bits
+        return 1.0 + torch.randint(0, 1000, (3, columns), generator=g).float() * 1e-6
+    if kind == "ties":  # zeros, two larger keys: T is the bound and overflows
+        logits = torch.zeros(3, columns)
+        logits[:, [7, 150]] = torch.tensor([3.0, 2.0])
+        logits[1, ::3] = -0.0
+        return logits
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind, k, branch", [
+    ("sorted", 5, "candidates in registers"),
+    ("random", 5, "candidates in registers"),
+    ("periodic", 5, "candidates streamed"),
+    ("narrow", 5, "whole row"),
+    ("ties", 5, "ties at the bound"),
+])
+def test_row_path_branches(small_tiles, kind, k, branch):
+    logits = branch_case(kind)
+    (launch,) = plan(3, logits.shape[1], k).launches
+    assert launch.kernel.__name__ == "topk_row_kernel" and launch.constexprs["BOUNDED"]
+    assert launch.constexprs["TILE"] < logits.shape[1]  # several tiles a pass
+    assert row_branch(host(logits[0]), k, launch) == branch
+    visible = torch.tensor([200, 150, 77], dtype=torch.int32)
+    check_topk(logits, visible, k)
+
+
+@pytest.mark.parametrize("columns, k", [(16, 8), (17, 8), (64, 1), (300, 20)])
+@pytest.mark.parametrize("special", [False, True])
+def test_row_path_matches_reference(small_tiles, columns, k, special):
+    """Widths at the direct/bounded switch (2k), k = 1, visible widths below
+    k, zero, negative and past the row; ties, -0.0, -inf and NaN."""
+    logits = topk_logits(22 + columns, 6, columns, special)
+    visible = torch.tensor([columns, k - 1, 0, -5, columns + 3, max(columns // 2, 1)], dtype=torch.int32)
+    check_topk(logits, visible, k)
+
+
+@pytest.mark.parametrize("value", [0.5, -0.0, float("-inf"), float("nan")])
+def test_row_path_all_ties(small_tiles, value):
+    """A row of one value: the lowest columns win, on the bounded select
+    (candidates overflowing, and fitting: every radix pass skipped) and on
+    the direct one."""
+    logits = torch.full((2, 100), value)
+    logits[1, ::2] = -value if value == value else value  # +0.0 among -0.0, +inf among -inf
+    visible = torch.tensor([100, 60], dtype=torch.int32)
+    check_topk(logits, visible, 7)
+    (launch,) = plan(2, 20, 5).launches
+    assert launch.constexprs["BOUNDED"] and launch.scalars["capacity"] >= 20
+    check_topk(logits[:, :20].contiguous(), visible.clamp(max=20), 5)
+    check_topk(logits[:, :12].contiguous(), visible.clamp(max=12), 7)
+
+
+def test_k_past_visible_and_k_past_columns(small_tiles):
+    logits = topk_logits(23, 3, 40, special=True)
+    check_topk(logits, torch.tensor([40, 3, 0], dtype=torch.int32), 64)
+    check_topk(logits, torch.tensor([40, 39, 1], dtype=torch.int32), 40)
+
+
+def test_path_switch_shapes(small_tiles):
+    """Just below and above the row-width threshold, and at the row count
+    that takes wide rows back to the row path; same result on both paths."""
+    logits = topk_logits(24, 4, 97, special=True)
+    visible = torch.tensor([97, 96, 50, 2], dtype=torch.int32)
+    with retuned(row_max_columns=96, row_min_rows=4):
+        for rows, columns, path in ((3, 96, "row"), (3, 97, "sliced"), (4, 97, "row")):
+            assert topk_plans.topk_path(rows, columns, 6, tuning.current().topk) == path
+            assert (kernels(plan(rows, columns, 6)) == ["topk_row_kernel"]) is (path == "row")
+            check_topk(logits[:rows, :columns].contiguous(), visible[:rows].clamp(max=columns), 6)
+
+
+def test_many_rows_switch(small_tiles):
+    logits = topk_logits(25, 4, 300)
+    visible = torch.tensor([300, 299, 128, 7], dtype=torch.int32)
+    with retuned(row_warps=2, row_keys_per_thread=2, row_many_rows=4):
+        assert plan(4, 300, 9).launches[0].constexprs["TILE"] < plan(3, 300, 9).launches[0].constexprs["TILE"]
+        check_topk(logits[:3], visible[:3], 9)
+        check_topk(logits, visible, 9)
+
+
+def test_tuning_reaches_the_row_plan():
+    """Every row-path field is read from the tuning passed (or in force), and
+    plans under different tunings are memoised apart."""
+    default = plan(4, 16384, 64)
+    (launch,) = default.launches
+    assert launch.num_warps == 16 and launch.constexprs["BOUND_PASSES"] == 2 and launch.constexprs["BITS"] == 8
+    assert launch.constexprs["TILE"] == 16 * 32 * 16 and launch.constexprs["GROUP_TILE"] == 16384
+    (launch,) = plan(4, 16384, 64, TopkTuning(row_warps=4, row_keys_per_thread=2, row_group_keys_per_thread=4,
+                                              bound_passes=3, radix_bits=4, min_candidates=300)).launches
+    assert launch.num_warps == 4 and launch.constexprs["TILE"] == 2 * 32 * 4
+    assert launch.constexprs["GROUP_TILE"] == 4 * 32 * 4 and launch.constexprs["BOUND_PASSES"] == 3
+    assert launch.constexprs["BITS"] == 4 and launch.scalars["capacity"] == 300
+    (launch,) = plan(300, 16384, 64, TopkTuning(row_many_rows=300)).launches
+    assert launch.num_warps == 8 and launch.constexprs["TILE"] == 8 * 32 * 8
+    assert kernels(plan(4, 16384, 64, TopkTuning(row_max_columns=8192)))[0] == "topk_group_max_kernel"
+    assert kernels(plan(4, 16384, 64, TopkTuning(row_max_columns=8192, row_min_rows=4))) == ["topk_row_kernel"]
+    with tuning.override(topk=TopkTuning(path="sliced")):
+        assert kernels(plan(4, 16384, 64))[0] == "topk_group_max_kernel"
+    assert plan(4, 16384, 64) is default
+
+
+def test_select_topk_tuning_reaches_the_row_path():
+    """select_paged_tokens' top-k takes its path and row-path tiles from its ``topk_tuning``."""
+    import qsa_kernels.select as select_plans
+
+    a = ArrayInfo.contiguous
+    infos = dict(q=a((3, 2, 16), "float32"), k_cache=a((40, 4, 1, 16), "float32"), page_table=a((2, 16), "int32"),
+                 token_to_req=a((3,), "int32"), query_positions=a((3,), "int32"), sequence_lengths=a((2,), "int32"))
+    options = dict(token_topk=16, compress_ratio=2)
+
+    def topk_launches(program):
+        return [launch for launch in program.launches if launch.kernel.__name__.startswith("topk_")]
+
+    (default,) = topk_launches(select_plans.plan_select_paged_tokens(**infos, **options))
+    assert default.kernel.__name__ == "topk_row_kernel" and default.num_warps == 16
+    small = TopkTuning(row_warps=1, row_keys_per_thread=1, row_group_keys_per_thread=1)
+    (launch,) = topk_launches(select_plans.plan_select_paged_tokens(**infos, **options, topk_tuning=small))
+    assert launch.num_warps == 1 and launch.constexprs["TILE"] == 32 and launch.constexprs["GROUP_TILE"] == 32
+    with tuning.override(topk=small):
+        (launch,) = topk_launches(select_plans.plan_select_paged_tokens(**infos, **options))
+        assert launch.constexprs["TILE"] == 32
+    sliced = topk_launches(select_plans.plan_select_paged_tokens(**infos, **options,
+                                                                 topk_tuning=TopkTuning(path="sliced")))
+    assert [launch.kernel.__name__ for launch in sliced][0] == "topk_group_max_kernel" and len(sliced) == 4
+
+
+def test_topk_tuning_is_checked():
+    for fields, message in ((dict(path="rows"), "TopkTuning: path must be one of 'auto', 'row', 'sliced', got 'rows'"),
+                            (dict(path=None), "TopkTuning: path must be one of 'auto', 'row', 'sliced', got None"),
+                            (dict(row_warps=12), "TopkTuning: row_warps must be a power of two, got 12"),
+                            (dict(row_warps=64), "TopkTuning: row_warps must be at most 32, got 64"),
+                            (dict(row_keys_per_thread=3), "TopkTuning: row_keys_per_thread must be a power of two"),
+                            (dict(row_min_rows=0), "TopkTuning: row_min_rows must be a positive int, got 0"),
+                            (dict(row_max_columns=2.0), "TopkTuning: row_max_columns must be a positive int"),
+                            (dict(bound_passes=5), "TopkTuning: bound_passes must be at most 32 // radix_bits = 4"),
+                            (dict(radix_bits=16), "TopkTuning: radix_bits must be at most 8, got 16")):
+        with pytest.raises(ValueError) as error:
+            TopkTuning(**fields)
+        assert str(error.value).startswith(message), error.value
+
+
+# --------------------------------------------------------------------------
+# GPU only: production shapes of each path, against a vectorised reference
+# --------------------------------------------------------------------------
+
+def sorted_reference(logits: np.ndarray, visible: np.ndarray, k: int) -> np.ndarray:
+    """``reference.topk_blocks`` by one stable sort a row (fast enough for
+    production shapes): NaN last, then larger first (-0.0 == +0.0), then
+    lower column."""
+    rows, columns = logits.shape
+    out = np.full((rows, k), -1, np.int64)
+    for row in range(rows):
+        width = min(max(int(visible[row]), 0), columns)
+        values = logits[row, :width].astype(np.float64)
+        order = np.lexsort((np.arange(width), -np.nan_to_num(values, nan=0.0), np.isnan(values)))
+        chosen = np.sort(order[:k])
+        out[row, :len(chosen)] = chosen
+    return out
+
+
+def test_sorted_reference_is_the_reference():
+    logits = topk_logits(26, 4, 90, special=True)
+    visible = np.array([90, 30, 0, -1])
+    for k in (1, 7, 100):
+        assert np.array_equal(sorted_reference(host(logits), visible, k),
+                              reference.topk_blocks(host(logits).astype(np.float64), visible, k))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, columns, k", [
+    (1, 32768, 512),      # row path, bounded, 16 warps
+    (1, 65536, 2048),     # row path at its width threshold
+    (8, 131072, 512),     # sliced path (few long rows)
+    (64, 262144, 512),    # row path for long rows once rows fill the GPU
+    (2048, 2048, 512),    # prefill chunk, narrow rows, halved tiles
+    (300, 8192, 2048),    # many rows, k = 2048
+    (16, 4096, 2048),     # direct select (single-column groups)
+])
+def test_topk_paths_production(rows, columns, k):
+    logits = topk_logits(27, rows, columns, special=True).to(DEVICE)
+    visible = torch.full((rows,), columns, dtype=torch.int32)
+    visible[-1] = columns // 3
+    visible = visible.to(DEVICE)
+    out = qsa_torch.topk_blocks(logits, visible, k)
+    assert np.array_equal(host(out), sorted_reference(host(logits), host(visible), k))
+    for _ in range(3):
+        assert torch.equal(qsa_torch.topk_blocks(logits, visible, k), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, columns, k", [(1, 32768, 512), (2048, 8192, 512), (4, 262144, 2048)])
+def test_topk_paths_production_parity(rows, columns, k):
+    """JAX bitwise equal to torch on each path (and both to the reference)."""
+    logits = topk_logits(28, rows, columns).to(DEVICE)
+    visible = torch.full((rows,), columns, dtype=torch.int32).to(DEVICE)
+    out = qsa_torch.topk_blocks(logits, visible, k)
+    assert np.array_equal(host(out), sorted_reference(host(logits), host(visible), k))
+    jax_out = jax.jit(qsa_jax.topk_blocks, static_argnums=2)(to_jax(logits), to_jax(visible), k)
+    assert_bitwise_equal(out, jax_out, "top-k torch vs jax")
