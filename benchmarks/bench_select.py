@@ -106,21 +106,8 @@ def block_agreement(torch, a, b, columns):
 
 
 def graph_us(fn, smoke, estimate_us=None):
-    """CUDA-graph µs per call, with as many calls per graph as fit the budget
-    (without CUDA: the wall-clock median, so that --smoke exercises the path)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return common.torch_median_us(fn, smoke)
-    if estimate_us is None:
-        fn()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        estimate_us = (time.perf_counter() - start) * 1e6
-    calls = max(1, min(20, int(GRAPH_BUDGET_S * 1e6 / 18 / max(estimate_us, 1.0))))
-    return common.torch_graph_us(fn, calls=calls, smoke=smoke)
+    """CUDA-graph µs per call within this benchmark's budget per measurement."""
+    return common.budgeted_graph_us(fn, smoke, GRAPH_BUDGET_S, estimate_us)
 
 
 def jax_topk_us(jax, qsa_jax, logits, visible, k, smoke):

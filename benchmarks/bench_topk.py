@@ -49,19 +49,8 @@ SMOKE = dict(K=8, ROWS=[1, 3], COLUMNS=[64, 300], MAX_LOGITS_BYTES=1 << 20, MAX_
 
 
 def timed_us(fn, smoke):
-    """CUDA-graph µs per call (without CUDA: the wall-clock median, so --smoke runs)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return common.torch_median_us(fn, smoke)
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    estimate_us = (time.perf_counter() - start) * 1e6
-    calls = max(1, min(20, int(GRAPH_BUDGET_S * 1e6 / 18 / max(estimate_us, 1.0))))
-    return common.torch_graph_us(fn, calls=calls, smoke=smoke)
+    """CUDA-graph µs per call within this benchmark's budget per measurement."""
+    return common.budgeted_graph_us(fn, smoke, GRAPH_BUDGET_S)
 
 
 def ours_us(qsa_torch, topk_tuning, logits, visible, k, smoke):

@@ -221,3 +221,21 @@ def torch_host_us(fn, calls: int = 200) -> float | None:
     elapsed = time.perf_counter() - t0
     torch.cuda.synchronize()
     return elapsed * 1e6 / calls
+
+
+def budgeted_graph_us(fn, smoke: bool, budget_s: float, estimate_us: float | None = None) -> float:
+    """CUDA-graph µs per call, with as many calls per graph (1..20) as fit ``budget_s``
+    (without CUDA: the wall-clock median, so that --smoke exercises the path)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return torch_median_us(fn, smoke)
+    if estimate_us is None:
+        fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        estimate_us = (time.perf_counter() - start) * 1e6
+    calls = max(1, min(20, int(budget_s * 1e6 / 18 / max(estimate_us, 1.0))))
+    return torch_graph_us(fn, calls=calls, smoke=smoke)
