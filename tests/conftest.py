@@ -23,7 +23,8 @@ def _poison(tensor: torch.Tensor) -> torch.Tensor:
             if tensor.is_floating_point():
                 tensor.fill_(float("nan"))
             else:
-                tensor.view(torch.uint8).fill_(0x7F) if tensor.is_contiguous() else tensor.fill_(0x7F)
+                # (0-d tensors cannot be viewed as bytes: Inductor allocates some)
+                tensor.view(torch.uint8).fill_(0x7F) if tensor.is_contiguous() and tensor.dim() else tensor.fill_(0x7F)
     return tensor
 
 
