@@ -44,7 +44,9 @@ SCALE_DOC = """\
         ``store_cache_rows(..., scale=)`` wrote them).  The fp8 keys are
         converted exactly to q's dtype for the dot (float32 accumulation) and
         k_scale is folded into the float32 divisor: ``score_divisor /
-        k_scale`` (``relu`` commutes with a positive scale)."""
+        k_scale`` (``relu`` commutes with a positive scale).  The logits
+        equal those of a 16-bit cache of the dequantised keys within float32
+        rounding, not bitwise (a few last-bit differences on the GPU)."""
 
 SCORES_DOC = f"""\
 Score every compressed block of each row's request (QSA indexer).

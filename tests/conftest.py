@@ -9,16 +9,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from qsa_kernels import runtime
 
 
 def _poison(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.numel():
-        if tensor.is_floating_point():
-            tensor.fill_(float("nan"))
-        else:
-            tensor.view(torch.uint8).fill_(0x7F) if tensor.is_contiguous() else tensor.fill_(0x7F)
+    # FakeTensors (torch.compile tracing, Inductor's pattern set-up) hold no data.
+    if tensor.numel() and not isinstance(tensor, FakeTensor):
+        # no_grad: Inductor allocates leaves with requires_grad=True (pad_mm's patterns);
+        # filling one is our poison, not an autograd-visible in-place write.
+        with torch.no_grad():
+            if tensor.is_floating_point():
+                tensor.fill_(float("nan"))
+            else:
+                # (0-d tensors cannot be viewed as bytes: Inductor allocates some)
+                tensor.view(torch.uint8).fill_(0x7F) if tensor.is_contiguous() and tensor.dim() else tensor.fill_(0x7F)
     return tensor
 
 

@@ -18,6 +18,8 @@ from qsa_kernels.launch import ArrayInfo, Buffer, Launch, Program, execute, obse
 from qsa_kernels.tuning import TopkTuning
 from qsa_torch import _launch as torch_launch
 
+from .util import DEVICE, host
+
 KERNEL = compress.store_cache_rows_kernel  # (cache, slot_mapping, rows, scale, cache_out, sizes..., constexprs...)
 # The names the shipped plan binds (so these tests follow a renamed parameter).
 _SHIPPED = compress.plan_store_cache_rows(ArrayInfo.contiguous((3, 4, 1, 8), "float32"),
@@ -105,9 +107,9 @@ def test_execute_threads_outputs_skips_empty_launches_and_fills_unwritten_result
 
 
 def store_arguments(rng):
-    cache = torch.from_numpy(rng.standard_normal((3, 4, 1, 8)).astype(np.float32))
-    slots = torch.tensor([5, -1, 0], dtype=torch.int32)
-    rows = torch.from_numpy(rng.standard_normal((3, 8)).astype(np.float32))
+    cache = torch.from_numpy(rng.standard_normal((3, 4, 1, 8)).astype(np.float32)).to(DEVICE)
+    slots = torch.tensor([5, -1, 0], dtype=torch.int32, device=DEVICE)
+    rows = torch.from_numpy(rng.standard_normal((3, 8)).astype(np.float32)).to(DEVICE)
     return cache, slots, rows
 
 
@@ -119,7 +121,7 @@ def test_hook_sees_each_adapters_launches_and_nothing_after_the_context():
     seen = []
     with observe_launches(seen.append):
         qsa_torch.store_cache_rows(cache.clone(), slots, rows)
-        jax.jit(qsa_jax.store_cache_rows)(*(jax.numpy.asarray(t.numpy()) for t in (cache, slots, rows)))
+        jax.jit(qsa_jax.store_cache_rows)(*(jax.numpy.asarray(host(t)) for t in (cache, slots, rows)))
     adapter = "jax-host" if qsa_jax._launch.runtime.INTERPRETED else "jax"
     assert [e.adapter for e in seen] == ["torch", adapter]
     assert all((e.launch.kernel, e.grid) == expected[0] for e in seen)
@@ -135,7 +137,10 @@ import qsa_jax
 qsa_jax.store_cache_rows(jnp.zeros((2, 4, 1, 8)), jnp.asarray(np.array([1, -1], np.int32)), jnp.ones((2, 8)))
 assert "qsa_torch" not in sys.modules, "qsa_jax imported qsa_torch"
 import qsa_torch, torch
-qsa_torch.store_cache_rows(torch.zeros(2, 4, 1, 8), torch.tensor([1, -1], dtype=torch.int32), torch.ones(2, 8))
+from qsa_kernels import runtime
+device = "cpu" if runtime.INTERPRETED else "cuda"  # a compiled process takes CUDA tensors only
+qsa_torch.store_cache_rows(torch.zeros(2, 4, 1, 8, device=device), torch.tensor([1, -1], dtype=torch.int32, device=device),
+                           torch.ones(2, 8, device=device))
 print("ok")
 """
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,6 +10,7 @@ tests compare the fast path with ``kernel[grid]`` bitwise on every stage.
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections import defaultdict
 
@@ -21,7 +22,7 @@ from triton import knobs
 from triton.backends.compiler import BaseBackend
 from triton.runtime.jit import create_function_from_signature
 
-from qsa_kernels import runtime
+from qsa_kernels import runtime, tuning
 from qsa_kernels.launch import ArrayInfo
 from qsa_torch import _fast_launch
 from qsa_torch._fast_launch import FastLauncher, SpecializationDriftError, claimed_specialization
@@ -507,11 +508,15 @@ def _stage_programs(device):
     cases = list(calls.items())
     attention = calls["sparse_paged_attention"]
     # Wide enough for several key tiles (a token listed twice is attended twice), so two splits exist.
-    cases.append(("sparse_paged_attention", dict(attention, token_indices=torch.cat([attention["token_indices"]] * 16, 1),
-                                                 num_splits=2)))
+    cases = [(name, arguments, None) for name, arguments in cases]
+    cases.append(("sparse_paged_attention", dict(attention, token_indices=torch.cat([attention["token_indices"]] * 16, 1)),
+                  2))
     out = []
-    for name, arguments in cases:
-        program, env = program_of(name, arguments)
+    for name, arguments, splits in cases:
+        with contextlib.ExitStack() as stack:
+            if splits is not None:  # the split count is tuning, not an argument
+                stack.enter_context(tuning.override(attention=tuning.AttentionTuning(num_splits=splits)))
+            program, env = program_of(name, arguments)
         gen = torch.Generator(device).manual_seed(len(out))
         for buffer in program.buffers:  # random contents, so that a launch that skips a write shows
             t = env[buffer.name]
@@ -519,7 +524,7 @@ def _stage_programs(device):
                 t.copy_(torch.randn(t.shape, generator=gen, device=device))
             else:
                 t.copy_(torch.randint(-1, 3, t.shape, generator=gen, device=device))
-        out.append((name + (" (2 splits)" if "num_splits" in arguments else ""), program, env))
+        out.append((name + (f" ({splits} splits)" if splits is not None else ""), program, env))
     return out
 
 
@@ -584,8 +589,9 @@ def test_stale_binding_on_gpu_unaligned_then_aligned():
         (launch,) = plan_store_cache_rows(_info(cache), _info(slots), _info(rows)).launches
         for _ in range(2):  # the second call goes through the binding
             target = cache.clone() if offset == 0 else storage.clone()[offset:].view(cache.shape)
-            launcher(launch.kernel, launch.grid, (target, slots, rows, target), launch.scalars, launch.constexprs,
-                     launch.num_warps, launch.num_stages)
+            arrays = {"cache": target, "slot_mapping": slots, "rows": rows}  # the plan names the pointers
+            launcher(launch.kernel, launch.grid, tuple(arrays[n] for n in launch.inputs + launch.outputs),
+                     launch.scalars, launch.constexprs, launch.num_warps, launch.num_stages)
             torch.cuda.synchronize()
             assert torch.equal(target.view(-1, width), expected), offset
     assert launcher.misses >= 2

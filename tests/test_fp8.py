@@ -185,16 +185,23 @@ def test_scores_fp8_match_dequantised_reference(dtype, heads, dim, ratio, prefil
 
 @pytest.mark.parametrize("prefill", [False, True])
 def test_scores_and_selection_fp8_equal_bf16_keys_of_their_values(prefill):
-    """Power-of-two scale: logits bitwise those of bf16 keys holding the dequantised values
-    (with the default divisor and a custom one), so the selection is the same too (checked
-    on the decode case: the interpreter is slow at prefill selections)."""
+    """Power-of-two scale: logits those of bf16 keys holding the dequantised values within
+    float32 rounding (with the default divisor and a custom one; the H200 differs in the last
+    bits of ~0.5% of elements, same tiles: not a promise of bitwise), and the selection the
+    same (no near-ties at that size; checked on the decode case: the interpreter is slow at
+    prefill selections)."""
     case = fp8_scoring_case(12, 0.25, prefill=prefill)
     k_scale = scale_tensor(0.25, shape=(1,))
     widened = dict(case, k_cache=(case["k_cache"].to(torch.bfloat16) * 0.25))
     for divisor in (None, 3.0):
         logits, _ = qsa_torch.mqa_paged_scores(**case, compress_ratio=4, score_divisor=divisor, k_scale=k_scale)
         expected, _ = qsa_torch.mqa_paged_scores(**widened, compress_ratio=4, score_divisor=divisor)
-        assert_bitwise_equal(logits, expected, f"fp8 vs bf16 logits (divisor {divisor})")
+        got, want = f64(logits), f64(expected)
+        assert np.array_equal(np.isneginf(got), np.isneginf(want)) and np.isfinite(want).sum() > 10, divisor
+        finite = np.isfinite(want)
+        # A few float32 ulps of the largest score (sums of relus: cancellation only inside a dot).
+        np.testing.assert_allclose(got[finite], want[finite], rtol=1e-6, atol=1e-6 * np.abs(want[finite]).max(),
+                                   err_msg=f"fp8 vs bf16 logits (divisor {divisor})")
     if prefill and runtime.INTERPRETED:
         return
     tokens = qsa_torch.select_paged_tokens(**case, token_topk=8, compress_ratio=4, k_scale=k_scale)

@@ -307,7 +307,7 @@ def test_jax_without_x64_rejects_host_int64_slots_past_int32(jit):
         # In range, int64 host indices narrow exactly and write what torch writes.
         slots = np.array([1, -1], np.int64)
         out = (jax.jit(call) if jit else call)(jax_cache, jnp.asarray(rows))
-    expected = qsa_torch.store_cache_rows(torch.from_numpy(cache.copy()), torch.from_numpy(slots), torch.from_numpy(rows))
+    expected = qsa_torch.store_cache_rows(*(torch.from_numpy(a.copy()).to(DEVICE) for a in (cache, slots, rows)))
     assert_bitwise_equal(out, expected, "in-range int64 slots")
 
 
