@@ -141,7 +141,11 @@ class TopkTuning:
     path: str = "auto"
     #: One program per row for rows at most this wide, or for any width once
     #: there are this many rows (enough programs to fill an H200 without slicing).
-    row_max_columns: int = 65536
+    #: Measured on the H200 (benchmarks/results/topk.json, k = 512): with 1-8
+    #: rows the row path wins to 8192 columns (19.5 vs 24.1 us) and loses from
+    #: 32768 (39.5 vs 24.4 us: one program streams the whole row); from 64 rows
+    #: it wins at every width.
+    row_max_columns: int = 16384
     row_min_rows: int = 32
     #: A row program's warps, and the keys each of its threads handles per
     #: step: of the group maxima (a load and a max), and of the other passes
