@@ -446,7 +446,8 @@ def test_launcher_called_directly_when_no_scratch_is_needed(monkeypatch, scratch
     h((2, 3), args, scalars, constexprs)
     h((2, 3), args, scalars, constexprs)
     values = tuple(h.binder(*args, **scalars, **constexprs)[0].values())
-    if scratch:  # CudaLauncher.__call__ allocates the scratch buffer
+    from qsa_torch import _fast_launch
+    if scratch or not _fast_launch._TRITON_3_6:  # __call__ allocates the scratch; the direct call is 3.6's order
         (call,) = launcher.calls
         assert not launcher.launches
         assert call[:9] == (2, 3, 1, 7000, compiled.function, compiled.packed_metadata, None, None, None)
