@@ -88,12 +88,8 @@ def scorer_bytes(mode, rows, columns, key_bytes=2):
 
 
 def fp8_pool(torch, pool):
-    """An fp8 e4m3 copy of a bf16 pool and its per-tensor scale (amax / 448), quantised in chunks."""
-    scale = float(pool.abs().amax().float()) / 448.0
-    out = torch.empty(pool.shape, dtype=torch.float8_e4m3fn, device=pool.device)
-    for first in range(0, pool.shape[0], 8192):
-        out[first:first + 8192] = (pool[first:first + 8192].float() / scale).clamp(-448.0, 448.0).to(out.dtype)
-    return out, torch.full((), scale, dtype=torch.float32, device=pool.device)
+    """An fp8 e4m3 copy of a bf16 pool and its per-tensor scale (see common.fp8_pool)."""
+    return common.fp8_pool(pool, chunk=8192)
 
 
 def block_agreement(torch, a, b, columns):

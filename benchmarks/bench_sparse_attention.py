@@ -122,12 +122,8 @@ def moved_bytes(g, rows, width, cache_bytes=2):
 
 
 def fp8_pool(torch, pool):
-    """An fp8 e4m3 copy of a bf16 pool and its per-tensor scale (amax / 448), quantised in chunks."""
-    scale = float(pool.abs().amax().float()) / 448.0
-    out = torch.empty(pool.shape, dtype=torch.float8_e4m3fn, device=pool.device)
-    for first in range(0, pool.shape[0], 4096):
-        out[first:first + 4096] = (pool[first:first + 4096].float() / scale).clamp(-448.0, 448.0).to(out.dtype)
-    return out, torch.full((), scale, dtype=torch.float32, device=pool.device)
+    """An fp8 e4m3 copy of a bf16 pool and its per-tensor scale (see common.fp8_pool)."""
+    return common.fp8_pool(pool, chunk=4096)
 
 
 def dense_baseline(torch, g, mode, rows, context, q, device):

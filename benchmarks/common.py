@@ -239,3 +239,15 @@ def budgeted_graph_us(fn, smoke: bool, budget_s: float, estimate_us: float | Non
         estimate_us = (time.perf_counter() - start) * 1e6
     calls = max(1, min(20, int(budget_s * 1e6 / 18 / max(estimate_us, 1.0))))
     return torch_graph_us(fn, calls=calls, smoke=smoke)
+
+
+def fp8_pool(pool, chunk: int = 8192):
+    """An fp8 e4m3 copy of a bf16 cache pool and its per-tensor scale (amax / 448),
+    quantised ``chunk`` pages at a time (bounded float32 temporaries)."""
+    import torch
+
+    scale = float(pool.abs().amax().float()) / 448.0
+    out = torch.empty(pool.shape, dtype=torch.float8_e4m3fn, device=pool.device)
+    for first in range(0, pool.shape[0], chunk):
+        out[first:first + chunk] = (pool[first:first + chunk].float() / scale).clamp(-448.0, 448.0).to(out.dtype)
+    return out, torch.full((), scale, dtype=torch.float32, device=pool.device)

@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from qsa_kernels import runtime
-from qsa_kernels.launch import ArrayInfo, Buffer, Program, execute, split_arguments, triton_launch
+from qsa_kernels.launch import ArrayInfo, Buffer, Program, execute, labelled, split_arguments, triton_launch
 from qsa_kernels.validate import check_host_indices_fit_int32, device_error, type_error
 
 from . import _sharding
@@ -202,13 +202,8 @@ def run(program: Program, arrays: Mapping[str, jax.Array | None]) -> tuple[jax.A
 def call(plan, arguments: Mapping[str, object]):
     """Run the public function ``plan`` serves, given its arguments by name."""
     arrays, options = split_arguments(plan, arguments)
-    # A plan may name its arguments differently in errors (the step: "state.key_cache").
-    labels = getattr(plan, "labels", None)
-    if labels:
-        converted, labelled_infos = metadata(plan.function, {labels[name]: value for name, value in arrays.items()})
-        infos = {name: labelled_infos[labels[name]] for name in arrays}
-        arrays = {name: converted[labels[name]] for name in arrays}
-    else:
-        arrays, infos = metadata(plan.function, arrays)
+    named, back = labelled(plan, arrays)  # errors name the arguments as the caller wrote them
+    converted, infos = metadata(plan.function, named)
+    arrays, infos = back(converted), back(infos)
     program = plan(**infos, **options)
     return program.returned(run(program, arrays))

@@ -49,7 +49,7 @@ from typing import Mapping
 import torch
 
 from qsa_kernels import runtime
-from qsa_kernels.launch import ArrayInfo, Buffer, Launch, Program, execute, split_arguments
+from qsa_kernels.launch import ArrayInfo, Buffer, Launch, Program, execute, labelled, split_arguments
 from qsa_kernels.validate import device_error, type_error
 
 from . import _fast_launch
@@ -314,11 +314,9 @@ def op_arguments(plan, arguments: Mapping[str, object]) -> tuple:
 
 def _infos(plan, arrays: Mapping[str, object], read=info):
     """:func:`_read` under the names the plan's errors use (``plan.labels``: the step's "state.key_cache")."""
-    labels = getattr(plan, "labels", None)
-    if not labels:
-        return _read(plan.function, arrays, read)
-    infos, first, plain = _read(plan.function, {labels[name]: value for name, value in arrays.items()}, read)
-    return {name: infos[labels[name]] for name in arrays}, first, plain
+    named, back = labelled(plan, arrays)
+    infos, first, plain = _read(plan.function, named, read)
+    return back(infos), first, plain
 
 
 def _call(plan, arguments: Mapping[str, object]):
