@@ -174,8 +174,16 @@ class Shape:
                                               whole(value_cache))
 
 
-def jax_columns(shape: Shape, share: str, smoke: bool) -> tuple[dict, str]:
-    """JAX wall clock and fori_loop device time of the step; ``share`` is "dlpack" or "copy"."""
+def jax_columns(shape: Shape, share: str, smoke: bool, lowering: str = "auto") -> tuple[dict, str]:
+    """JAX wall clock and fori_loop device time of the step; ``share`` is "dlpack" or "copy";
+    ``lowering``: how the Triton launches reach XLA (``qsa_jax.use_triton_lowering``)."""
+    import qsa_jax
+
+    with qsa_jax.use_triton_lowering(lowering):
+        return _jax_columns(shape, share, smoke)
+
+
+def _jax_columns(shape: Shape, share: str, smoke: bool) -> tuple[dict, str]:
     import jax
     import jax.numpy as jnp
 
@@ -241,10 +249,11 @@ def jax_columns(shape: Shape, share: str, smoke: bool) -> tuple[dict, str]:
 class Runner:
     """Measures shapes in turn; JAX shares torch's caches through DLPack until donating them fails."""
 
-    def __init__(self, smoke: bool, fp8: bool = False):
+    def __init__(self, smoke: bool, fp8: bool = False, lowerings: tuple[str, ...] = ()):
         import torch
 
         self.torch, self.smoke, self.fp8 = torch, smoke, fp8
+        self.lowerings = lowerings  # extra JAX columns per Triton lowering (jax_*_us_<lowering>)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.share = "dlpack"
         self.notes: list[str] = []
@@ -265,7 +274,7 @@ class Runner:
         if not self.fp8:  # compiled columns and the dense layer (it reads bf16 caches) come from a bf16 run
             row.update(self.compiled(shape, label))
             row["dense_graph_us"] = common.torch_graph_us(shape.dense_step, calls=LOOP_CALLS, smoke=self.smoke)
-        row.update(self.jax(shape, label))
+        row.update(self.jax_lowerings(shape, label))
         row["jax_over_torch_device"] = _ratio(row.get("jax_loop_us"), row.get("torch_graph_us"))
         row["compile_graph_over_graph"] = _ratio(row.get("torch_compile_graph_us"), row.get("torch_graph_us"))
         row["dense_over_qsa"] = _ratio(row.get("dense_graph_us"), row.get("torch_graph_us"))
@@ -292,10 +301,25 @@ class Runner:
                                   f"{str(error)[:200]}")
         return columns
 
-    def jax(self, shape: Shape, label: str) -> dict:
+    def jax_lowerings(self, shape: Shape, label: str) -> dict:
+        """The JAX columns with the default lowering, plus ``*_<lowering>`` columns for each
+        of ``self.lowerings`` (the default's columns are those of the lowering it resolves to)."""
+        import qsa_jax
+
+        if not self.lowerings:
+            return self.jax(shape, label)
+        row = {}
+        for lowering in self.lowerings:
+            columns = self.jax(shape, label, lowering)
+            row.update({f"{name}_{lowering}": value for name, value in columns.items()})
+            if lowering == qsa_jax.triton_lowering():
+                row.update(columns)
+        return row
+
+    def jax(self, shape: Shape, label: str, lowering: str = "auto") -> dict:
         if self.share == "dlpack":
             try:
-                columns, problem = jax_columns(shape, "dlpack", self.smoke)
+                columns, problem = jax_columns(shape, "dlpack", self.smoke, lowering)
                 if not problem:
                     return columns
                 self.notes.append(f"{label}: {problem}; JAX gets its own copy of the caches from here on")
@@ -307,7 +331,7 @@ class Runner:
             self.notes.append(f"{label}: JAX skipped: a second copy of the caches does not fit")
             return {}
         try:
-            return jax_columns(shape, "copy", self.smoke)[0]
+            return jax_columns(shape, "copy", self.smoke, lowering)[0]
         except Exception as error:  # keep the torch columns of the shape
             self.notes.append(f"{label}: JAX failed: {type(error).__name__}: {str(error)[:200]}")
             return {}
@@ -320,14 +344,20 @@ def main():
                    help="K/V and compressed-key caches: bf16, or fp8 e4m3 with per-tensor scales")
     p.add_argument("--dense-json", default=os.path.join(common.ROOT, "benchmarks", "results", "step.json"),
                    help="with --cache-dtype fp8: the bf16 run whose dense_graph_us the fp8 step is compared with")
+    p.add_argument("--jax-lowerings", nargs="*", default=None, choices=("legacy", "ffi"),
+                   help="also measure JAX with each of these Triton lowerings (default: both where ffi exists)")
     args = p.parse_args()
     fp8 = args.cache_dtype == "fp8"
+    import qsa_jax
+
+    if args.jax_lowerings is None:
+        args.jax_lowerings = [name for name in ("legacy", "ffi") if qsa_jax.triton_lowering_available(name)]
     if fp8 and args.json == p.get_default("json"):
         args.json = args.json.replace("step.json", "step_fp8.json")
     started = time.perf_counter()
     g = SMOKE if args.smoke else PRODUCTION
     batches, contexts = (SMOKE_BATCHES, SMOKE_CONTEXTS) if args.smoke else (BATCHES, CONTEXTS)
-    runner = Runner(args.smoke, fp8)
+    runner = Runner(args.smoke, fp8, tuple(args.jax_lowerings))
     rows = []
     for context in contexts:
         for batch in batches:
@@ -340,7 +370,9 @@ def main():
                 common.print_table([row], list(row))
 
     columns = ["batch", "context", "cache_gib", "torch_eager_us", "torch_compile_us", "torch_compile_graph_us",
-               "torch_graph_us", "jax_wall_us", "jax_loop_us", "dense_graph_us", "jax_over_torch_device",
+               "torch_graph_us", "jax_wall_us", "jax_loop_us",
+               *(f"jax_{kind}_us_{name}" for name in args.jax_lowerings for kind in ("wall", "loop")),
+               "dense_graph_us", "jax_over_torch_device",
                "compile_graph_over_graph", "dense_over_qsa"]
     if fp8:
         columns = [c for c in columns if "compile" not in c]
@@ -364,6 +396,8 @@ def main():
         "back-to-back calls between two events, per call",
         f"jax_wall_us: {LOOP_CALLS} back-to-back jitted calls with the state donated, wall clock per call",
         f"jax_loop_us: one jitted lax.fori_loop of {LOOP_CALLS} steps, unroll=True, per step (device time)",
+        f"JAX columns use the default Triton lowering ({qsa_jax.triton_lowering()}); jax_*_us_<lowering>: the "
+        f"same with that lowering (qsa_jax.use_triton_lowering); XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
         "dense_graph_us: stage 1 + flash SDPA over the whole context (GQA as MQA per KV head), CUDA graph",
         *(["fp8 e4m3 K/V and compressed-key caches with per-tensor scales (1.0) in QSAState; the ring is bf16; "
             f"dense_bf16_graph_us: the bf16 run's dense_graph_us ({args.dense_json})"] if fp8 else []),

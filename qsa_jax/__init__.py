@@ -14,6 +14,7 @@ from ._compress import compress_groups, store_cache_rows
 from ._rope_cache import rope_reshape_and_cache
 from ._select import expand_block_indices, mqa_paged_scores, select_paged_tokens, topk_blocks
 from ._step import QSAState, StepMetadata, qsa_attention_step
+from ._triton_call import CUSTOM_CALL_TARGETS, triton_lowering, triton_lowering_available, use_triton_lowering
 
 __all__ = [
     "rope_reshape_and_cache",
@@ -27,4 +28,9 @@ __all__ = [
     "qsa_attention_step",
     "QSAState",
     "StepMetadata",
+    # JAX only: how launches reach XLA (docs/api.md, "Calling from jax.jit")
+    "CUSTOM_CALL_TARGETS",
+    "triton_lowering",
+    "triton_lowering_available",
+    "use_triton_lowering",
 ]

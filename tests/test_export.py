@@ -3,7 +3,7 @@
 On the CPU path the kernels run from a host callback, which JAX cannot
 serialise: export fails with JAX's own ``NotImplementedError``.  On a GPU the
 function exports once the custom-call safety check is lifted for
-jax-triton's ``triton_kernel_call``, and the deserialised artifact computes
+``qsa_jax.CUSTOM_CALL_TARGETS`` (jax-triton's two targets), and the deserialised artifact computes
 the same bits as the jitted function.
 """
 
@@ -33,7 +33,7 @@ def test_export_on_the_cpu_path_fails_because_host_callbacks_do_not_serialise():
     with pytest.raises(NotImplementedError, match="serialization of host_callbacks is not yet implemented"):
         jax.export.export(top4)(*args)
     # Lifting the custom-call check does not help: the callback is not a custom call.
-    checks = [jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call")]
+    checks = [jax.export.DisabledSafetyCheck.custom_call(target) for target in qsa_jax.CUSTOM_CALL_TARGETS]
     with pytest.raises(NotImplementedError, match="host_callbacks"):
         jax.export.export(top4, disabled_checks=checks)(*args)
 
@@ -41,7 +41,7 @@ def test_export_on_the_cpu_path_fails_because_host_callbacks_do_not_serialise():
 @pytest.mark.gpu
 def test_export_on_the_gpu_round_trips_with_the_custom_call_check_lifted():
     top4, args = _top4()
-    checks = [jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call")]
+    checks = [jax.export.DisabledSafetyCheck.custom_call(target) for target in qsa_jax.CUSTOM_CALL_TARGETS]
     exported = jax.export.export(top4, disabled_checks=checks)(*args)
     restored = jax.export.deserialize(exported.serialize())
     assert np.array_equal(np.asarray(restored.call(*args)), np.asarray(top4(*args)))

@@ -373,10 +373,22 @@ def test_wrong_array_types_name_the_argument():
         assert str(info.value) == f"qsa_attention_step: {message}"
 
 
+LOWERINGS = ["legacy", "ffi"]
+
+
+def _lowering(name: str):
+    """``qsa_jax.use_triton_lowering(name)``, skipping where this jaxlib cannot lower that way."""
+    if not qsa_jax.triton_lowering_available(name):
+        pytest.skip(f"the {name} lowering is not available with this jaxlib")
+    return qsa_jax.use_triton_lowering(name)
+
+
 @pytest.mark.gpu
-def test_production_geometry_graph_and_jax():
+@pytest.mark.parametrize("lowering", LOWERINGS)
+def test_production_geometry_graph_and_jax(lowering):
     """24 Q / 2 KV heads x d256, indexer 4 x d128, ratio 4, pages of 64, top 2048 tokens: a prefill
-    chunk then a decode step; torch eager, torch CUDA-graph replay and JAX agree bitwise."""
+    chunk then a decode step; torch eager, torch CUDA-graph replay and JAX (each Triton lowering,
+    state donated: its buffers are updated in place) agree bitwise."""
     model = Model(QH=24, KH=2, D=256, IH=4, DI=128, token_topk=2048, index_dtype=torch.bfloat16)
     geometry = CacheGeometry(page_size=64, num_pages=256, compress_ratio=4, compressed_page_size=64,
                              num_compressed_pages=64, max_context=4096, max_requests=8)
@@ -407,8 +419,12 @@ def test_production_geometry_graph_and_jax():
     jax_step = jax.jit(lambda i, s, m, c, ic: qsa_jax.qsa_attention_step(
         **i, state=s, metadata=m, cos_sin=c, index_cos_sin=ic, return_token_indices=True, **model.options()),
         donate_argnums=(1,))
-    jax_out, jax_state, jax_indices = jax_step({n: to_jax(a) for n, a in inputs.items()}, jax_state,
-                                               qsa_jax.StepMetadata.from_host(host_meta), to_jax(cs), to_jax(ics))
+    pointers = {n: getattr(jax_state, n).unsafe_buffer_pointer() for n in STATE_FIELDS}
+    with _lowering(lowering):
+        jax_out, jax_state, jax_indices = jax_step({n: to_jax(a) for n, a in inputs.items()}, jax_state,
+                                                   qsa_jax.StepMetadata.from_host(host_meta), to_jax(cs), to_jax(ics))
+    assert {n: getattr(jax_state, n).unsafe_buffer_pointer() for n in STATE_FIELDS} == pointers, \
+        "a donated cache was copied instead of updated in place"
     for name, a, b in (("graph out", graphed, eager), ("graph indices", graphed_indices, eager_indices),
                        ("jax out", jax_out, eager), ("jax indices", jax_indices, eager_indices)):
         assert_bitwise_equal(a, b, name)
@@ -416,6 +432,55 @@ def test_production_geometry_graph_and_jax():
         assert_bitwise_equal(getattr(graph_state, name), getattr(eager_state, name), f"graph {name}")
         assert_bitwise_equal(getattr(jax_state, name), getattr(eager_state, name), f"jax {name}")
     assert (host(eager_indices) >= 0).sum(1).min() >= 2048
+
+
+def _thunks(make_step, args, lowering: str, directory) -> list[tuple[int, str]]:
+    """XLA's thunk sequence of a fresh ``make_step()`` compiled with ``lowering``, as ``(nesting,
+    kind)`` rows, read from the dump XLA writes when asked (``xla_dump_to``: a per-compilation
+    option).  Fresh: JAX reuses a function's trace, and with it the lowering it was traced with."""
+    import re
+
+    with qsa_jax.use_triton_lowering(lowering):
+        make_step().lower(*args).compile(compiler_options={"xla_dump_to": str(directory)})
+    dumps = sorted(directory.glob("*thunk_sequence_after_thunk_passes.txt")) or sorted(
+        directory.glob("*thunk_sequence.txt"))
+    assert dumps, f"XLA wrote no thunk sequence to {directory}: {sorted(p.name for p in directory.iterdir())[:20]}"
+    rows = re.findall(r"^( *)\d+: (k\w+)", dumps[-1].read_text(), re.M)
+    return [(len(indent), kind) for indent, kind in rows]
+
+
+@pytest.mark.gpu
+def test_ffi_lowering_puts_the_step_in_command_buffers(tmp_path):
+    """With the FFI lowering, XLA's compiled step (jit, donated state) runs every Triton launch
+    inside a command buffer (a CUDA graph launched as one), none dispatched alone; with the
+    legacy lowering every launch is a thunk of its own (the baseline the FFI lowering beats)."""
+    if not qsa_jax.triton_lowering_available("ffi"):
+        pytest.skip("this jaxlib has no FFI Triton handler")
+    model = Model(QH=24, KH=2, D=256, IH=4, DI=128, token_topk=2048, index_dtype=torch.bfloat16)
+    geometry = CacheGeometry(page_size=64, num_pages=256, compress_ratio=4, compressed_page_size=64,
+                             num_compressed_pages=64, max_context=4096, max_requests=8)
+    g = torch.Generator().manual_seed(1)
+    pager = PagedRequests(geometry, seed=0)
+    for r in range(2):
+        pager.admit(r, 3000)
+    host_meta = pager.step({r: 1 for r in range(2)})
+    state = qsa_jax.QSAState(**{n: to_jax(getattr(random_state(model, g, geometry), n)) for n in STATE_FIELDS})
+    inputs = {n: to_jax(a) for n, a in random_inputs(model, 2, g).items()}
+    args = (inputs, state, qsa_jax.StepMetadata.from_host(host_meta), to_jax(rope_table(model.D, 4096)),
+            to_jax(rope_table(model.DI, 4096)))
+    def make_step():
+        return jax.jit(lambda i, s, m, c, ic: qsa_jax.qsa_attention_step(
+            **i, state=s, metadata=m, cos_sin=c, index_cos_sin=ic, **model.options()), donate_argnums=(1,))
+
+    (tmp_path / "ffi").mkdir()
+    (tmp_path / "legacy").mkdir()
+    ffi = _thunks(make_step, args, "ffi", tmp_path / "ffi")
+    top = [kind for nesting, kind in ffi if nesting == 0]
+    nested = [kind for nesting, kind in ffi if nesting > 0]
+    assert "kCommandBuffer" in top and "kCustomCall" not in top, ffi
+    assert nested.count("kCustomCall") >= 8, ffi  # the step's launches, recorded into the command buffer
+    legacy = _thunks(make_step, args, "legacy", tmp_path / "legacy")
+    assert [kind for nesting, kind in legacy if nesting == 0].count("kCustomCall") == nested.count("kCustomCall"), legacy
 
 
 # --------------------------------------------------------------------------

@@ -1,0 +1,213 @@
+"""How the jitted JAX path dispatches Triton launches: legacy custom call against the FFI handler.
+
+Two measurements per lowering (``qsa_jax.use_triton_lowering``), in one process:
+
+* ``chain``: 12 chained tiny Triton kernels in one jitted function, an unrolled
+  ``lax.fori_loop`` of 10 chains: device µs per kernel (what XLA adds per
+  launch; a CUDA graph launch of the same kernels is the floor).
+* ``step``: the composed QSA decode step (``benchmarks/bench_step.py``'s shape,
+  128K context) as a jitted unrolled loop of 10 steps: per step, the kernels the
+  GPU ran (a CUPTI trace through ``torch.profiler``, which sees every kernel of
+  the process, XLA's included), their summed time and the span from first start
+  to last end; and, from XLA's optimised HLO, the custom calls, copies, fusions
+  and command-buffer calls per loop.
+
+``XLA_FLAGS`` decides command buffers (XLA's default: on); run once as is and
+once with ``--xla_gpu_enable_command_buffer=`` to compare (``--json`` names the
+file).  The optimised HLO of each loop is written next to the JSON.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import statistics
+import time
+import warnings
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import common  # noqa: E402
+
+CHAIN = 12
+LOOP = 10
+
+
+def chain_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_one_kernel(
+        x_ptr,  # [N] float32
+        o_ptr,  # [N] float32
+        N: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < N
+        tl.store(o_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) + 1.0, mask=mask)
+
+    return add_one_kernel
+
+
+def chain_us(lowering: str) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    import qsa_jax
+    from qsa_jax import _triton_call
+    from qsa_kernels.launch import Buffer, Launch, Program
+
+    kernel, n = chain_kernel(), 1024
+    program = Program("chain", (Buffer("y", (n,), "float32"),),
+                      (Launch(kernel, (1,), ("x",), ("y",), constexprs=dict(N=n, BLOCK=n), num_warps=1),),
+                      ("y",))
+
+    def chain(x):
+        for _ in range(CHAIN):
+            (x,) = _triton_call.run(program, {"x": x})
+        return x
+
+    with qsa_jax.use_triton_lowering(lowering):
+        looped = jax.jit(lambda x: jax.lax.fori_loop(0, LOOP, lambda i, x: chain(x), x, unroll=True))
+        x = jnp.zeros((n,), jnp.float32)
+        out = jax.block_until_ready(looped(x))
+    assert float(out[0]) == CHAIN * LOOP, out[0]
+    times = []
+    for _ in range(20):
+        start = time.perf_counter()
+        jax.block_until_ready(looped(x))
+        times.append((time.perf_counter() - start) * 1e6)
+    per_loop = statistics.median(times)
+    hlo = looped.lower(x).compile().as_text()
+    return dict(lowering=lowering, us_per_kernel=per_loop / (CHAIN * LOOP), us_per_chain=per_loop / LOOP,
+                **hlo_counts(hlo))
+
+
+def hlo_counts(hlo: str) -> dict:
+    """Ops of XLA's optimised HLO that decide dispatch: custom calls (by target), copies, fusions,
+    and the command buffers XLA outlined (``command_buffer`` computations)."""
+    entry = hlo  # count over the whole module: loops and command buffers are outlined computations
+    targets = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', entry))
+    return dict(
+        custom_calls=dict(targets),
+        copies=len(re.findall(r"\bcopy(-start)?\(", entry)),
+        fusions=len(re.findall(r"\bfusion\(", entry)),
+        command_buffers=len(set(re.findall(r"%?(command_buffer[\w.]*) ", entry))),
+        command_buffer_calls=len(re.findall(r"to_apply=%?command_buffer", entry)),
+    )
+
+
+def step_trace(lowering: str, batch: int, context: int, out_dir: str, slim: bool = True) -> dict:
+    import jax
+    import torch
+
+    import bench_step
+    import qsa_jax
+    from qsa_jax import _triton_call
+
+    if _triton_call.SLIM_CALL_PROTO != slim:  # recompile: jax-triton caches kernels without the line-info setting
+        _triton_call.SLIM_CALL_PROTO = slim
+        import jax_triton
+
+        jax_triton.triton_lib._COMPILED_KERNEL_CACHE.clear()
+    from qsa_kernels.paging import STATE_FIELDS
+
+    shape = bench_step.Shape(bench_step.PRODUCTION, batch, context, torch.device("cuda"))
+    inputs = {name: jax.dlpack.from_dlpack(t) for name, t in shape.inputs.items()}
+    tables = (jax.dlpack.from_dlpack(shape.cos_sin), jax.dlpack.from_dlpack(shape.index_cos_sin))
+    meta = qsa_jax.StepMetadata.from_host(shape.host_meta)
+    state = qsa_jax.QSAState(**{name: jax.dlpack.from_dlpack(getattr(shape.state, name)) for name in STATE_FIELDS})
+
+    def step(inputs, state, meta, cos_sin, index_cos_sin):
+        return qsa_jax.qsa_attention_step(**inputs, state=state, metadata=meta, cos_sin=cos_sin,
+                                          index_cos_sin=index_cos_sin, **shape.options)
+
+    def loop(inputs, state, meta, cos_sin, index_cos_sin):
+        def body(_, carry):
+            q, state = carry
+            return step(dict(inputs, q=q), state, meta, cos_sin, index_cos_sin)
+
+        return jax.lax.fori_loop(0, LOOP, body, (inputs["q"], state), unroll=True)
+
+    with qsa_jax.use_triton_lowering(lowering), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        looped = jax.jit(loop, donate_argnums=1)
+        _, state = jax.block_until_ready(looped(inputs, state, meta, *tables))
+        hlo = looped.lower(inputs, state, meta, *tables).compile().as_text()
+        single = jax.jit(step, donate_argnums=1)
+        out, state = jax.block_until_ready(single(inputs, state, meta, *tables))
+    opaque = sum(len(m) for m in re.findall(r'(?:opaque = |backend_config=)"((?:[^"\\]|\\.)*)"', hlo)) / LOOP
+    for _ in range(3):
+        _, state = jax.block_until_ready(looped(inputs, state, meta, *tables))
+    times, dropped = [], []
+    for _ in range(5):  # the previous call's output alive (as a caller's usually is)
+        start = time.perf_counter()
+        out, state = jax.block_until_ready(looped(inputs, state, meta, *tables))
+        times.append((time.perf_counter() - start) * 1e6 / LOOP)
+    for _ in range(5):  # freed first: its buffer can come back at the same address
+        del out
+        start = time.perf_counter()
+        out, state = jax.block_until_ready(looped(inputs, state, meta, *tables))
+        dropped.append((time.perf_counter() - start) * 1e6 / LOOP)
+    wall = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(LOOP):
+            out, state = single(inputs, state, meta, *tables)
+        jax.block_until_ready(state)
+        wall.append((time.perf_counter() - start) * 1e6 / LOOP)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        _, state = jax.block_until_ready(looped(inputs, state, meta, *tables))
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: e.time_range.start)
+    names = collections.Counter(re.sub(r"_\d+$", "", e.name)[:60] for e in kernels)
+    busy = sum(e.time_range.elapsed_us() for e in kernels)
+    span = (kernels[-1].time_range.end - kernels[0].time_range.start) if kernels else 0
+    gaps = [b.time_range.start - a.time_range.end for a, b in zip(kernels, kernels[1:])]
+    row = dict(lowering=lowering, slim=slim, batch=batch, context=context, opaque_text_kb_per_step=opaque / 1e3,
+               loop_us_per_step=statistics.median(times), loop_us_outputs_freed=statistics.median(dropped),
+               wall_us_per_call=statistics.median(wall),
+               gpu_ops_per_step=len(kernels) / LOOP, busy_us_per_step=busy / LOOP, span_us_per_step=span / LOOP,
+               median_gap_us=statistics.median(gaps) if gaps else None,
+               ops=dict(names.most_common(24)), **hlo_counts(hlo))
+    del shape
+    torch.cuda.empty_cache()
+    return row
+
+
+def main():
+    p = common.parser(__doc__, "jax_calls.json")
+    p.add_argument("--batches", type=int, nargs="*", default=[1, 64])
+    p.add_argument("--context", type=int, default=131072)
+    args = p.parse_args()
+    import qsa_jax
+
+    lowerings = ["legacy"] + (["ffi"] if qsa_jax.triton_lowering_available("ffi") else [])
+    flags = os.environ.get("XLA_FLAGS", "")
+    rows = []
+    for lowering in lowerings:
+        row = dict(kind="chain", xla_flags=flags, **chain_us(lowering))  # a 1 KB call proto: slimming moot
+        print(row)
+        rows.append(row)
+    out_dir = os.path.dirname(os.path.abspath(args.json))
+    for batch in args.batches:
+        for lowering in lowerings:
+            for slim in (True, False) if batch == args.batches[0] else (True,):
+                row = dict(kind="step", xla_flags=flags, **step_trace(lowering, batch, args.context, out_dir, slim))
+                print({k: v for k, v in row.items() if k != "ops"})
+                rows.append(row)
+    common.write_json(args.json, "jax dispatch: legacy vs FFI lowering", rows, [
+        f"chain: {CHAIN} chained 1024-element Triton kernels per jitted chain, unrolled fori_loop of {LOOP}; "
+        "us_per_kernel = wall / (chains x kernels)",
+        f"step: the composed decode step, unrolled fori_loop of {LOOP}; gpu ops from a CUPTI trace "
+        "(torch.profiler) of one loop; busy = summed op time, span = first start to last end",
+        f"XLA_FLAGS={flags!r}",
+    ])
+
+
+if __name__ == "__main__":
+    main()
