@@ -158,22 +158,11 @@ def step_trace(lowering: str, batch: int, context: int, out_dir: str, slim: bool
             out, state = single(inputs, state, meta, *tables)
         jax.block_until_ready(state)
         wall.append((time.perf_counter() - start) * 1e6 / LOOP)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        _, state = jax.block_until_ready(looped(inputs, state, meta, *tables))
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    kernels.sort(key=lambda e: e.time_range.start)
-    names = collections.Counter(re.sub(r"_\d+$", "", e.name)[:60] for e in kernels)
-    busy = sum(e.time_range.elapsed_us() for e in kernels)
-    span = (kernels[-1].time_range.end - kernels[0].time_range.start) if kernels else 0
-    gaps = [b.time_range.start - a.time_range.end for a, b in zip(kernels, kernels[1:])]
+    trace = common.gpu_trace(lambda: jax.block_until_ready(looped(inputs, state, meta, *tables)), LOOP)
     row = dict(lowering=lowering, slim=slim, batch=batch, context=context, opaque_text_kb_per_step=opaque / 1e3,
                loop_us_per_step=statistics.median(times), loop_us_outputs_freed=statistics.median(dropped),
                wall_us_per_call=statistics.median(wall),
-               gpu_ops_per_step=len(kernels) / LOOP, busy_us_per_step=busy / LOOP, span_us_per_step=span / LOOP,
-               median_gap_us=statistics.median(gaps) if gaps else None,
-               ops=dict(names.most_common(24)), **hlo_counts(hlo))
+               **trace, **hlo_counts(hlo))
     del shape
     torch.cuda.empty_cache()
     return row

@@ -137,6 +137,32 @@ def jax_loop_us(step, carry, calls: int = 20, smoke: bool = False, consts=()) ->
                            sync=jax.block_until_ready) / calls
 
 
+def gpu_trace(fn, calls: int = 1) -> dict | None:
+    """What the GPU ran during ``fn()`` (which must wait for its work): a CUPTI trace through
+    ``torch.profiler``, which sees every kernel of the process (XLA's too).  Per call (``fn`` runs
+    ``calls`` steps): ``device_us`` = first kernel start to last kernel end, ``busy_us`` = summed
+    kernel time, ``gpu_ops`` = kernels and copies; ``ops``: count by name.  None without CUDA."""
+    import collections
+    import re
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    if not events:
+        return None
+    return dict(device_us=(events[-1].time_range.end - events[0].time_range.start) / calls,
+                busy_us=sum(e.time_range.elapsed_us() for e in events) / calls,
+                gpu_ops=len(events) / calls,
+                ops=dict(collections.Counter(re.sub(r"_\d+$", "", e.name)[:60] for e in events).most_common(24)))
+
+
 def to_jax(tensor):
     """A torch tensor as a JAX array: zero-copy through DLPack on the GPU."""
     import jax
