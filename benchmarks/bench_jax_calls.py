@@ -81,7 +81,10 @@ def chain_us(lowering: str) -> dict:
         times.append((time.perf_counter() - start) * 1e6)
     per_loop = statistics.median(times)
     hlo = looped.lower(x).compile().as_text()
+    trace = common.gpu_trace(lambda: jax.block_until_ready(looped(x)), CHAIN * LOOP) or {}
     return dict(lowering=lowering, us_per_kernel=per_loop / (CHAIN * LOOP), us_per_chain=per_loop / LOOP,
+                gpu_us_per_kernel=trace.get("device_us"), host_us_per_kernel=(
+                    per_loop / (CHAIN * LOOP) - trace["device_us"] if trace else None),
                 **hlo_counts(hlo))
 
 
