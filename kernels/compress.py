@@ -315,7 +315,8 @@ def compress_rotate_store_kernel(
         first = _window_start(end, pooled_row, RATIO)
         if not WIDE_FIRST_POSITIONS:
             first = first.to(tl.int32)
-        _, cos_a, sin_a, cos_b, sin_b = _rope_cos_sin(
+        # (Names differ from the other branch's: Triton types a name across both.)
+        _first_ok, cos_a, sin_a, cos_b, sin_b = _rope_cos_sin(
             cos_sin_ptr, first.to(tl.int64)[:, None], True, in_batch[:, None] & half_ok[None, :], max_position,
             cs_sr, freq_a[None, :], freq_b[None, :], F)
         rotated_a, rotated_b = _rotate(pooled_a, pooled_b, cos_a, sin_a, cos_b, sin_b)
@@ -339,11 +340,11 @@ def compress_rotate_store_kernel(
         # Stage 1's query path over index_q's row t (its heads in tiles of BLOCK_H).
         t = (program - 1).to(tl.int64)
         position = tl.load(positions_ptr + t).to(tl.int64)
-        _, cos_a, sin_a, cos_b, sin_b = _rope_cos_sin(cos_sin_ptr, position, True, i < D // 2, max_position,
-                                                      cs_sr, freq_a, freq_b, F)
+        _position_ok, q_cos_a, q_sin_a, q_cos_b, q_sin_b = _rope_cos_sin(
+            cos_sin_ptr, position, True, i < D // 2, max_position, cs_sr, freq_a, freq_b, F)
         for head_tile in tl.static_range(NUM_Q_TILES):
             _rope_query_heads(index_q_ptr, index_q_out_ptr, index_q_out_ptr, t, head_tile, d_a, d_b,
-                              cos_a[None, :], sin_a[None, :], cos_b[None, :], sin_b[None, :],
+                              q_cos_a[None, :], q_sin_a[None, :], q_cos_b[None, :], q_sin_b[None, :],
                               q_sr, q_sh, qo_sr, qo_sh, IH, BLOCK_H, False)
 
 
