@@ -23,6 +23,10 @@ Order within a step (every write lands before the read that needs it):
    rows select among the groups they complete);
 3. RoPE the index queries at their positions; score, top-k, expand;
 4. sparse attention over the selected tokens.
+
+With at most ``StepTuning.fused_max_rows`` rows, stage 2 and the index
+queries' RoPE are one launch (``compress.plan_compress_rotate_store``) in
+that order, bit for bit the separate launches (:func:`_fuses_compression`).
 """
 
 from __future__ import annotations
