@@ -39,6 +39,10 @@ dense baseline is not rerun (it reads bf16 caches): ``dense_bf16_graph_us``
 comes from a bf16 run's JSON (``--dense-json``, default results/step.json)
 where it has the shape, with the goal: at 128K, the fp8 QSA layer at least
 25x faster than the dense bf16 layer at 64 and 256 requests.
+``launches``: kernel launches per step (observed on one eager step).
+``--unfused``: the step's stage 2 and index-query RoPE as separate launches
+(``StepTuning(fuse_stages=False)``; results in step_unfused.json by default),
+to compare with the fused default.
 Shapes run in order of importance (128K first) and stop at a time budget, with
 a note.  ``benchmarks/plot_step.py`` draws the JSON.
 """
@@ -174,6 +178,15 @@ class Shape:
                                               whole(value_cache))
 
 
+def launches(shape: Shape) -> int:
+    """Kernel launches of one step (one eager torch step, observed; JAX runs the same Program)."""
+    from qsa_kernels.launch import observe_launches
+
+    with observe_launches() as events:
+        shape.torch_step()
+    return len(events)
+
+
 def jax_columns(shape: Shape, share: str, smoke: bool, lowering: str = "auto") -> tuple[dict, str]:
     """JAX wall clock and fori_loop device time of the step; ``share`` is "dlpack" or "copy";
     ``lowering``: how the Triton launches reach XLA (``qsa_jax.use_triton_lowering``)."""
@@ -272,7 +285,7 @@ class Runner:
             self.notes.append(f"{label}: skipped, its caches ({need / 2**30:.1f} GiB) do not fit")
             return None
         shape = Shape(g, batch, context, self.device, fp8=self.fp8)
-        row = dict(batch=batch, context=context, cache_gib=round(need / 2**30, 2))
+        row = dict(batch=batch, context=context, cache_gib=round(need / 2**30, 2), launches=launches(shape))
         row["torch_eager_us"] = common.torch_median_us(shape.torch_step, self.smoke)
         row["torch_graph_us"] = common.torch_graph_us(shape.torch_step, calls=LOOP_CALLS, smoke=self.smoke)
         if not self.fp8:  # compiled columns and the dense layer (it reads bf16 caches) come from a bf16 run
@@ -354,14 +367,27 @@ def main():
     p.add_argument("--jax-lowerings", nargs="*", default=None, choices=("legacy", "ffi"),
                    help="also measure JAX with each of these Triton lowerings (default: both where ffi exists)")
     p.add_argument("--skip-compile", action="store_true", help="leave out the torch.compile columns (slow to build)")
+    p.add_argument("--unfused", action="store_true",
+                   help="the step's stage 2 and index-query RoPE as separate launches (StepTuning.fuse_stages off)")
     args = p.parse_args()
     fp8 = args.cache_dtype == "fp8"
     import qsa_jax
 
     if args.jax_lowerings is None:
         args.jax_lowerings = [name for name in ("legacy", "ffi") if qsa_jax.triton_lowering_available(name)]
-    if fp8 and args.json == p.get_default("json"):
+    default = p.get_default("json")
+    if fp8 and args.json == default:
         args.json = args.json.replace("step.json", "step_fp8.json")
+    if args.unfused and args.json in (default, default.replace("step.json", "step_fp8.json")):
+        args.json = args.json.replace(".json", "_unfused.json")
+    from qsa_kernels import tuning
+
+    # Plans (JAX's at trace time too) are made inside: every column runs the chosen launches.
+    with tuning.override(**(dict(step=tuning.StepTuning(fuse_stages=False)) if args.unfused else {})):
+        run(args, fp8)
+
+
+def run(args, fp8: bool) -> None:
     started = time.perf_counter()
     g = SMOKE if args.smoke else PRODUCTION
     batches, contexts = (SMOKE_BATCHES, SMOKE_CONTEXTS) if args.smoke else (BATCHES, CONTEXTS)
@@ -378,7 +404,7 @@ def main():
                 rows.append(row)
                 common.print_table([row], list(row))
 
-    columns = ["batch", "context", "cache_gib", "torch_eager_us", "torch_compile_us", "torch_compile_graph_us",
+    columns = ["batch", "context", "cache_gib", "launches", "torch_eager_us", "torch_compile_us", "torch_compile_graph_us",
                "torch_graph_us", "jax_wall_us", "jax_loop_us", "jax_device_us",
                *(f"jax_{kind}_us_{name}" for name in args.jax_lowerings for kind in ("wall", "loop", "device")),
                "dense_graph_us", "jax_over_torch_device", "jax_wall_over_torch_graph",
@@ -399,6 +425,8 @@ def main():
     common.write_json(args.json, "qsa_attention_step", rows, [
         "one QSA attention layer's decode step (all four stages), one row per request, production geometry; "
         "every row completes a compressed group (the step's most expensive case)",
+        "launches: kernel launches per step, " + ("--unfused: StepTuning.fuse_stages off" if args.unfused else
+                                                  "stage 2 and the index-query RoPE fused where StepTuning allows"),
         f"torch_graph_us: CUDA graph of {LOOP_CALLS} steps, per step; torch_eager_us: do_bench median",
         "torch_compile_us: torch.compile(fullgraph=True) of the step, Inductor default mode, do_bench median",
         f"torch_compile_graph_us: the same with mode='reduce-overhead' (caches marked static), {LOOP_CALLS} "

@@ -70,7 +70,61 @@ def _rotate_pair(x_row, d_a, d_b, cos_a, sin_a, cos_b, sin_b):
     """
     a = tl.load(x_row + d_a[None, :]).to(tl.float32)
     b = tl.load(x_row + d_b[None, :]).to(tl.float32)
-    return a, b, a * cos_a - b * sin_a, b * cos_b + a * sin_b
+    rot_a, rot_b = _rotate(a, b, cos_a, sin_a, cos_b, sin_b)
+    return a, b, rot_a, rot_b
+
+
+@triton.jit
+def _rotate(a, b, cos_a, sin_a, cos_b, sin_b):
+    """The rotation of float32 pairs (a, b): (a cos_a - b sin_a, b cos_b + a sin_b).
+
+    The one place of RoPE's arithmetic: stage 1 and the composed step's fused
+    compression launch (kernels/compress.py) round identically through it.
+    """
+    return a * cos_a - b * sin_a, b * cos_b + a * sin_b
+
+
+@triton.jit
+def _rope_pairs(D: tl.constexpr, F: tl.constexpr, IS_NEOX: tl.constexpr):
+    """``(i, d_a, d_b, freq_a, freq_b)``, each ``[D/2]``: element ``d_a[i]`` rotates with
+    ``d_b[i]`` (contiguous halves for NeoX, neighbours for GPT-J), by the table's
+    frequency columns ``freq_a[i]`` / ``freq_b[i]`` (``F == D``: one per element)."""
+    HALF: tl.constexpr = D // 2
+    i = tl.arange(0, HALF)
+    if IS_NEOX:
+        d_a = i
+        d_b = i + HALF
+    else:
+        d_a = 2 * i
+        d_b = 2 * i + 1
+    if F == D:  # one frequency per element
+        freq_a = d_a
+        freq_b = d_b
+    else:  # one frequency per pair
+        freq_a = i
+        freq_b = i
+    return i, d_a, d_b, freq_a, freq_b
+
+
+@triton.jit
+def _rope_cos_sin(cos_sin_ptr, position, position_ok, read, max_position, cs_sr, freq_a, freq_b,
+                  F: tl.constexpr):
+    """``(position_ok, cos_a, sin_a, cos_b, sin_b)`` float32 of the table row at ``position``.
+
+    ``position`` is int64, a scalar (cos/sin come out shaped like ``freq_a``)
+    or ``[R, 1]`` with ``freq_a`` of ``[1, D/2]`` (``[R, D/2]``); ``read`` masks
+    the loads.  A position outside the table is never read: its cos/sin are
+    NaN (so are its rotated rows) and ``position_ok`` is false.
+    """
+    position_ok = position_ok & (position >= 0) & (position < max_position)
+    table_row = cos_sin_ptr + tl.where(position_ok, position, 0) * cs_sr
+    read = read & position_ok
+    nan = float("nan")
+    cos_a = tl.load(table_row + freq_a, mask=read, other=nan).to(tl.float32)
+    sin_a = tl.load(table_row + F + freq_a, mask=read, other=nan).to(tl.float32)
+    cos_b = tl.load(table_row + freq_b, mask=read, other=nan).to(tl.float32)
+    sin_b = tl.load(table_row + F + freq_b, mask=read, other=nan).to(tl.float32)
+    return position_ok, cos_a, sin_a, cos_b, sin_b
 
 
 @triton.jit
@@ -128,22 +182,7 @@ def rope_cache_kernel(
     is_query_tile = head_tile < NUM_Q_TILES
     # Query tiles of KV-only rows (t >= T) have nothing to do.
     if (t < T) | (head_tile == NUM_Q_TILES):
-        HALF: tl.constexpr = D // 2
-        i = tl.arange(0, HALF)
-        # Element d_a[i] rotates with d_b[i]; contiguous halves for NeoX.
-        if IS_NEOX:
-            d_a = i
-            d_b = i + HALF
-        else:
-            d_a = 2 * i
-            d_b = 2 * i + 1
-        if F == D:  # one frequency per element
-            freq_a = d_a
-            freq_b = d_b
-        else:  # one frequency per pair
-            freq_a = i
-            freq_b = i
-
+        i, d_a, d_b, freq_a, freq_b = _rope_pairs(D, F, IS_NEOX)
         rope_row = t < T
         position = tl.load(positions_ptr + t * pos_sr, mask=rope_row, other=0).to(tl.int64)
         position_ok = True
@@ -153,15 +192,10 @@ def rope_cache_kernel(
             # An int64 sum that wrapped has the opposite sign of both terms.
             position_ok = ~((position < 0) == (offset < 0)) | ((total < 0) == (position < 0))
             position = total
-        position_ok = position_ok & (position >= 0) & (position < max_position)
         # A position outside the table is never read: its rows come out NaN.
-        table_row = cos_sin_ptr + tl.where(position_ok, position, 0) * cs_sr
-        read = (i < HALF) & rope_row & position_ok
-        nan = float("nan")
-        cos_a = tl.load(table_row + freq_a, mask=read, other=nan).to(tl.float32)[None, :]
-        sin_a = tl.load(table_row + F + freq_a, mask=read, other=nan).to(tl.float32)[None, :]
-        cos_b = tl.load(table_row + freq_b, mask=read, other=nan).to(tl.float32)[None, :]
-        sin_b = tl.load(table_row + F + freq_b, mask=read, other=nan).to(tl.float32)[None, :]
+        position_ok, cos_a, sin_a, cos_b, sin_b = _rope_cos_sin(
+            cos_sin_ptr, position, position_ok, (i < D // 2) & rope_row, max_position, cs_sr, freq_a, freq_b, F)
+        cos_a, sin_a, cos_b, sin_b = cos_a[None, :], sin_a[None, :], cos_b[None, :], sin_b[None, :]
 
         if is_query_tile:
             _rope_query_heads(q_ptr, q_out_ptr, zeros_ptr, t, head_tile, d_a, d_b,

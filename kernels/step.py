@@ -23,10 +23,15 @@ Order within a step (every write lands before the read that needs it):
    rows select among the groups they complete);
 3. RoPE the index queries at their positions; score, top-k, expand;
 4. sparse attention over the selected tokens.
+
+With at most ``StepTuning.fused_max_rows`` rows, stage 2 and the index
+queries' RoPE are one launch (``compress.plan_compress_rotate_store``) in
+that order, bit for bit the separate launches (:func:`_fuses_compression`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from typing import Any
@@ -34,11 +39,12 @@ from typing import Any
 import numpy as np
 
 from .attention import plan_sparse_paged_attention
-from .compress import plan_compress_groups, plan_store_cache_rows
+from .compress import plan_compress_groups, plan_compress_rotate_store, plan_store_cache_rows
 from .launch import ArrayInfo, Buffer, Launch, Program, cached_plan
 from .paging import METADATA_FIELDS, STATE_FIELDS
 from .rope_cache import plan_rope_reshape_and_cache
 from .select import plan_select_paged_tokens
+from .tuning import StepTuning
 from .validate import BOOL, FINITE_NUMBER, FP8_DTYPE, POSITIVE_INT, Checker
 
 __all__ = ["plan_qsa_attention_step", "state_arguments", "step_results", "STEP_DOC", "STATE_DOC",
@@ -240,9 +246,25 @@ class _Composer:
         self.infos = dict(arrays)  # every name bound so far: arguments and buffers
         self.buffers: list[Buffer] = []
         self.launches: list[Launch] = []
+        self.checking_only = False
 
     def info(self, name: str) -> ArrayInfo:
         return self.infos[name]
+
+    def buffer(self, buffer: Buffer) -> None:
+        self.infos[buffer.name] = buffer.info
+        if not self.checking_only:
+            self.buffers.append(buffer)
+
+    @contextlib.contextmanager
+    def checks_only(self):
+        """Stages planned inside only validate (their errors as always): their launches and
+        buffers are left out of the program (a fused launch does their work)."""
+        self.checking_only = True
+        try:
+            yield
+        finally:
+            self.checking_only = False
 
     def stage(self, tag: str, plan, bindings: dict[str, str], options: dict, *,
               infos: dict[str, ArrayInfo] | None = None, labels: dict[str, str] | None = None,
@@ -267,9 +289,8 @@ class _Composer:
         renamed = dict(bindings)
         for buffer in program.buffers:
             renamed[buffer.name] = f"{tag}.{buffer.name}"
-            self.buffers.append(dataclasses.replace(buffer, name=renamed[buffer.name]))
-            self.infos[renamed[buffer.name]] = buffer.info
-        for launch in program.launches:
+            self.buffer(dataclasses.replace(buffer, name=renamed[buffer.name]))
+        for launch in () if self.checking_only else program.launches:
             self.launches.append(dataclasses.replace(
                 launch, inputs=tuple(renamed[n] for n in launch.inputs),
                 outputs=tuple(renamed[n] for n in launch.outputs),
@@ -368,12 +389,15 @@ def plan_qsa_attention_step(
     return_token_indices: bool = False,
     k_scale: ArrayInfo | None = None, v_scale: ArrayInfo | None = None,
     compressed_key_scale: ArrayInfo | None = None,
+    tuning: StepTuning | None = None,
 ) -> Program:
     """Validate every stage of the step and compose their launches into one Program.
 
     Nothing is launched before every stage is planned, so a call that raises
     leaves every cache as it was.  Results: ``out``, the four caches (updated
     in place) and, with ``return_token_indices``, ``token_indices``.
+    ``tuning.fuse_stages``: stage 2 and the index queries' RoPE in one launch
+    where that is safe (:func:`_fuses_compression`).
     """
     arrays = {name: value for name, value in locals().items() if name in STEP_ARRAYS}
     check = Checker(FUNCTION)
@@ -391,26 +415,38 @@ def plan_qsa_attention_step(
         q="q", k="k", v="v", key_cache="key_cache", value_cache="value_cache",
         slot_mapping="slot_mapping", positions="positions", cos_sin="cos_sin", **kv_scales), dict(is_neox=is_neox))
 
-    # 2. Pool first, then overwrite the ring with this step's raw keys.
-    compress = step.stage("compress", plan_compress_groups, dict(
-        raw_keys="index_k", raw_positions="raw_positions", compressor_state_cache="compressor_state_cache",
-        compressor_state_block_table="compressor_state_block_table", token_to_req="token_to_req",
-        query_start_loc="query_start_loc", logical_positions="positions",
-        compressed_slots="compressed_slots"), dict(compress_ratio=compress_ratio))
-    step.stage("ring", plan_store_cache_rows, dict(
-        cache="compressor_state_cache", slot_mapping="compressor_state_slots", rows="index_k"), {})
-    # The pooled keys get RoPE at their group's first position: column 0 of
-    # compress_groups' [T, 3] first_positions, read in place (stride 3).
-    first_positions = compress["first_positions"]
-    pooled = _rotate(step, "rotate_pooled", compress["pooled"], first_positions, is_neox,
-                     labels=dict(q="index_k", positions="metadata.raw_positions"),
-                     positions_stride=step.info(first_positions).strides[0])
-    step.stage("compressed", plan_store_cache_rows, dict(
-        cache="compressed_key_cache", slot_mapping="compressed_slots", rows=pooled,
-        **(dict(scale=key_scale) if key_scale else {})), {}, labels=dict(rows="index_k"))
+    # 2. Pool first, then overwrite the ring with this step's raw keys; and
+    # 3a. RoPE on the index queries.  Fused: these stages are planned for
+    # their checks (the same errors either way) and one launch does their work.
+    fused = _fuses_compression(rows, tuning)
+    with step.checks_only() if fused else contextlib.nullcontext():
+        compress = step.stage("compress", plan_compress_groups, dict(
+            raw_keys="index_k", raw_positions="raw_positions", compressor_state_cache="compressor_state_cache",
+            compressor_state_block_table="compressor_state_block_table", token_to_req="token_to_req",
+            query_start_loc="query_start_loc", logical_positions="positions",
+            compressed_slots="compressed_slots"), dict(compress_ratio=compress_ratio))
+        step.stage("ring", plan_store_cache_rows, dict(
+            cache="compressor_state_cache", slot_mapping="compressor_state_slots", rows="index_k"), {})
+        # The pooled keys get RoPE at their group's first position: column 0 of
+        # compress_groups' [T, 3] first_positions, read in place (stride 3).
+        first_positions = compress["first_positions"]
+        pooled = _rotate(step, "rotate_pooled", compress["pooled"], first_positions, is_neox,
+                         labels=dict(q="index_k", positions="metadata.raw_positions"),
+                         positions_stride=step.info(first_positions).strides[0])
+        step.stage("compressed", plan_store_cache_rows, dict(
+            cache="compressed_key_cache", slot_mapping="compressed_slots", rows=pooled,
+            **(dict(scale=key_scale) if key_scale else {})), {}, labels=dict(rows="index_k"))
+        rotated_index_q = _rotate(step, "rotate_index_q", "index_q", "positions", is_neox)
+    if fused:
+        rotated_index_q = step.stage("compress_rotate_store", plan_compress_rotate_store, dict(
+            raw_keys="index_k", raw_positions="raw_positions", compressor_state_cache="compressor_state_cache",
+            compressor_state_block_table="compressor_state_block_table", token_to_req="token_to_req",
+            query_start_loc="query_start_loc", logical_positions="positions", compressed_slots="compressed_slots",
+            compressor_state_slots="compressor_state_slots", compressed_key_cache="compressed_key_cache",
+            cos_sin="index_cos_sin", index_q="index_q", **(dict(scale=key_scale) if key_scale else {})),
+            dict(compress_ratio=compress_ratio, is_neox=is_neox))["index_q_out"]
 
     # 3. Selection over the compressed keys, this step's groups included.
-    rotated_index_q = _rotate(step, "rotate_index_q", "index_q", "positions", is_neox)
     select = step.stage("select", plan_select_paged_tokens, dict(
         q=rotated_index_q, k_cache="compressed_key_cache", page_table="compressed_block_table",
         token_to_req="token_to_req", query_positions="positions", sequence_lengths="sequence_lengths",
@@ -425,6 +461,28 @@ def plan_qsa_attention_step(
 
     results = (attention["out"],) + STATE_FIELDS + ((select["out"],) if return_token_indices else ())
     return step.program(results)
+
+
+def _fuses_compression(rows: int, tuning: StepTuning) -> bool:
+    """Whether the step runs stage 2 and the index queries' RoPE as one launch.
+
+    The hazard: pooling reads older group members from each request's ring
+    (slot ``position % ring``), and the ring store overwrites slots with this
+    step's raw keys.  Across the programs of one launch nothing orders a read
+    of one before a write of another, and the slots are metadata *values*
+    (``compressor_state_slots``), which a plan never sees.  A prefill chunk
+    overwrites slots that its own first group still reads (ratio 2, ring 2:
+    position 3 pools position 2, which position 4 overwrites), so its rows
+    must all be pooled before any is stored.  The fused launch gives one
+    program every row: it pools and stores the compressed keys, waits at a
+    barrier, then stores the ring, whatever the slots.  That is decided from
+    the static row count: up to ``tuning.fused_max_rows`` rows (a decode
+    batch, a short chunk), fused; more rows would serialise on one program,
+    so they keep the separate launches, in order.  (One program per request
+    would be safe only if each request's ring slots were in its own ring
+    block, a property of the values that the plan cannot check.)
+    """
+    return tuning.fuse_stages and rows <= tuning.fused_max_rows
 
 
 def _check_scales(check: Checker, key_cache: ArrayInfo, compressed_key_cache: ArrayInfo, scales: dict) -> None:
@@ -453,8 +511,7 @@ def _rotate(step: _Composer, tag: str, x: str, positions: str, is_neox: bool, *,
     info = step.info(x)
     rows, _, dim = info.shape
     scratch = Buffer(f"{tag}.no_cache", (0, 1, 1, dim), info.dtype)
-    step.buffers.append(scratch)
-    step.infos[scratch.name] = scratch.info
+    step.buffer(scratch)
     head = ArrayInfo((rows, 1, dim), info.dtype, info.strides)
     positions_info = step.info(positions)
     contiguous_positions = ArrayInfo.contiguous((rows,), positions_info.dtype)

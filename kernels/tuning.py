@@ -27,7 +27,7 @@ from typing import Iterator
 
 from .validate import POSITIVE_INT
 
-__all__ = ["AttentionTuning", "CompressTuning", "RopeCacheTuning", "SelectTuning", "TopkTuning",
+__all__ = ["AttentionTuning", "CompressTuning", "RopeCacheTuning", "SelectTuning", "StepTuning", "TopkTuning",
            "Tuning", "current", "override"]
 
 
@@ -231,6 +231,29 @@ class CompressTuning:
 
 
 @_tuning_value
+class StepTuning:
+    """The composed step (``qsa_attention_step``): which stages share a launch.
+
+    ``fuse_stages``: with at most ``fused_max_rows`` rows, the step runs its
+    compression stage (pooling, the ring store, the pooled keys' RoPE and
+    their store) and the index queries' RoPE as one launch
+    (``compress.plan_compress_rotate_store``) instead of five; bit for bit the
+    same results.  One program of that launch holds every row (so that the
+    ring is read before it is overwritten), hence the bound.  Off: the
+    separate launches (tests compare the two).  The bound is not yet measured
+    on the H200: a decode batch of up to 16 rows is one [16, DI] tile.
+    """
+
+    fuse_stages: bool = True
+    fused_max_rows: int = 16
+
+    def __post_init__(self):
+        if not isinstance(self.fuse_stages, bool):
+            raise ValueError(f"StepTuning: fuse_stages must be a bool, got {self.fuse_stages!r}")
+        _positive_int("StepTuning", "fused_max_rows", self.fused_max_rows)
+
+
+@_tuning_value
 class Tuning:
     """The knobs of every stage (the defaults: the measured tables)."""
 
@@ -239,11 +262,12 @@ class Tuning:
     select: SelectTuning = SelectTuning()
     rope_cache: RopeCacheTuning = RopeCacheTuning()
     compress: CompressTuning = CompressTuning()
+    step: StepTuning = StepTuning()
 
 
 #: Stage name (a :class:`Tuning` field) -> its tuning class.
 STAGES = {"attention": AttentionTuning, "topk": TopkTuning, "select": SelectTuning,
-          "rope_cache": RopeCacheTuning, "compress": CompressTuning}
+          "rope_cache": RopeCacheTuning, "compress": CompressTuning, "step": StepTuning}
 #: Tuning class name -> stage: the memo wrapper fills plan parameters so annotated.
 STAGE_OF = {cls.__name__: stage for stage, cls in STAGES.items()}
 
@@ -262,7 +286,7 @@ def override(**stages) -> Iterator[Tuning]:
     """Plan with other knobs for some stages inside the ``with`` block.
 
     Keywords are :class:`Tuning` fields (``attention``, ``topk``, ``select``,
-    ``rope_cache``, ``compress``), each a value of that stage's class;
+    ``rope_cache``, ``compress``, ``step``), each a value of that stage's class;
     stages not named keep their current values.  Nests; yields the tuning
     in force.
     """

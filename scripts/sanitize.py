@@ -46,7 +46,7 @@ from qsa_kernels import runtime  # noqa: E402  (decides interpreted vs compiled 
 from qsa_kernels.launch import observe_launches  # noqa: E402
 
 BF16, FP8 = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)
-FUNCTIONS = ("rope", "compress", "store", "scores", "topk", "expand", "select", "attention")
+FUNCTIONS = ("rope", "compress", "store", "scores", "topk", "expand", "select", "attention", "step")
 #: Functions whose kernels use shared memory (tl.dot, cross-warp reductions, histograms).
 SHARED_MEMORY = ("scores", "topk", "select", "attention")
 
@@ -335,6 +335,56 @@ def attention(rows, width, dtype=BF16, d=128, blocks_override=None, small_shape=
     return build
 
 
+def step(fp8=False, neox=True):
+    """The composed step at most StepTuning.fused_max_rows rows (stage 2 and the index queries'
+    RoPE in one launch), over metadata full of values to skip."""
+    def build(rng, small):
+        qh, kh, d, ih, di = (4, 2, 32, 2, 32) if small else (24, 2, 128, 4, 128)
+        rows, requests, page, context, ratio, cpage, ring = 8, 3, 16, 256, 4, 8, 8
+        width, cwidth = context // page, context // ratio // cpage
+        pages, cpages, blocks, max_position = requests * width, requests * cwidth, requests + 1, 2 * context
+        lengths = [5, 1, 2]
+        starts = np.cumsum([0] + lengths)
+        token_to_req = np.repeat(np.arange(requests), lengths)
+        positions = np.concatenate([f + np.arange(n) for f, n in zip(rng.integers(0, context - 8, requests), lengths)])
+        completes = (positions + 1) % ratio == 0
+        angles = lambda dim: rng.uniform(0, 6.3, (max_position, dim // 2))  # noqa: E731
+        table = lambda a: np.concatenate([np.cos(a), np.sin(a)], 1).astype(np.float32)  # noqa: E731
+        compressed = floats(rng, (cpages, cpage, 1, di), FP8 if fp8 else BF16)
+        arrays = dict(
+            q=floats(rng, (rows, qh, d)), k=floats(rng, (rows, kh, d)), v=floats(rng, (rows, kh, d)),
+            index_q=floats(rng, (rows, ih, di)), index_k=floats(rng, (rows, 1, di)),
+            key_cache=floats(rng, (pages, page, kh, d)), value_cache=floats(rng, (pages, page, kh, d)),
+            compressor_state_cache=floats(rng, (blocks, ring, 1, di)), compressed_key_cache=compressed,
+            compressed_key_scale=np.array(0.5, np.float32) if fp8 else None,
+            slot_mapping=distinct_slots(rng, rows, pages * page, np.int32),
+            positions=spoil(rng, positions, max_position, fraction=0.2),
+            raw_positions=np.repeat(positions[:, None, None], 3, axis=2).astype(np.int32),
+            token_to_req=spoil(rng, token_to_req, requests, fraction=0.2), query_start_loc=starts.astype(np.int32),
+            sequence_lengths=spoil(rng, positions[starts[1:] - 1] + 1, context + 1, fraction=0.3),
+            block_table=spoil(rng, rng.integers(0, pages, (requests, width)), pages, fraction=0.1),
+            compressed_block_table=spoil(rng, rng.integers(0, cpages, (requests, cwidth)), cpages, fraction=0.1),
+            compressed_slots=spoil(rng, np.where(completes, rng.permutation(cpages * cpage)[:rows], -1),
+                                   cpages * cpage, fraction=0.2),
+            compressor_state_block_table=spoil(rng, rng.permutation(blocks)[:requests, None], blocks),
+            compressor_state_slots=distinct_slots(rng, rows, blocks * ring, np.int32),
+            cos_sin=table(angles(d)), index_cos_sin=table(angles(di)),
+        )
+        static = dict(compress_ratio=ratio, token_topk=16 if small else 64, is_neox=neox, return_token_indices=True)
+        return "qsa_attention_step", arrays, static, ("state",)
+    return build
+
+
+def step_containers(rt, arrays: dict) -> dict:
+    """The step's flat arrays as the adapter's ``state`` and ``metadata`` containers."""
+    from qsa_kernels.step import METADATA_FIELDS, SCALE_FIELDS, STATE_FIELDS
+
+    arrays = dict(arrays)
+    state = rt.qsa.QSAState(**{name: arrays.pop(name, None) for name in STATE_FIELDS + SCALE_FIELDS})
+    metadata = rt.qsa.StepMetadata(**{name: arrays.pop(name) for name in METADATA_FIELDS})
+    return dict(arrays, state=state, metadata=metadata)
+
+
 CASES = [
     ("rope_flash_bf16_swa_offsets", "rope", rope("flash", swa=True, offsets=True, index_dtype=np.int32)),
     ("rope_paged_fp16_gptj", "rope", rope("paged", dtype=np.float16, neox=False)),
@@ -360,6 +410,8 @@ CASES = [
     ("attention_prefill_fp16_d64", "attention", attention(128, 300, np.float16, d=64, small_shape=(20, 24))),
     ("attention_no_blocks", "attention", attention(8, 100, blocks_override=0, small_shape=(3, 10))),
     ("attention_empty_selection", "attention", attention(8, 0, small_shape=(3, 0))),
+    ("step_fused_compression", "step", step()),
+    ("step_fused_compression_fp8_gptj", "step", step(fp8=True, neox=False)),
 ]
 
 
@@ -372,6 +424,8 @@ def run_case(rt, builder, rng, small: bool) -> None:
     overrides = {} if workspace is None else dict(select=tuning.SelectTuning(logits_workspace_bytes=workspace))
     with tuning.override(**overrides):
         device_arrays = {n: (None if a is None else rt.put(a)) for n, a in arrays.items()}
+        if function == "qsa_attention_step":
+            device_arrays = step_containers(rt, device_arrays)
         rt.call(function, device_arrays, static, in_place)
 
 

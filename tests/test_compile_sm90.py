@@ -31,7 +31,7 @@ import pytest
 import triton
 
 from qsa_kernels.attention import plan_sparse_paged_attention
-from qsa_kernels.compress import plan_compress_groups, plan_store_cache_rows
+from qsa_kernels.compress import plan_compress_groups, plan_compress_rotate_store, plan_store_cache_rows
 from qsa_kernels.launch import ArrayInfo, Launch
 from qsa_kernels.rope_cache import plan_rope_reshape_and_cache
 from qsa_kernels.expand import plan_expand_block_indices
@@ -80,6 +80,23 @@ def _compress(rows, d, requests, rope_cache=True, index=I32, dtype=BF16, ratio=4
         query_start_loc=a((requests + 1,), I32), logical_positions=a((rows,), index),
         compressed_slots=a((rows,), index), compress_ratio=ratio,
         rope_cache=a((requests, ring, 1, 3), index) if rope_cache else None)
+
+
+def _fused_compression(rows, d=128, requests=None, dtype=BF16, ratio=4, cache=None, index=I32, heads=4,
+                       is_neox=True, full_rotary=False):
+    """The composed step's fused stage 2 + index-query RoPE (kernels/step.py, at most
+    StepTuning.fused_max_rows rows)."""
+    requests = requests or rows
+    cache = cache or dtype
+    return plan_compress_rotate_store, dict(
+        raw_keys=a((rows, 1, d), dtype), raw_positions=a((rows, 1, 3), index),
+        compressor_state_cache=a((requests, 2 * ratio, 1, d), dtype),
+        compressor_state_block_table=a((requests, 1), I32), token_to_req=a((rows,), index),
+        query_start_loc=a((requests + 1,), index), logical_positions=a((rows,), index),
+        compressed_slots=a((rows,), index), compressor_state_slots=a((rows,), index),
+        compressed_key_cache=a((4096, 64, 1, d), cache), cos_sin=a((1 << 17, 2 * d if full_rotary else d), FP32),
+        index_q=a((rows, heads, d), dtype), compress_ratio=ratio, is_neox=is_neox,
+        scale=a((), FP32) if cache == FP8 else None)
 
 
 def _store(rows, width, dtype, index=I32, squeezed=True, quantise_from=None):
@@ -145,6 +162,12 @@ CASES = {
     "compress/decode-256-d128-rope-cache": _compress(256, 128, 256),
     "compress/prefill-2048-d256-int64": _compress(2048, 256, 1, rope_cache=False, index=I64),
     "compress/decode-1-fp32-ratio8": _compress(1, 128, 1, dtype=FP32, ratio=8),
+    "fused-compression/decode-1-d128": _fused_compression(1),
+    "fused-compression/decode-16-d128-fp8-int64": _fused_compression(16, cache=FP8, index=I64),
+    "fused-compression/chunk-16-of-2-d256-gptj-full-rotary": _fused_compression(16, d=256, requests=2,
+                                                                                is_neox=False, full_rotary=True),
+    "fused-compression/decode-8-fp32-ratio8-fp8-12-heads": _fused_compression(8, dtype=FP32, ratio=8, cache=FP8,
+                                                                              heads=12),
     "store/bf16-d128-decode-256": _store(256, 128, BF16),
     "store/fp8-d256-prefill-2048-3d-rows": _store(2048, 256, FP8, squeezed=False),
     "store/int64-positions-1-row": _store(1, 3, I64, index=I64),

@@ -653,3 +653,169 @@ def test_position_past_cos_sin_gives_nan_out_rows():
     assert_bitwise_equal(state.key_cache[page, offset], key_cache[page, offset], "no K write for the NaN row")
     jax_out, _, _ = qsa_jax.qsa_attention_step(**jax_arguments)
     assert_bitwise_equal(jax_out, torch_out, "torch vs JAX")
+
+
+# --------------------------------------------------------------------------
+# Stage 2 and the index queries' RoPE fused into one launch (issue 14)
+# --------------------------------------------------------------------------
+
+FUSED_KERNEL = "compress_rotate_store_kernel"
+#: The launches the fused one replaces, in the order the unfused step runs them.
+UNFUSED_KERNELS = ["compress_groups_kernel", "store_cache_rows_kernel", "rope_cache_kernel",
+                   "store_cache_rows_kernel", "rope_cache_kernel"]
+
+
+def _unfused():
+    from qsa_kernels import tuning
+
+    return tuning.override(step=tuning.StepTuning(fuse_stages=False))
+
+
+def _run_step(arguments: dict, fuse: bool):
+    """One torch step on a copy of the state; ``(results, final state, kernel names launched)``."""
+    import contextlib
+
+    from qsa_kernels.launch import observe_launches
+
+    arguments = dict(arguments, state=clone_state(arguments["state"]))
+    with (contextlib.nullcontext() if fuse else _unfused()), observe_launches() as events:
+        results = qsa_torch.qsa_attention_step(**arguments)
+    return results, [event.kernel for event in events]
+
+
+def _assert_same_step(arguments: dict, expect_fused: bool = True, valid: bool = True):
+    """The step with the fused launch and with the separate ones: the same out, token indices and caches, bit for bit.
+
+    ``valid``: pager-built metadata, so the step stores compressed keys and
+    ring rows and every out row is finite (the comparison is not vacuous).
+    """
+    before = {n: getattr(arguments["state"], n).clone() for n in STATE_FIELDS}
+    (out, state, indices), fused_kernels = _run_step(arguments, fuse=True)
+    (ref_out, ref_state, ref_indices), unfused_kernels = _run_step(arguments, fuse=False)
+    assert (FUSED_KERNEL in fused_kernels) == expect_fused, fused_kernels
+    assert FUSED_KERNEL not in unfused_kernels and unfused_kernels[1:6] == UNFUSED_KERNELS, unfused_kernels
+    if expect_fused:  # the one launch stands where the five were
+        assert fused_kernels == unfused_kernels[:1] + [FUSED_KERNEL] + unfused_kernels[6:]
+    assert_bitwise_equal(out, ref_out, "out")
+    assert_bitwise_equal(indices, ref_indices, "token_indices")
+    for name in STATE_FIELDS:
+        assert_bitwise_equal(getattr(state, name), getattr(ref_state, name), name)
+    # Not vacuous: the step stored compressed keys and ring rows.
+    for name in ("compressor_state_cache", "compressed_key_cache"):
+        assert not torch.equal(host_bits(getattr(state, name)), host_bits(before[name])), f"{name} unchanged"
+    assert np.isfinite(f64(out)).all() or not valid
+
+
+def host_bits(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().cpu().view(torch.uint8)
+
+
+def _fused_step_arguments(schedule: str, is_neox: bool, cache: str) -> dict:
+    """A second step's arguments after a first that fills rings and compressed pages.
+
+    decode: one row per request, two of three completing a group whose older
+    members are in the ring (ring of 2 * ratio slots); prefill chunk: 7 rows of
+    one request and 2 of another (ring of ratio slots), the chunk's first group
+    straddling into the ring slots that its later rows overwrite.
+    """
+    model = Model(index_dtype=torch.bfloat16, is_neox=is_neox)
+    first, second, ring = {"decode": ({"a": 15, "b": 7, "c": 2}, {"a": 1, "b": 1, "c": 1}, 2 * model.ratio),
+                           "prefill": ({"a": 13, "b": 6}, {"a": 7, "b": 2}, model.ratio)}[schedule]
+    geometry = dataclasses.replace(GEOMETRY, ring_size=ring)
+    g = torch.Generator().manual_seed(21)
+    pager = PagedRequests(geometry, seed=4)
+    cos_sin, index_cos_sin = rope_table(model.D), rope_table(model.DI)
+    state = random_state(model, g, geometry)
+    if cache == "fp8":
+        state = dataclasses.replace(state, compressed_key_cache=state.compressed_key_cache.to(torch.float8_e4m3fn),
+                                    compressed_key_scale=torch.tensor(0.75, device=DEVICE))
+    options = dict(cos_sin=cos_sin, index_cos_sin=index_cos_sin, return_token_indices=True, **model.options())
+    meta = qsa_torch.StepMetadata.from_host(pager.step(first), DEVICE)
+    rows = int(meta.positions.shape[0])
+    _, state, _ = qsa_torch.qsa_attention_step(**random_inputs(model, rows, g), state=state, metadata=meta, **options)
+    meta = qsa_torch.StepMetadata.from_host(pager.step(second), DEVICE)
+    return dict(random_inputs(model, int(meta.positions.shape[0]), g), state=state, metadata=meta, **options)
+
+
+@pytest.mark.parametrize("cache", ["bf16", pytest.param("fp8", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("schedule", ["decode", "prefill"])
+def test_fused_compression_equals_separate_launches(schedule, is_neox, cache):
+    _assert_same_step(_fused_step_arguments(schedule, is_neox, cache))
+
+
+def test_fused_compression_reads_the_ring_before_overwriting_it():
+    """Ratio 2, ring 2: position 3 pools position 2 from the ring, which position 4 of the
+    same launch overwrites; and a step past ``fused_max_rows`` keeps the separate launches."""
+    from qsa_kernels import tuning
+
+    arguments = _two_step_arguments()
+    assert host(arguments["metadata"].positions).tolist()[:3] == [3, 4, 5]
+    _assert_same_step(arguments)
+    with tuning.override(step=tuning.StepTuning(fused_max_rows=3)):  # the step has 4 rows
+        _assert_same_step(arguments, expect_fused=False)
+
+
+def _production_decode_plan(context: int, fuse: bool = True):
+    """The plan of a 1-request decode step at production geometry (DESIGN.md), ``context`` tokens."""
+    from qsa_kernels import tuning
+    from qsa_kernels.launch import ArrayInfo
+    from qsa_kernels.step import plan_qsa_attention_step
+
+    a, i32, bf16 = ArrayInfo.contiguous, "int32", "bfloat16"
+    g = CacheGeometry(page_size=64, num_pages=-(-context // 64), compress_ratio=4, compressed_page_size=64,
+                      num_compressed_pages=-(-(context // 4) // 64), max_context=context, max_requests=1)
+    shapes = g.state_shapes(2, 256, 128)
+    step_tuning = tuning.StepTuning(fuse_stages=fuse)
+    with tuning.override(step=step_tuning):
+        return plan_qsa_attention_step(
+            q=a((1, 24, 256), bf16), k=a((1, 2, 256), bf16), v=a((1, 2, 256), bf16), index_q=a((1, 4, 128), bf16),
+            index_k=a((1, 1, 128), bf16), **{name: a(shape, bf16) for name, shape in shapes.items()},
+            slot_mapping=a((1,), i32), positions=a((1,), i32), raw_positions=a((1, 1, 3), i32),
+            token_to_req=a((1,), i32), query_start_loc=a((2,), i32), sequence_lengths=a((1,), i32),
+            block_table=a((1, g.table_width), i32), compressed_block_table=a((1, g.compressed_table_width), i32),
+            compressed_slots=a((1,), i32), compressor_state_block_table=a((1, 1), i32),
+            compressor_state_slots=a((1,), i32), cos_sin=a((context, 256), "float32"),
+            index_cos_sin=a((context, 128), "float32"), compress_ratio=4, token_topk=2048)
+
+
+def test_decode_step_launch_count():
+    """A 1-request decode step at production geometry, 32K context (the row top-k: one launch).
+
+    Unfused: RoPE + KV (1), compress_groups, the ring store, the pooled keys'
+    RoPE, their store, the index queries' RoPE (5), score + top-k + expand
+    (3), attention (2 today: partial + split merge) = 11.  Fused: 1 + 1 + 3 +
+    attention = 7 today (6 once attention is one launch).
+    """
+    from qsa_kernels.launch import kernel_name
+
+    fused = [kernel_name(launch.kernel) for launch in _production_decode_plan(32768).runnable_launches]
+    unfused = [kernel_name(launch.kernel) for launch in _production_decode_plan(32768, fuse=False).runnable_launches]
+    attention = [name for name in unfused if name.startswith(("sparse_attention", "merge_splits"))]
+    assert 1 <= len(attention) <= 2 and unfused[-len(attention):] == attention
+    selection = ["scores_kernel", "topk_row_kernel", "expand_kernel"]
+    assert unfused == ["rope_cache_kernel", *UNFUSED_KERNELS, *selection, *attention]
+    assert fused == ["rope_cache_kernel", FUSED_KERNEL, *selection, *attention]
+    assert len(fused) == 5 + len(attention) and len(unfused) == 9 + len(attention)
+
+
+@pytest.mark.parametrize("case", ["step_fused_compression", pytest.param("step_fused_compression_fp8_gptj",
+                                                                        marks=pytest.mark.gpu)])
+def test_fused_compression_equals_separate_launches_on_metadata_to_skip(case):
+    """scripts/sanitize.py's step cases: stray rows (another request's, none), positions past
+    the tables, -1 and far slots, ring blocks missing or out of range.  The fused launch skips
+    and computes exactly what the separate launches do (NaN rows included, bit for bit)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import sanitize
+
+    index = next(i for i, (name, _, _) in enumerate(sanitize.CASES) if name == case)
+    _, arrays, static, _ = sanitize.CASES[index][2](np.random.default_rng(index), True)
+    runner = sanitize.TorchRunner.__new__(sanitize.TorchRunner)
+    runner.torch, runner.device, runner.qsa = torch, DEVICE, qsa_torch
+    tensors = {n: (None if a is None else runner.put(a)) for n, a in arrays.items()}
+    positions = host(tensors["positions"])
+    assert (positions < 0).any() or (positions >= tensors["index_cos_sin"].shape[0]).any(), "no position to skip"
+    _assert_same_step(dict(sanitize.step_containers(runner, tensors), **static), valid=False)
