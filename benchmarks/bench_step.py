@@ -388,6 +388,8 @@ def main():
 
 
 def run(args, fp8: bool) -> None:
+    import qsa_jax
+
     started = time.perf_counter()
     g = SMOKE if args.smoke else PRODUCTION
     batches, contexts = (SMOKE_BATCHES, SMOKE_CONTEXTS) if args.smoke else (BATCHES, CONTEXTS)
