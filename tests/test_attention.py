@@ -390,6 +390,26 @@ def test_production_decode_shape():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_production_decode_fused_merge_is_the_merge_launch(rows):
+    """33 / 11 / 2 splits of 2051 tokens: merged in the launch by whichever split finishes
+    last (it varies from run to run), the same bits every run and as the merge launch's."""
+    c = Case(R=rows, QH=24, KH=2, D=256, P=64, W=2051, requests=rows, pages_per_request=40, seed=rows)
+    args = make_inputs(c)
+    infos = {n: qsa_torch._launch.info(args[n]) for n in ARGUMENTS}
+    outputs = {}
+    for fused in (True, False):
+        program = attention.plan_sparse_paged_attention(**infos, tuning=tuning.AttentionTuning(fused_merge=fused))
+        assert len(program.launches) == (1 if fused else 2) and program.launches[0].grid[1] == {1: 33, 8: 11, 64: 2}[rows]
+        runs = [qsa_torch._launch.run(program, args, args["q"].device)[0] for _ in range(5 if fused else 1)]
+        for run in runs[1:]:
+            assert_bitwise_equal(run, runs[0], "fused merge, run to run")
+        outputs[fused] = runs[0]
+    assert_bitwise_equal(outputs[True], outputs[False], "merged in the launch vs by the merge launch")
+    assert_close(outputs[True], reference_for(args), tolerance(c.dtype), f"{rows} rows")
+
+
+@pytest.mark.gpu
 def test_page_offsets_past_int32():
     """page * block stride exceeds 2**31 elements: offsets must be int64."""
     d, kh, page = 256, 2, 64
