@@ -29,16 +29,31 @@ prefill) also read fp8 e4m3 copies of the pools (per-tensor scales, pool amax
 time, ``fp8_rel_diff`` = ‖out_fp8 − out_bf16‖ / ‖out_bf16‖; fp8 bytes count 1
 byte per K/V element plus the two scales.  With ``--sweep``, the sweep runs on
 the fp8 pools (results in sparse_attention_fp8_sweep.json).
+
+``--merge``: how split-K shapes (decode up to 64 rows: programs <= 132) merge
+their splits: ``fused`` (the default: in the same launch, the last split to
+finish merges), ``unfused`` (every call through a second merge launch:
+``AttentionTuning(fused_merge=False)``), or ``both``: the default run plus,
+on split shapes, CUDA-graph µs of each side by side in one process
+(``fused_graph_us``, ``unfused_graph_us``, ``unfused_vs_fused`` =
+unfused / fused), ``merge_bitwise_equal`` (the two outputs' bits), and
+``tickets_fill_graph_us``, the zero fill of the fused path's tickets alone
+(a ``torch.full`` kernel, included in ``fused_graph_us``).  Results of
+``unfused`` / ``both`` go to sparse_attention_unfused.json /
+sparse_attention_merge.json; ``--only decode`` (or ``prefill``) runs those
+shapes alone (``_decode`` added to the file name).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the card
 
 import common  # noqa: E402
+from qsa_kernels import tuning  # noqa: E402
 from qsa_kernels.tuning import AttentionTuning  # noqa: E402
 
 QH, KH, D, PAGE = 24, 2, 256, 64
@@ -155,6 +170,28 @@ def plan_choice(qsa_torch, attention, arrays):
                 warps=partial.num_warps, stages=partial.num_stages)
 
 
+def compare_merges(torch, qsa_torch, arrays, smoke):
+    """CUDA-graph µs of a split-K call merged in its launch and by a merge launch, and whether their bits agree."""
+    result, outputs = {}, {}
+    for name, fused in (("fused", True), ("unfused", False)):
+        # Planned (and graph-captured) inside the override; replays do not plan.
+        with tuning.override(attention=AttentionTuning(fused_merge=fused)):
+            call = lambda: qsa_torch.sparse_paged_attention(**arrays)  # noqa: E731
+            result[f"{name}_graph_us"] = common.torch_graph_us(call, smoke=smoke)
+            if result[f"{name}_graph_us"] is None:  # no CUDA (smoke): the wall clock, to run the path
+                result[f"{name}_us"] = common.torch_median_us(call, smoke)
+            outputs[name] = call()
+    result["merge_bitwise_equal"] = bool(torch.equal(outputs["fused"].view(torch.int16),
+                                                     outputs["unfused"].view(torch.int16)))
+    if result["fused_graph_us"] and result["unfused_graph_us"]:
+        result["unfused_vs_fused"] = result["unfused_graph_us"] / result["fused_graph_us"]
+    # The fused path's one extra allocation: its [R, KH] int32 tickets, zero-filled as the adapter does.
+    shape, device = (arrays["q"].shape[0], arrays["k_cache"].shape[2]), arrays["q"].device
+    result["tickets_fill_graph_us"] = common.torch_graph_us(
+        lambda: torch.full(shape, 0, dtype=torch.int32, device=device), smoke=smoke)
+    return result
+
+
 def seed_us(mode, rows, context):
     return SEED_DECODE_US.get(rows) if mode == "decode" else SEED_PREFILL_US.get((rows, context))
 
@@ -194,6 +231,9 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="tune: sweep launch configurations instead")
     parser.add_argument("--fp8", action="store_true",
                         help="also read fp8 e4m3 caches (per-tensor scales) on FP8_SHAPES, side by side")
+    parser.add_argument("--merge", choices=("fused", "unfused", "both"), default="fused",
+                        help="split-K merge: in the launch (default), by a merge launch, or both side by side")
+    parser.add_argument("--only", choices=("decode", "prefill"), help="run only these shapes")
     args = parser.parse_args()
     import jax
     import torch
@@ -235,9 +275,20 @@ def main():
         f"prefill selection: shared N(0,1) block score + {PREFILL_NOISE} x N(0,1) per row; neighbour_overlap: "
         "fraction of a row's selected block tokens its previous row also selected",
         "seed_us: docs/design.md's H200 table (CUDA-graph replay); speedup_vs_seed uses torch_graph_us",
+        *(["every call merges split-K partials with a second launch (AttentionTuning(fused_merge=False))"]
+          if args.merge == "unfused" else []),
+        *(["fused_graph_us / unfused_graph_us: CUDA-graph µs of split shapes with the merge in the launch / "
+           "in a merge launch, one process; unfused_vs_fused = unfused / fused; merge_bitwise_equal: the two "
+           "outputs' bits; tickets_fill_graph_us: the fused path's [R, KH] int32 zero fill alone (torch.full)"]
+          if args.merge == "both" else []),
     ]
+    merge_override = contextlib.ExitStack()  # --merge unfused: every plan of the run
+    if args.merge == "unfused":
+        merge_override.enter_context(tuning.override(attention=AttentionTuning(fused_merge=False)))
     shapes = [("decode", r, c) for r in g["DECODE_ROWS"] for c in g["CONTEXTS"]]
     shapes += [("prefill", r, c) for r in g["PREFILL_ROWS"] for c in g["CONTEXTS"]]
+    if args.only:
+        shapes = [shape for shape in shapes if shape[0] == args.only]
     if args.sweep:
         shapes = shapes[:1] if args.smoke else SWEEP_SHAPES
         rows_out = []
@@ -280,6 +331,8 @@ def main():
         for key in ("torch_us", "torch_graph_us"):
             row[key.replace("_us", "_gbps")] = common.gbps(nbytes, row[key])
             row[key.replace("_us", "_pct_peak")] = common.pct_peak(nbytes, row[key])
+        if args.merge == "both" and row["splits"] > 1:
+            row.update(compare_merges(torch, qsa_torch, arrays, args.smoke))
         seed = seed_us(mode, rows, context)
         if seed and not args.smoke:
             row["seed_us"] = seed
@@ -305,7 +358,8 @@ def main():
             if device == "cuda":
                 torch.cuda.synchronize()
             jax_arrays = tuple(common.to_jax(a) for a in arrays.values())
-            jitted = jax.jit(qsa_jax.sparse_paged_attention)
+            # A fresh function: jit's trace cache would keep the plan of another tuning.
+            jitted = jax.jit(lambda *a: qsa_jax.sparse_paged_attention(*a))
             calls = 2 if args.smoke else 20
             row["jax_wall_us"] = common.jax_wall_us(jitted, jax_arrays, calls=calls, smoke=args.smoke)
             # The output has q's shape: thread it as the next q so no call is dropped;
@@ -334,8 +388,12 @@ def main():
         "mode", "rows", "context", "splits", "block_n", "tiles_per_split", "bytes", "torch_us", "torch_graph_us",
         "torch_graph_gbps", "torch_graph_pct_peak", "seed_us", "speedup_vs_seed", "jax_wall_us", "jax_loop_us",
         "jax_vs_torch_device", "dense_graph_us", "sparse_speedup_vs_dense", "neighbour_overlap"]
-        + (["fp8_torch_graph_us", "fp8_torch_graph_pct_peak", "fp8_vs_bf16", "fp8_rel_diff"] if args.fp8 else []))
-    common.write_json(args.json, "sparse_paged_attention", rows_out, notes)
+        + (["fp8_torch_graph_us", "fp8_torch_graph_pct_peak", "fp8_vs_bf16", "fp8_rel_diff"] if args.fp8 else [])
+        + (["fused_graph_us", "unfused_graph_us", "unfused_vs_fused", "merge_bitwise_equal", "tickets_fill_graph_us"]
+           if args.merge == "both" else []))
+    merge_override.close()
+    suffix = {"fused": "", "unfused": "_unfused", "both": "_merge"}[args.merge] + (f"_{args.only}" if args.only else "")
+    common.write_json(args.json.replace(".json", f"{suffix}.json"), "sparse_paged_attention", rows_out, notes)
 
 
 if __name__ == "__main__":

@@ -7,10 +7,17 @@ tokens it loads the logical positions, maps them to physical pages through
 the row's request's block table, gathers K and V as ``[BLOCK_N, D]`` rows
 (contiguous D) and runs an online softmax in the log2 domain.
 
-With one split the program writes the output directly.  With several, each
-split writes its normalised float32 partial output and log2-sum-exp, and a
-merge kernel weights the partials by ``2 ** (lse - max lse)``: exactly the
-softmax over the union of the splits.
+With one split the program writes the output directly.  With several (few
+programs: decode), each split writes its normalised float32 partial output
+and log2-sum-exp, and the partials are weighted by ``2 ** (lse - max lse)``:
+exactly the softmax over the union of the splits.  The merge runs in the same
+launch: after its stores each split takes a ticket for its (row, KV head)
+(an acq_rel atomic on a zero-filled ``[R, KH]`` int32 buffer), and the one
+that draws the last ticket merges the partials, in the fixed order 0..S-1
+(so the result does not depend on which split finishes last), and puts the
+ticket back to zero.  ``AttentionTuning(fused_merge=False)`` keeps the
+former two launches (partials, then a merge launch); both merge with the
+same code and give the same bits.
 
 Numerics (the seed's): q.k in the cache dtype with float32 accumulation, the
 scale applied to the float32 scores, probabilities rounded to the value dtype
@@ -207,45 +214,145 @@ def sparse_attention_partial_kernel(
 
 
 @triton.jit
+def _merge_split(split, lse_at, partial_at, lse_max, no_weight, denominator, merged, head_ok, lse_ss, o_ss):
+    """Fold split ``split`` of the heads ``lse_at`` / ``partial_at`` point at into ``(denominator, merged)``."""
+    lse = tl.load(lse_at + split * lse_ss, mask=head_ok, other=-float("inf"), cache_modifier=".cg")
+    mass = tl.math.exp2(lse - lse_max)
+    # No split has weight: the partials' plain sum (see _merge_splits).
+    weight = tl.where(no_weight, 1.0, mass)
+    partial = tl.load(partial_at + split * o_ss, mask=head_ok, other=0.0, cache_modifier=".cg")
+    # A weight-0 split drops out even when its partial is NaN (0 / 0).
+    merged += tl.where(weight == 0.0, 0.0, partial * weight)
+    return denominator + mass, merged
+
+
+@triton.jit
+def _merge_splits(
+    partial_out_ptr,  # [S, R, QH, D] float32
+    partial_lse_ptr,  # [S, R, QH] float32: log2-sum-exps
+    out_ptr,  # [R, QH, D] bf16/fp16
+    row, heads, head_ok,  # the row, its BLOCK_H heads to merge and which of them exist
+    num_splits,  # NUM_SPLITS as a runtime value: the chunked loop's bound where RUNTIME_BOUND
+    o_ss, o_sr, o_sh, lse_ss, lse_sr,  # out's row/head strides are the partials' (both contiguous)
+    BLOCK_H: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+    CHUNKED_SPLITS: tl.constexpr,  # NUM_SPLITS rounded down to a multiple of SPLIT_CHUNK
+    RUNTIME_BOUND: tl.constexpr,
+):
+    """``out[row, heads]``: the partials weighted by ``2 ** (lse - max lse)``, an exact softmax merge.
+
+    Splits are folded one at a time in the order 0..S-1, element by element
+    (no reduction: the max is exact in any order), so the merge gives the
+    same bits whatever the tile of heads and whichever kernel runs it: the
+    fused epilogue and the merge launch agree bitwise.  SPLIT_CHUNK splits
+    are unrolled per step, so their loads are in flight together.  Per-head
+    values are ``[BLOCK_H, 1]`` columns that Triton lays out like the
+    ``[BLOCK_H, D]`` tiles they scale, as long as none comes out of a loop
+    (the max pass is unrolled): else every split would convert them
+    through shared memory, two barriers each.  Loads bypass L1 (``.cg``):
+    the fused epilogue reads partials that other programs wrote.
+    """
+    d = tl.arange(0, D)
+    head_ok = head_ok[:, None]
+    lse_at = partial_lse_ptr + row * lse_sr + heads[:, None]
+    lse_max = tl.full((BLOCK_H, 1), -float("inf"), tl.float32)
+    for split in tl.static_range(NUM_SPLITS):
+        lse_max = tl.maximum(lse_max, tl.load(lse_at + split * lse_ss, mask=head_ok, other=-float("inf"),
+                                              cache_modifier=".cg"))
+    # No split has weight (lse -inf everywhere): each partial is 0 (no valid
+    # token) or NaN (valid tokens, all scores -inf); their plain sum is the
+    # row.  (max.f32 drops a NaN lse on the GPU; its weight is NaN either way.)
+    no_weight = lse_max == -float("inf")
+    lse_max = tl.where(no_weight, 0.0, lse_max)
+
+    at = row * o_sr + heads[:, None] * o_sh + d[None, :]
+    denominator = tl.zeros((BLOCK_H, 1), tl.float32)
+    merged = tl.zeros((BLOCK_H, D), tl.float32)
+    if RUNTIME_BOUND:
+        # A loop of a few known steps would be unrolled whole, every split's
+        # loads hoisted (registers).
+        for first in range(0, num_splits // SPLIT_CHUNK * SPLIT_CHUNK, SPLIT_CHUNK):
+            for j in tl.static_range(SPLIT_CHUNK):
+                denominator, merged = _merge_split(first + j, lse_at, partial_out_ptr + at, lse_max, no_weight,
+                                                   denominator, merged, head_ok, lse_ss, o_ss)
+    else:  # (the interpreter needs a Python int bound with NumPy >= 2.4)
+        for first in range(0, CHUNKED_SPLITS, SPLIT_CHUNK):
+            for j in tl.static_range(SPLIT_CHUNK):
+                denominator, merged = _merge_split(first + j, lse_at, partial_out_ptr + at, lse_max, no_weight,
+                                                   denominator, merged, head_ok, lse_ss, o_ss)
+    for split in tl.static_range(CHUNKED_SPLITS, NUM_SPLITS):
+        denominator, merged = _merge_split(split, lse_at, partial_out_ptr + at, lse_max, no_weight, denominator,
+                                           merged, head_ok, lse_ss, o_ss)
+    # The largest split weighs 1, so the denominator is >= 1 unless it is NaN.
+    denominator = tl.where(no_weight, 1.0, denominator)
+    tl.store(out_ptr + at, (merged / denominator).to(out_ptr.dtype.element_ty), mask=head_ok)
+
+
+@triton.jit
 def merge_splits_kernel(
     # inputs
     partial_out_ptr,  # [S, R, QH, D] float32
     partial_lse_ptr,  # [S, R, QH] float32: log2-sum-exps
     # outputs
     out_ptr,  # [R, QH, D] bf16/fp16
-    # sizes and strides
-    rows, out_sr, out_sh,
+    # strides (out's row/head strides are the partials')
+    o_ss, o_sr, o_sh, lse_ss, lse_sr,
     # constexprs
-    QH: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+    D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, CHUNKED_SPLITS: tl.constexpr,
 ):
+    """The split-K merge as a launch of its own (``AttentionTuning.fused_merge=False``): one program per (row, head)."""
     row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    d = tl.arange(0, D)
-    all_splits = tl.arange(0, BLOCK_SPLITS)
-    lse = tl.load(partial_lse_ptr + (all_splits * rows + row) * QH + head,
-                  mask=all_splits < NUM_SPLITS, other=-float("inf"))
-    lse_max = tl.max(lse, axis=0)
-    # No split has weight (lse -inf everywhere): each partial is 0 (no valid
-    # token) or NaN (valid tokens, all scores -inf); their plain sum is the
-    # row.  (max.f32 drops a NaN lse on the GPU; its weight is NaN either way.)
-    no_weight = lse_max == -float("inf")
-    lse_max = tl.where(no_weight, 0.0, lse_max)
-    # The largest split weighs 1, so the denominator is >= 1 unless it is NaN.
-    denominator = tl.where(no_weight, 1.0, tl.sum(tl.math.exp2(lse - lse_max), axis=0))
+    heads = tl.program_id(1) + tl.arange(0, 1)
+    _merge_splits(partial_out_ptr, partial_lse_ptr, out_ptr, row, heads, heads >= 0, NUM_SPLITS,
+                  o_ss, o_sr, o_sh, lse_ss, lse_sr, 1, D, NUM_SPLITS, SPLIT_CHUNK, CHUNKED_SPLITS, False)
 
-    merged = tl.zeros((D,), tl.float32)
-    chunk = tl.arange(0, SPLIT_CHUNK)
-    for first in tl.static_range(0, NUM_SPLITS, SPLIT_CHUNK):
-        splits = first + chunk
-        in_range = splits < NUM_SPLITS
-        at = (splits * rows + row) * QH + head
-        weight = tl.math.exp2(tl.load(partial_lse_ptr + at, mask=in_range, other=-float("inf")) - lse_max)
-        weight = tl.where(no_weight, 1.0, weight)
-        partial = tl.load(partial_out_ptr + at[:, None] * D + d[None, :], mask=in_range[:, None], other=0.0)
-        # A weight-0 split drops out even when its partial is NaN (0 / 0).
-        merged += tl.sum(tl.where(weight[:, None] == 0.0, 0.0, partial * weight[:, None]), axis=0)
-    tl.store(out_ptr + row * out_sr + head * out_sh + d, (merged / denominator).to(out_ptr.dtype.element_ty))
+
+@triton.jit
+def sparse_attention_fused_merge_kernel(
+    # inputs
+    q_ptr, k_cache_ptr, v_cache_ptr, token_indices_ptr, block_table_ptr, token_to_req_ptr,
+    k_scale_ptr, v_scale_ptr,  # as sparse_attention_partial_kernel's
+    tickets_in_ptr,  # [R, KH] int32 zeros: tickets_ptr's memory (JAX aliases them; read through tickets_ptr)
+    # outputs
+    partial_out_ptr,  # [S, R, QH, D] float32
+    partial_lse_ptr,  # [S, R, QH] float32
+    out_ptr,  # [R, QH, D] q's dtype
+    tickets_ptr,  # [R, KH] int32: splits of each (row, KV head) done; back to zero when merged
+    # sizes, strides, scale (the partial kernel's, then the tickets' row stride)
+    num_blocks, num_requests, table_width, scale_log2,
+    q_sr, q_sh, k_sb, k_sp, k_sh, v_sb, v_sp, v_sh, ti_sr, bt_sr,
+    o_ss, o_sr, o_sh, lse_ss, lse_sr, tickets_sr,
+    # constexprs
+    GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, WIDTH: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
+    INTERPRET: tl.constexpr, FP8_CACHE: tl.constexpr, BIT_TRICK: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, CHUNKED_SPLITS: tl.constexpr,
+):
+    """Split-K in one launch: each split writes its partial, the last of a (row, KV head) to finish merges.
+
+    (Triton's interpreter runs the programs one after another: there the
+    last split in launch order merges, so CPU tests run this path too.)
+    """
+    sparse_attention_partial_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, token_indices_ptr, block_table_ptr, token_to_req_ptr,
+        k_scale_ptr, v_scale_ptr, partial_out_ptr, partial_lse_ptr,
+        num_blocks, num_requests, table_width, scale_log2,
+        q_sr, q_sh, k_sb, k_sp, k_sh, v_sb, v_sp, v_sh, ti_sr, bt_sr,
+        o_ss, o_sr, o_sh, lse_ss, lse_sr,
+        GROUP, D, PAGE, WIDTH, BLOCK_M, BLOCK_N, TILES_PER_SPLIT, INTERPRET, FP8_CACHE, BIT_TRICK)
+    # Every thread's partial stores come before the ticket (one thread takes
+    # it): acq_rel at GPU scope publishes them to the program that draws the
+    # last ticket, and makes the other splits' partials visible to it.
+    tl.debug_barrier()
+    row = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(2)
+    ticket_at = tickets_ptr + row * tickets_sr + kv_head
+    if tl.atomic_add(ticket_at, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+        group_offsets = tl.arange(0, BLOCK_M)
+        _merge_splits(partial_out_ptr, partial_lse_ptr, out_ptr, row, kv_head * GROUP + group_offsets,
+                      group_offsets < GROUP, tl.num_programs(1), o_ss, o_sr, o_sh, lse_ss, lse_sr,
+                      BLOCK_M, D, NUM_SPLITS, SPLIT_CHUNK, CHUNKED_SPLITS, not INTERPRET)
+        # Every split of this (row, KV head) has drawn: the ticket is free again.
+        tl.store(ticket_at, 0)
 
 
 def _check_cache_dtypes(check: Checker, q, k_cache, v_cache, k_scale, v_scale) -> bool:
@@ -297,7 +404,9 @@ def plan_sparse_paged_attention(
     """Validate stage-4 arguments and describe the launches (see docs/api.md).
 
     ``tuning`` (default: the current :class:`~qsa_kernels.tuning.AttentionTuning`)
-    holds the launch table; its ``num_splits`` forces the split count (tests).
+    holds the launch table; its ``num_splits`` forces the split count (tests),
+    and ``fused_merge`` merges several splits in their launch (one launch,
+    the default) or in a second one.
     """
     check = Checker(FUNCTION)
     check.rank("q", q, 3, "[R, QH, D]")
@@ -347,45 +456,51 @@ def plan_sparse_paged_attention(
     o_ss = rows * qh * d if splits > 1 else 0
     lse_ss, lse_sr, _ = partial_lse.info.strides
 
-    partial = Launch(
-        kernel=sparse_attention_partial_kernel,
-        # Rows vary fastest (see the table).
-        grid=(rows, splits, kh),
-        # Without fp8 caches the scale pointers are stand-ins FP8_CACHE never reads.
-        inputs=tuple(arrays) + (("k_scale", "v_scale") if fp8 else ("q", "q")),
-        outputs=(partial_out.name, partial_lse.name),
-        scalars=dict(
-            num_blocks=num_blocks, num_requests=block_table.shape[0], table_width=block_table.shape[1],
-            scale_log2=scale * LOG2_E,
-            q_sr=q.strides[0], q_sh=q.strides[1],
-            k_sb=k_cache.strides[0], k_sp=k_cache.strides[1], k_sh=k_cache.strides[2],
-            v_sb=v_cache.strides[0], v_sp=v_cache.strides[1], v_sh=v_cache.strides[2],
-            ti_sr=token_indices.strides[0], bt_sr=block_table.strides[0],
-            o_ss=o_ss, o_sr=o_sr, o_sh=o_sh, lse_ss=lse_ss, lse_sr=lse_sr,
-        ),
-        constexprs=dict(
-            GROUP=group, D=d, PAGE=page, WIDTH=width, BLOCK_M=block_m, BLOCK_N=block_n,
-            TILES_PER_SPLIT=tiles_per_split, INTERPRET=runtime.INTERPRETED, FP8_CACHE=fp8,
-            BIT_TRICK=bit_trick(fp8, q.dtype),
-        ),
-        num_warps=num_warps,
-        num_stages=num_stages,
+    # Without fp8 caches the scale pointers are stand-ins FP8_CACHE never reads.
+    inputs = tuple(arrays) + (("k_scale", "v_scale") if fp8 else ("q", "q"))
+    scalars = dict(
+        num_blocks=num_blocks, num_requests=block_table.shape[0], table_width=block_table.shape[1],
+        scale_log2=scale * LOG2_E,
+        q_sr=q.strides[0], q_sh=q.strides[1],
+        k_sb=k_cache.strides[0], k_sp=k_cache.strides[1], k_sh=k_cache.strides[2],
+        v_sb=v_cache.strides[0], v_sp=v_cache.strides[1], v_sh=v_cache.strides[2],
+        ti_sr=token_indices.strides[0], bt_sr=block_table.strides[0],
+        o_ss=o_ss, o_sr=o_sr, o_sh=o_sh, lse_ss=lse_ss, lse_sr=lse_sr,
     )
-    launches = (partial,)
-    if splits > 1:
-        block_splits = triton.next_power_of_2(splits)
-        merge = Launch(
+    constexprs = dict(
+        GROUP=group, D=d, PAGE=page, WIDTH=width, BLOCK_M=block_m, BLOCK_N=block_n,
+        TILES_PER_SPLIT=tiles_per_split, INTERPRET=runtime.INTERPRETED, FP8_CACHE=fp8,
+        BIT_TRICK=bit_trick(fp8, q.dtype),
+    )
+    # Rows vary fastest (see the table).
+    grid = (rows, splits, kh)
+    if splits > 1 and tuning.fused_merge:
+        # One launch: the last split of each (row, KV head) to finish merges.
+        # The tickets start at zero (Buffer.fill) and are left at zero.
+        tickets = Buffer("tickets", (rows, kh), "int32", fill=0)
+        buffers += (tickets,)
+        chunk = min(splits, max(1, tuning.fused_merge_chunk_elements // (block_m * d)))
+        launches = (Launch(
+            kernel=sparse_attention_fused_merge_kernel, grid=grid, inputs=inputs + (tickets.name,),
+            outputs=(partial_out.name, partial_lse.name, out.name, tickets.name),
+            scalars=dict(scalars, tickets_sr=tickets.info.strides[0]),
+            constexprs=dict(constexprs, NUM_SPLITS=splits, SPLIT_CHUNK=chunk, CHUNKED_SPLITS=splits // chunk * chunk),
+            num_warps=num_warps, num_stages=num_stages),)
+    else:
+        launches = (Launch(
+            kernel=sparse_attention_partial_kernel, grid=grid, inputs=inputs,
+            outputs=(partial_out.name, partial_lse.name), scalars=scalars, constexprs=constexprs,
+            num_warps=num_warps, num_stages=num_stages),)
+    if splits > 1 and not tuning.fused_merge:
+        chunk = min(splits, max(1, tuning.merge_chunk_elements // d))
+        launches += (Launch(
             kernel=merge_splits_kernel,
             grid=(rows, qh),
-            inputs=("partial_out", "partial_lse"),
-            outputs=("out",),
-            scalars=dict(rows=rows, out_sr=o_sr, out_sh=o_sh),
-            constexprs=dict(
-                QH=qh, D=d, NUM_SPLITS=splits, BLOCK_SPLITS=block_splits,
-                SPLIT_CHUNK=min(block_splits, max(1, tuning.merge_chunk_elements // d)),
-            ),
+            inputs=(partial_out.name, partial_lse.name),
+            outputs=(out.name,),
+            scalars=dict(o_ss=o_ss, o_sr=o_sr, o_sh=o_sh, lse_ss=lse_ss, lse_sr=lse_sr),
+            constexprs=dict(D=d, NUM_SPLITS=splits, SPLIT_CHUNK=chunk, CHUNKED_SPLITS=splits // chunk * chunk),
             num_warps=4,
             num_stages=1,
-        )
-        launches += (merge,)
+        ),)
     return Program(FUNCTION, buffers, launches, ("out",))

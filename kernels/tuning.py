@@ -25,7 +25,7 @@ import contextvars
 import dataclasses
 from typing import Iterator
 
-from .validate import POSITIVE_INT
+from .validate import BOOL, POSITIVE_INT
 
 __all__ = ["AttentionTuning", "CompressTuning", "RopeCacheTuning", "SelectTuning", "StepTuning", "TopkTuning",
            "Tuning", "current", "override"]
@@ -92,7 +92,14 @@ class AttentionTuning:
     )
     tile_bytes: int | None = None
     num_splits: int | None = None
-    #: float32 elements of one merge chunk (SPLIT_CHUNK x D): 32 registers per thread.
+    #: Split-K (programs <= 132) in one launch: the last split of each (row,
+    #: KV head) to finish merges the partials (an atomic ticket).  False:
+    #: a second launch merges them (one program per (row, head)).
+    fused_merge: bool = True
+    #: float32 partial elements a fused merge loads per step (SPLIT_CHUNK x
+    #: BLOCK_M x D; 16384 at 8 warps: 64 registers per thread).
+    fused_merge_chunk_elements: int = 16384
+    #: float32 elements of one merge launch's chunk (SPLIT_CHUNK x D): 32 registers per thread.
     merge_chunk_elements: int = 4096
     #: fp8 caches: tiles sized as for 16-bit ones (widened to q's dtype in
     #: registers, registers bound them).  Not yet swept on the H200; compiled
@@ -109,6 +116,8 @@ class AttentionTuning:
         _positive_int("AttentionTuning", "tile_bytes", self.tile_bytes, optional=True)
         _positive_int("AttentionTuning", "num_splits", self.num_splits, optional=True)
         _positive_int("AttentionTuning", "merge_chunk_elements", self.merge_chunk_elements)
+        _positive_int("AttentionTuning", "fused_merge_chunk_elements", self.fused_merge_chunk_elements)
+        object.__setattr__(self, "fused_merge", BOOL.canonical("AttentionTuning", "fused_merge", self.fused_merge))
         for name in ("launch_table", "fp8_launch_table"):
             table = tuple(tuple(row) for row in getattr(self, name))
             object.__setattr__(self, name, table)

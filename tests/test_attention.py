@@ -249,26 +249,127 @@ def test_empty_selection_and_no_rows():
 
 def test_launch_table():
     """The plan's choices for the production geometry (24 Q / 2 KV heads, d256)."""
-    def plan(rows, width=2051, d=256, qh=24, kh=2):
+    def plan(rows, width=2051, d=256, qh=24, kh=2, **tuned):
         a = ArrayInfo.contiguous
         return attention.plan_sparse_paged_attention(
             a((rows, qh, d), "bfloat16"), a((4096, 64, kh, d), "bfloat16"), a((4096, 64, kh, d), "bfloat16"),
-            a((rows, width), "int32"), a((8, 2048), "int32"), a((rows,), "int32"))
+            a((rows, width), "int32"), a((8, 2048), "int32"), a((rows,), "int32"),
+            tuning=tuning.AttentionTuning(**tuned))
 
     decode_one = plan(1)
-    partial, merge = decode_one.launches
-    assert partial.constexprs["BLOCK_N"] == 64 and partial.constexprs["TILES_PER_SPLIT"] == 1
-    assert partial.grid == (1, 33, 2) and merge.grid == (1, 24)  # one tile per split
-    assert (partial.num_warps, partial.num_stages) == (8, 3)
-    assert plan(64).launches[0].grid == (64, 2, 2)
-    decode_256 = plan(256).launches
-    assert [launch.grid for launch in decode_256] == [(256, 1, 2)]  # no split, no merge
+    (fused,) = decode_one.launches  # split-K and its merge in one launch
+    assert fused.kernel is attention.sparse_attention_fused_merge_kernel
+    assert fused.constexprs["BLOCK_N"] == 64 and fused.constexprs["TILES_PER_SPLIT"] == 1
+    assert fused.grid == (1, 33, 2) and fused.constexprs["NUM_SPLITS"] == 33  # one tile per split
+    assert (fused.num_warps, fused.num_stages) == (8, 3)
+    tickets = decode_one.buffer("tickets")  # one per (row, KV head), zero-filled by the executor
+    assert (tickets.shape, tickets.dtype, tickets.fill) == ((1, 2), "int32", 0)
+    assert "tickets" in decode_one.filled_buffers and "tickets" in fused.inputs and "tickets" in fused.outputs
+    partial, merge = plan(1, fused_merge=False).launches  # the two-launch path, kept for comparison
+    assert partial.kernel is attention.sparse_attention_partial_kernel and merge.kernel is attention.merge_splits_kernel
+    assert partial.grid == (1, 33, 2) and merge.grid == (1, 24)
+    assert plan(1, fused_merge=False).buffer("tickets") is None
+    assert plan(64).launches[0].grid == (64, 2, 2) and len(plan(64).launches) == 1
+    for fused_merge in (True, False):
+        decode_256 = plan(256, fused_merge=fused_merge)
+        assert [launch.grid for launch in decode_256.launches] == [(256, 1, 2)]  # no split, no merge, no tickets
+        assert decode_256.launches[0].kernel is attention.sparse_attention_partial_kernel
+        assert decode_256.buffer("tickets") is None
+    decode_256 = decode_256.launches
     assert decode_256[0].constexprs["BLOCK_N"] == 32 and (decode_256[0].num_warps, decode_256[0].num_stages) == (2, 3)
     prefill = plan(2048)
-    assert prefill.buffer("partial_out") is None
+    assert prefill.buffer("partial_out") is None and prefill.buffer("tickets") is None
     assert prefill.launches[0].constexprs["BLOCK_N"] == 64 and (prefill.launches[0].num_warps, prefill.launches[0].num_stages) == (2, 2)
     assert plan(4, d=64, qh=8).launches[0].constexprs["BLOCK_N"] == 128
     assert plan(4, width=10).launches[0].constexprs["BLOCK_N"] == 16  # capped by the width
+
+
+# --------------------------------------------------------------------------
+# Split-K merged in its launch (the last split to take a ticket) or by a second launch
+# --------------------------------------------------------------------------
+
+#: 5 tiles of 16 tokens per row (MERGE_TILE_BYTES at D = 64): 2 or 5 splits.
+MERGE_CASE = Case(R=5, QH=8, KH=2, D=64, W=80, seed=3)
+MERGE_TILE_BYTES = 16 * 2 * 64
+
+
+def merge_inputs():
+    """make_inputs' rows (1-3 select nothing valid), with row 0's tokens in its first 2 tiles
+    only (later splits hold no valid token) and row 4's in its last tile only."""
+    args = make_inputs(MERGE_CASE)
+    indices = args["token_indices"]
+    indices[0, 32:] = -1
+    indices[4, 64:] = indices[4, :16].clone()
+    indices[4, :64] = -1
+    ref = reference_for(args)
+    assert np.abs(ref[[0, 4]]).min(axis=(1, 2)).all() and not ref[1:4].any(), "rows 0 and 4 must attend something"
+    return args, ref
+
+
+def merge_tuning(splits, fused, small_chunks):
+    # Small chunks: the fused merge folds 2 splits per step (16 x 64 elements
+    # each) and the merge launch 2 (x 64), so 5 splits end with a tail.
+    chunks = dict(fused_merge_chunk_elements=2 * 16 * 64, merge_chunk_elements=2 * 64) if small_chunks else {}
+    return tuning.AttentionTuning(num_splits=splits, fused_merge=fused, tile_bytes=MERGE_TILE_BYTES, **chunks)
+
+
+@pytest.mark.parametrize("splits", [2, 5])
+def test_fused_merge_is_the_merge_launch_bitwise(splits):
+    """One launch (the last split to finish merges) and two (a merge launch) fold the
+    splits in the same order with the same code: the same bits, run to run, near the
+    float64 reference, with splits that hold no valid token and rows that hold none."""
+    args, ref = merge_inputs()
+    infos = {n: qsa_torch._launch.info(args[n]) for n in ARGUMENTS}
+    outputs = {}
+    for fused in (True, False):
+        for small_chunks in (False, True):
+            tuned = merge_tuning(splits, fused, small_chunks)
+            program = attention.plan_sparse_paged_attention(**infos, tuning=tuned)
+            assert len(program.launches) == (1 if fused else 2) and program.launches[0].grid[1] == splits
+            chunk = program.launches[-1].constexprs["SPLIT_CHUNK"]
+            assert chunk == (min(2, splits) if small_chunks else splits), chunk
+            with tuning.override(attention=tuned):
+                first = qsa_torch.sparse_paged_attention(**args)
+                if not small_chunks:
+                    assert_bitwise_equal(qsa_torch.sparse_paged_attention(**args), first, f"{fused=}: run to run")
+            what = f"{'fused' if fused else 'merge launch'}, {splits} splits, chunk {chunk}"
+            assert_close(first, ref, tolerance(MERGE_CASE.dtype), f"{what} vs reference")
+            assert not f64(first)[1:4].any(), f"{what}: rows without a valid token must be zeros"
+            outputs[what] = first
+    expected = outputs.pop(f"merge launch, {splits} splits, chunk {splits}")
+    for what, out in outputs.items():
+        assert_bitwise_equal(out, expected, f"{what} vs the merge launch")
+    if splits == 5:
+        with tuning.override(attention=merge_tuning(splits, True, False)):
+            assert_bitwise_equal(run_jax(args), expected, "JAX (fused) vs torch")
+
+
+def test_fused_merge_leaves_its_tickets_zero():
+    """The merging split puts its ticket back to zero: the zero-filled ticket buffer could be
+    a workspace kept across calls, and a second run over the same tickets gives the same bits."""
+    from qsa_kernels import runtime
+    from qsa_kernels.launch import execute
+
+    args, ref = merge_inputs()
+    infos = {n: qsa_torch._launch.info(args[n]) for n in ARGUMENTS}
+    program = attention.plan_sparse_paged_attention(
+        **infos, tuning=tuning.AttentionTuning(num_splits=3, tile_bytes=MERGE_TILE_BYTES))
+    allocate = qsa_torch._launch._Allocate(args["q"].device)
+    kept = {}
+
+    def keep_tickets(buffer, fill):
+        if buffer.name == "tickets" and "tickets" in kept:
+            return kept["tickets"]  # reused as is: what the previous run left
+        kept[buffer.name] = allocate(buffer, fill)
+        return kept[buffer.name]
+
+    guard = (lambda: runtime.interpreter_lock) if runtime.INTERPRETED else None
+    outputs = [execute(program, args, adapter="torch", allocate=keep_tickets, launch=qsa_torch._launch.launch_kernel,
+                       guard=guard)[0] for _ in range(2)]
+    assert kept["tickets"].shape == (MERGE_CASE.R, MERGE_CASE.KH)
+    assert not kept["tickets"].any(), "every ticket must be back to zero"
+    assert_close(outputs[0], ref, tolerance(MERGE_CASE.dtype), "fused merge vs reference")
+    assert_bitwise_equal(outputs[1], outputs[0], "second run over the same tickets")
 
 
 # --------------------------------------------------------------------------
@@ -286,6 +387,26 @@ def test_production_decode_shape():
         (out,) = qsa_torch._launch.run(program, args, args["q"].device)
         assert_close(out, ref, tolerance(c.dtype), f"splits={splits}")
     assert_bitwise_equal(run_jax(args), qsa_torch.sparse_paged_attention(**args), "torch vs JAX")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_production_decode_fused_merge_is_the_merge_launch(rows):
+    """33 / 11 / 2 splits of 2051 tokens: merged in the launch by whichever split finishes
+    last (it varies from run to run), the same bits every run and as the merge launch's."""
+    c = Case(R=rows, QH=24, KH=2, D=256, P=64, W=2051, requests=rows, pages_per_request=40, seed=rows)
+    args = make_inputs(c)
+    infos = {n: qsa_torch._launch.info(args[n]) for n in ARGUMENTS}
+    outputs = {}
+    for fused in (True, False):
+        program = attention.plan_sparse_paged_attention(**infos, tuning=tuning.AttentionTuning(fused_merge=fused))
+        assert len(program.launches) == (1 if fused else 2) and program.launches[0].grid[1] == {1: 33, 8: 11, 64: 2}[rows]
+        runs = [qsa_torch._launch.run(program, args, args["q"].device)[0] for _ in range(5 if fused else 1)]
+        for run in runs[1:]:
+            assert_bitwise_equal(run, runs[0], "fused merge, run to run")
+        outputs[fused] = runs[0]
+    assert_bitwise_equal(outputs[True], outputs[False], "merged in the launch vs by the merge launch")
+    assert_close(outputs[True], reference_for(args), tolerance(c.dtype), f"{rows} rows")
 
 
 @pytest.mark.gpu

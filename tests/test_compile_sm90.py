@@ -38,7 +38,7 @@ from qsa_kernels.expand import plan_expand_block_indices
 from qsa_kernels.score import plan_mqa_paged_scores
 from qsa_kernels.select import plan_select_paged_tokens
 from qsa_kernels.topk import plan_topk_blocks
-from qsa_kernels.tuning import TopkTuning
+from qsa_kernels.tuning import AttentionTuning, TopkTuning
 
 ROOT = Path(__file__).resolve().parent.parent
 a = ArrayInfo.contiguous
@@ -137,13 +137,16 @@ def _select(rows, requests, context, token_topk=2048, **kw):
                                           compress_ratio=4)
 
 
-def _attention(rows, qh=24, kh=2, d=256, dtype=BF16, index=I32, width=2051, page=64, scale=None, cache=None):
+def _attention(rows, qh=24, kh=2, d=256, dtype=BF16, index=I32, width=2051, page=64, scale=None, cache=None,
+               **tuning):
+    """``tuning``: AttentionTuning fields (the merge launch, as bench_sparse_attention.py --merge both runs it)."""
     cache = cache or dtype
     scales = dict(k_scale=a((), FP32), v_scale=a((1,), FP32)) if cache == FP8 else {}
     return plan_sparse_paged_attention, dict(
         q=a((rows, qh, d), dtype), k_cache=a((4096, page, kh, d), cache), v_cache=a((4096, page, kh, d), cache),
         token_indices=a((rows, width), index), block_table=a((max(rows, 8), 2048), index),
-        token_to_req=a((rows,), index), softmax_scale=scale, **scales)
+        token_to_req=a((rows,), index), softmax_scale=scale, **scales,
+        **(dict(tuning=AttentionTuning(**tuning)) if tuning else {}))
 
 
 CASES = {
@@ -217,8 +220,13 @@ CASES = {
     "select/decode-256-fp32-int64": _select(256, 256, 1 << 17, q=FP32, k=FP32, index=I64),
     "select/prefill-2048-1m-chunked": _select(2048, 1, 1 << 20),
     "select/fp8-decode-256-128k": _select(256, 256, 1 << 17, k=FP8),
-    # Stage 4: sparse_paged_attention (split + merge where programs are few).
+    # Stage 4: sparse_paged_attention (split-K where programs are few, merged
+    # in its launch; the merge launch kept for comparison).
     "attention/decode-1": _attention(1),
+    "attention/decode-8-11-splits": _attention(8),  # 3 chunks of 4 splits' merge minus one: a tail
+    "attention/decode-1-merge-launch": _attention(1, fused_merge=False),
+    "attention/fp8-decode-64": _attention(64, cache=FP8),
+    "attention/fp8-decode-64-merge-launch": _attention(64, cache=FP8, fused_merge=False),
     "attention/decode-64": _attention(64),
     "attention/decode-256": _attention(256),
     "attention/prefill-2048": _attention(2048),

@@ -521,7 +521,9 @@ def _stage_programs(device):
         gen = torch.Generator(device).manual_seed(len(out))
         for buffer in program.buffers:  # random contents, so that a launch that skips a write shows
             t = env[buffer.name]
-            if t.dtype.is_floating_point:
+            if buffer.name in program.filled_buffers:  # read before written (tickets): the executor's fill
+                t.fill_(buffer.fill)
+            elif t.dtype.is_floating_point:
                 t.copy_(torch.randn(t.shape, generator=gen, device=device))
             else:
                 t.copy_(torch.randint(-1, 3, t.shape, generator=gen, device=device))
