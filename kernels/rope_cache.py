@@ -80,8 +80,11 @@ def _rotate(a, b, cos_a, sin_a, cos_b, sin_b):
 
     The one place of RoPE's arithmetic: stage 1 and the composed step's fused
     compression launch (kernels/compress.py) round identically through it.
+    The fused multiply-adds are explicit: left to LLVM's contraction, which
+    product gets fused depends on the surrounding code, and the two kernels
+    differed in the last bit on the H200 (float32 keys).
     """
-    return a * cos_a - b * sin_a, b * cos_b + a * sin_b
+    return tl.fma(a, cos_a, -(b * sin_a)), tl.fma(b, cos_b, a * sin_b)
 
 
 @triton.jit

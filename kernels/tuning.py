@@ -94,8 +94,12 @@ class AttentionTuning:
     num_splits: int | None = None
     #: Split-K (programs <= 132) in one launch: the last split of each (row,
     #: KV head) to finish merges the partials (an atomic ticket).  False:
-    #: a second launch merges them (one program per (row, head)).
-    fused_merge: bool = True
+    #: a second launch merges them (one program per (row, head)).  Measured
+    #: on the H200 (CUDA graphs, bench_sparse_attention.py --merge both):
+    #: fused / two launches 16.3 / 9.1 us at 1 row (33 splits: one program
+    #: reads all 33 partials of its KV head from L2), 28.1 / 23.1 at 8 rows,
+    #: 100.6 / 99.8 at 64; the ticket fill is 1.1 us more.  So off.
+    fused_merge: bool = False
     #: float32 partial elements a fused merge loads per step (SPLIT_CHUNK x
     #: BLOCK_M x D; 16384 at 8 warps: 64 registers per thread).
     fused_merge_chunk_elements: int = 16384

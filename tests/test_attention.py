@@ -256,20 +256,20 @@ def test_launch_table():
             a((rows, width), "int32"), a((8, 2048), "int32"), a((rows,), "int32"),
             tuning=tuning.AttentionTuning(**tuned))
 
-    decode_one = plan(1)
+    partial, merge = plan(1).launches  # split-K, then the merge launch (fused_merge's default: measured faster)
+    assert partial.kernel is attention.sparse_attention_partial_kernel and merge.kernel is attention.merge_splits_kernel
+    assert partial.grid == (1, 33, 2) and merge.grid == (1, 24)
+    assert partial.constexprs["BLOCK_N"] == 64 and partial.constexprs["TILES_PER_SPLIT"] == 1  # one tile per split
+    assert (partial.num_warps, partial.num_stages) == (8, 3)
+    assert plan(1).buffer("tickets") is None
+    decode_one = plan(1, fused_merge=True)
     (fused,) = decode_one.launches  # split-K and its merge in one launch
     assert fused.kernel is attention.sparse_attention_fused_merge_kernel
-    assert fused.constexprs["BLOCK_N"] == 64 and fused.constexprs["TILES_PER_SPLIT"] == 1
-    assert fused.grid == (1, 33, 2) and fused.constexprs["NUM_SPLITS"] == 33  # one tile per split
-    assert (fused.num_warps, fused.num_stages) == (8, 3)
+    assert fused.grid == (1, 33, 2) and fused.constexprs["NUM_SPLITS"] == 33
     tickets = decode_one.buffer("tickets")  # one per (row, KV head), zero-filled by the executor
     assert (tickets.shape, tickets.dtype, tickets.fill) == ((1, 2), "int32", 0)
     assert "tickets" in decode_one.filled_buffers and "tickets" in fused.inputs and "tickets" in fused.outputs
-    partial, merge = plan(1, fused_merge=False).launches  # the two-launch path, kept for comparison
-    assert partial.kernel is attention.sparse_attention_partial_kernel and merge.kernel is attention.merge_splits_kernel
-    assert partial.grid == (1, 33, 2) and merge.grid == (1, 24)
-    assert plan(1, fused_merge=False).buffer("tickets") is None
-    assert plan(64).launches[0].grid == (64, 2, 2) and len(plan(64).launches) == 1
+    assert plan(64, fused_merge=True).launches[0].grid == (64, 2, 2) and len(plan(64, fused_merge=True).launches) == 1
     for fused_merge in (True, False):
         decode_256 = plan(256, fused_merge=fused_merge)
         assert [launch.grid for launch in decode_256.launches] == [(256, 1, 2)]  # no split, no merge, no tickets
@@ -353,7 +353,7 @@ def test_fused_merge_leaves_its_tickets_zero():
     args, ref = merge_inputs()
     infos = {n: qsa_torch._launch.info(args[n]) for n in ARGUMENTS}
     program = attention.plan_sparse_paged_attention(
-        **infos, tuning=tuning.AttentionTuning(num_splits=3, tile_bytes=MERGE_TILE_BYTES))
+        **infos, tuning=tuning.AttentionTuning(num_splits=3, tile_bytes=MERGE_TILE_BYTES, fused_merge=True))
     allocate = qsa_torch._launch._Allocate(args["q"].device)
     kept = {}
 

@@ -246,15 +246,14 @@ CPU_CALLS = {
 
 
 def assert_split_k(call: Call) -> None:
-    """The call takes the split-K path: partial outputs merged in the same launch by the
-    last split to finish (which split that is varies from run to run on a GPU)."""
-    from qsa_kernels.attention import plan_sparse_paged_attention, sparse_attention_fused_merge_kernel
+    """The call takes the split-K path: its tokens split across programs whose partial
+    outputs are merged (by a merge launch, or in the launch by the last split to finish,
+    which varies from run to run on a GPU)."""
+    from qsa_kernels.attention import plan_sparse_paged_attention
     from qsa_torch._launch import metadata
 
     program = plan_sparse_paged_attention(**metadata(call.function, call.arrays))
-    (launch,) = program.launches
-    assert launch.kernel is sparse_attention_fused_merge_kernel and launch.grid[1] > 1, \
-        "the case must split its tokens across programs (partials merged in the launch)"
+    assert program.launches[0].grid[1] > 1, "the case must split its tokens across programs"
 
 
 @pytest.mark.skipif(not runtime.INTERPRETED, reason="on a GPU the production-sized variant below runs instead")

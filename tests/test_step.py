@@ -478,7 +478,7 @@ def test_ffi_lowering_puts_the_step_in_command_buffers(tmp_path):
     top = [kind for nesting, kind in ffi if nesting == 0]
     nested = [kind for nesting, kind in ffi if nesting > 0]
     assert "kCommandBuffer" in top and "kCustomCall" not in top, ffi
-    assert nested.count("kCustomCall") >= 8, ffi  # the step's launches, recorded into the command buffer
+    assert nested.count("kCustomCall") >= 5, ffi  # the step's launches, recorded into the command buffer
     legacy = _thunks(make_step, args, "legacy", tmp_path / "legacy")
     assert [kind for nesting, kind in legacy if nesting == 0].count("kCustomCall") == nested.count("kCustomCall"), legacy
 
