@@ -20,7 +20,11 @@ fp8 e4m3 caches (``stored = value / scale``, as stage 1 writes them): each
 gathered K/V tile is converted to q's dtype, which holds every e4m3 value
 exactly (:func:`.fp8.widen_e4m3`: for bf16 on integer ops, not Triton's
 cast), so the dots are the same 16-bit tensor-core dots as for 16-bit caches
-(an fp8 dot would round q to fp8).  ``k_scale`` is folded into the float32
+(an fp8 dot would round q to fp8).  The tiles are widened in registers in
+the layout they were loaded in and reach the dots through shared memory as
+16-bit values, like 16-bit tiles (``AttentionTuning.fp8_widen``; Triton
+would otherwise stage the fp8 bytes and widen them in the dot-operand
+layout, reading V from shared memory one byte at a time).  ``k_scale`` is folded into the float32
 score scale, ``softmax_scale * k_scale * log2(e)``; ``v_scale`` multiplies
 each program's float32 output once (``acc / normaliser * v_scale``), never
 the values.  So the result is that of a 16-bit cache holding the dequantised
@@ -33,7 +37,7 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from .fp8 import bit_trick, widen_e4m3
+from .fp8 import bit_trick, in_registers, widen_e4m3
 from .launch import ArrayInfo, Buffer, Launch, Program
 from .memo import cached_plan
 from .tuning import AttentionTuning
@@ -126,6 +130,7 @@ def sparse_attention_partial_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, WIDTH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr, FP8_CACHE: tl.constexpr, BIT_TRICK: tl.constexpr,
+    FP8_IN_REGISTERS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
@@ -173,8 +178,8 @@ def sparse_attention_partial_kernel(
         keys = tl.load(k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         values = tl.load(v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         if FP8_CACHE:  # widened to q's dtype (exact) for the 16-bit dots
-            keys = widen_e4m3(keys, q.dtype, BIT_TRICK)
-            values = widen_e4m3(values, q.dtype, BIT_TRICK)
+            keys = widen_e4m3(keys, q.dtype, BIT_TRICK, FP8_IN_REGISTERS)
+            values = widen_e4m3(values, q.dtype, BIT_TRICK, FP8_IN_REGISTERS)
 
         scores = _dot(q, tl.trans(keys), None, INTERPRET) * scale_log2
         scores = tl.where(valid[None, :], scores, MASKED_SCORE)
@@ -366,7 +371,7 @@ def plan_sparse_paged_attention(
         constexprs=dict(
             GROUP=group, D=d, PAGE=page, WIDTH=width, BLOCK_M=block_m, BLOCK_N=block_n,
             TILES_PER_SPLIT=tiles_per_split, INTERPRET=runtime.INTERPRETED, FP8_CACHE=fp8,
-            BIT_TRICK=bit_trick(fp8, q.dtype),
+            BIT_TRICK=bit_trick(fp8, q.dtype), FP8_IN_REGISTERS=in_registers(fp8, tuning.fp8_widen),
         ),
         num_warps=num_warps,
         num_stages=num_stages,

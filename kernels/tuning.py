@@ -103,12 +103,25 @@ class AttentionTuning:
         (4095, 16 * 1024, 2, 3),
         (None, 16 * 1024, 2, 2),
     )
+    #: fp8 caches: where K/V tiles are widened to q's dtype.  "registers": right
+    #: after the load, in its layout; the dots then read 16-bit tiles from
+    #: shared memory with ldmatrix, as for 16-bit caches.  "dot_operand" (the
+    #: first release's code, kept to compare): Triton stages the fp8 bytes in
+    #: shared memory and widens them in the dot-operand layout, so V (the P.V
+    #: operand, tokens not contiguous) is read one byte at a time.  Compiled
+    #: for sm_90 offline (decode 256 rows, 32-token tiles, 2 warps): 2883 SASS
+    #: instructions per thread and tile with "dot_operand" (128 LDS.U8), 1736
+    #: with "registers" (16 LDS.128 + 32 STS.128 + ldmatrix); bf16 caches: 1859.
+    fp8_widen: str = "registers"
 
     def __post_init__(self):
         _positive_int("AttentionTuning", "target_programs", self.target_programs)
         _positive_int("AttentionTuning", "tile_bytes", self.tile_bytes, optional=True)
         _positive_int("AttentionTuning", "num_splits", self.num_splits, optional=True)
         _positive_int("AttentionTuning", "merge_chunk_elements", self.merge_chunk_elements)
+        if self.fp8_widen not in FP8_WIDEN_MODES:
+            raise ValueError(f"AttentionTuning: fp8_widen must be one of {', '.join(map(repr, FP8_WIDEN_MODES))}, "
+                             f"got {self.fp8_widen!r}")
         for name in ("launch_table", "fp8_launch_table"):
             table = tuple(tuple(row) for row in getattr(self, name))
             object.__setattr__(self, name, table)
@@ -180,6 +193,9 @@ class TopkTuning:
             raise ValueError(f"TopkTuning: bound_passes must be at most 32 // radix_bits = "
                              f"{32 // self.radix_bits}, got {self.bound_passes!r}")
 
+
+#: The values of ``AttentionTuning.fp8_widen``.
+FP8_WIDEN_MODES = ("registers", "dot_operand")
 
 #: The values of ``TopkTuning.path``.
 TOPK_PATHS = ("auto", "row", "sliced")
