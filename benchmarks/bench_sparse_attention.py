@@ -27,9 +27,11 @@ double the split count) on a few shapes, written to sparse_attention_sweep.json.
 prefill) also read fp8 e4m3 copies of the pools (per-tensor scales, pool amax
 / 448), side by side: ``fp8_*`` columns, ``fp8_vs_bf16`` = fp8 / bf16 CUDA-graph
 time, ``fp8_rel_diff`` = ‖out_fp8 − out_bf16‖ / ‖out_bf16‖; fp8 bytes count 1
-byte per K/V element plus the two scales; ``fp8_dot_operand_*``: the same with
-the first release's widening (``AttentionTuning.fp8_widen="dot_operand"``),
-``fp8_dot_operand_equal``: whether its output is bitwise the default's.  With ``--sweep``, the sweep runs on
+byte per K/V element plus the two scales; ``fp8_first_release_*``: the same
+with the first release's fp8 code (``AttentionTuning(fp8_widen="dot_operand",
+fp8_row_addressing="page")``), ``fp8_first_release_equal``: whether its output
+is bitwise the default's (it should be).  ``--sweep`` also times the table's
+configuration under each other variant (the ``variant`` column).  With ``--sweep``, the sweep runs on
 the fp8 pools (results in sparse_attention_fp8_sweep.json).
 """
 
@@ -42,7 +44,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX
 
 import common  # noqa: E402
 from qsa_kernels import tuning  # noqa: E402
-from qsa_kernels.tuning import FP8_WIDEN_MODES, AttentionTuning  # noqa: E402
+from qsa_kernels.tuning import FP8_WIDEN_MODES, ROW_ADDRESSING_MODES, AttentionTuning  # noqa: E402
 
 QH, KH, D, PAGE = 24, 2, 256, 64
 TOKEN_TOPK, COMPRESS_RATIO = 2048, 4
@@ -165,24 +167,29 @@ def seed_us(mode, rows, context):
 def sweep(qsa_torch, attention, arrays, smoke):
     """CUDA-graph µs of configurations around the table's (partial kernel's warps/stages overridden).
 
-    fp8 caches: every configuration widens in registers (AttentionTuning.fp8_widen's default);
-    the table's configuration also runs with each other widening mode (the first release's
-    "dot_operand"), so one run compares them."""
+    Every configuration takes AttentionTuning's default variants (fp8: widened in registers,
+    slot addressing; 16-bit: page addressing); the table's configuration also runs with each
+    other variant (``variant``: fp8_widen "dot_operand", the first release's fp8 code;
+    row_addressing "page" or "slot"), so one run compares them."""
     infos = {n: qsa_torch._launch.info(a) for n, a in arrays.items()}
     d = infos["q"].shape[2]
     planned = attention.plan_sparse_paged_attention(**infos).launches[0].grid[1]
-    default_widen = AttentionTuning().fp8_widen
-    configs = [(block_n, None, warps, stages, default_widen)
-               for block_n in SWEEP_BLOCK_N for warps in SWEEP_WARPS for stages in SWEEP_STAGES]
-    configs += [(None, splits, None, None, default_widen)
-                for splits in sorted({max(1, planned // 2), 2 * planned} - {planned})]
-    if infos["k_cache"].dtype == "float8_e4m3fn":
-        configs = [(None, None, None, None, mode) for mode in FP8_WIDEN_MODES] + configs
+    fp8 = infos["k_cache"].dtype == "float8_e4m3fn"
+    default = AttentionTuning()
+    addressing = "fp8_row_addressing" if fp8 else "row_addressing"
+    variants = [{}] + [{addressing: mode} for mode in ROW_ADDRESSING_MODES if mode != getattr(default, addressing)]
+    if fp8:
+        variants += [dict(fp8_widen=mode) for mode in FP8_WIDEN_MODES if mode != default.fp8_widen]
+        # The first release's fp8 code as a whole: widened in the dot-operand layout, by page.
+        variants += [dict(fp8_widen="dot_operand", fp8_row_addressing="page")]
+    configs = [(None, None, None, None, variant) for variant in variants]
+    configs += [(block_n, None, warps, stages, {})
+                for block_n in SWEEP_BLOCK_N for warps in SWEEP_WARPS for stages in SWEEP_STAGES]
+    configs += [(None, splits, None, None, {}) for splits in sorted({max(1, planned // 2), 2 * planned} - {planned})]
     results = []
-    for block_n, splits, warps, stages, widen in configs[:2] if smoke else configs:
+    for block_n, splits, warps, stages, variant in configs[:2] if smoke else configs:
         # The tuning is part of the plan's memo key: nothing to restore or clear afterwards.
-        forced = AttentionTuning(tile_bytes=block_n * 2 * d if block_n else None, num_splits=splits,
-                                 fp8_widen=widen)
+        forced = AttentionTuning(tile_bytes=block_n * 2 * d if block_n else None, num_splits=splits, **variant)
         program = attention.plan_sparse_paged_attention(**infos, tuning=forced)
         partial = program.launches[0]
         partial = dataclasses.replace(partial, num_warps=warps or partial.num_warps,
@@ -190,7 +197,8 @@ def sweep(qsa_torch, attention, arrays, smoke):
         program = dataclasses.replace(program, launches=(partial, *program.launches[1:]))
         result = dict(block_n=partial.constexprs["BLOCK_N"], splits=partial.grid[1],
                       tiles_per_split=partial.constexprs["TILES_PER_SPLIT"],
-                      warps=partial.num_warps, stages=partial.num_stages, fp8_widen=widen)
+                      warps=partial.num_warps, stages=partial.num_stages,
+                      variant=",".join(f"{k}={v}" for k, v in variant.items()) or "default")
         call = lambda: qsa_torch._launch.run(program, arrays, arrays["q"].device)  # noqa: E731
         try:
             # Without CUDA (smoke): the wall clock, to check the path runs.
@@ -265,13 +273,13 @@ def main():
             table = plan_choice(qsa_torch, attention, arrays)
             for result in sweep(qsa_torch, attention, arrays, args.smoke):
                 is_table = all(result[k] == table[k] for k in ("block_n", "splits", "warps", "stages")) and (
-                not args.fp8 or result["fp8_widen"] == AttentionTuning().fp8_widen)
+                result["variant"] == "default")
                 rows_out.append(dict(mode=mode, rows=rows, context=context, table=is_table, bytes=nbytes, **result,
                                      pct_peak=common.pct_peak(nbytes, result.get("graph_us"))))
             shape_rows = [r for r in rows_out if (r["mode"], r["rows"], r["context"]) == (mode, rows, context)]
             shape_rows.sort(key=lambda r: r.get("graph_us") or float("inf"))
             common.print_table(shape_rows[:8], ["mode", "rows", "context", "table", "block_n", "splits",
-                                                "tiles_per_split", "warps", "stages", "fp8_widen", "graph_us",
+                                                "tiles_per_split", "warps", "stages", "variant", "graph_us",
                                                 "pct_peak", "error"])
         common.write_json(args.json.replace(".json", "_fp8_sweep.json" if args.fp8 else "_sweep.json"),
                           "sparse_paged_attention sweep", rows_out,
@@ -313,15 +321,13 @@ def main():
                 row["fp8_vs_bf16"] = row["fp8_torch_graph_us"] / row["torch_graph_us"]
             out16, out8 = call(), call8()
             row["fp8_rel_diff"] = float((out8.float() - out16.float()).norm() / out16.float().norm())
-            # The other widening modes (the first release's "dot_operand"), same call.
-            for mode in FP8_WIDEN_MODES:
-                if mode == AttentionTuning().fp8_widen:
-                    continue
-                with tuning.override(attention=dataclasses.replace(tuning.current().attention, fp8_widen=mode)):
-                    us = common.torch_graph_us(call8, smoke=args.smoke)
-                    row[f"fp8_{mode}_vs_bf16"] = us / row["torch_graph_us"] if us and row["torch_graph_us"] else None
-                    row[f"fp8_{mode}_graph_us"] = us
-                    row[f"fp8_{mode}_equal"] = bool(torch.equal(call8(), out8))
+            # The first release's fp8 code (widened in the dot-operand layout, by page), same call.
+            first = dataclasses.replace(tuning.current().attention, fp8_widen="dot_operand", fp8_row_addressing="page")
+            with tuning.override(attention=first):
+                us = common.torch_graph_us(call8, smoke=args.smoke)
+                row["fp8_first_release_graph_us"] = us
+                row["fp8_first_release_vs_bf16"] = us / row["torch_graph_us"] if us and row["torch_graph_us"] else None
+                row["fp8_first_release_equal"] = bool(torch.equal(call8(), out8))
             del out16, out8
 
         if (mode, rows, context) in g["JAX_SHAPES"]:
@@ -358,7 +364,7 @@ def main():
         "torch_graph_gbps", "torch_graph_pct_peak", "seed_us", "speedup_vs_seed", "jax_wall_us", "jax_loop_us",
         "jax_vs_torch_device", "dense_graph_us", "sparse_speedup_vs_dense", "neighbour_overlap"]
         + (["fp8_torch_graph_us", "fp8_torch_graph_pct_peak", "fp8_vs_bf16", "fp8_rel_diff",
-            "fp8_dot_operand_graph_us", "fp8_dot_operand_vs_bf16", "fp8_dot_operand_equal"] if args.fp8 else []))
+            "fp8_first_release_graph_us", "fp8_first_release_vs_bf16", "fp8_first_release_equal"] if args.fp8 else []))
     common.write_json(args.json, "sparse_paged_attention", rows_out, notes)
 
 

@@ -130,7 +130,7 @@ def sparse_attention_partial_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, WIDTH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr, FP8_CACHE: tl.constexpr, BIT_TRICK: tl.constexpr,
-    FP8_IN_REGISTERS: tl.constexpr,
+    FP8_IN_REGISTERS: tl.constexpr, SLOT_ROWS: tl.constexpr, SAME_ROW_STRIDE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
@@ -162,7 +162,8 @@ def sparse_attention_partial_kernel(
     # the float64 softmax, and only "no valid token" gives zeros.  Counted per
     # column (no reduction inside the loop), summed once after it.
     valid_tokens = tl.zeros((BLOCK_N,), tl.int32)
-    first_column = split * (TILES_PER_SPLIT * BLOCK_N)
+    # int32 (WIDTH < 2**31): int64 columns cost 64-bit compares per tile.
+    first_column = tl.program_id(1) * (TILES_PER_SPLIT * BLOCK_N)
     for tile in range(TILES_PER_SPLIT):
         columns = first_column + tile * BLOCK_N + tl.arange(0, BLOCK_N)
         token = tl.load(index_row + columns, mask=columns < WIDTH, other=-1)
@@ -170,11 +171,21 @@ def sparse_attention_partial_kernel(
         valid = request_ok & (token >= 0) & (logical_page < table_width)
         page = tl.load(table_row + tl.where(valid, logical_page, 0), mask=valid, other=-1)
         valid = valid & (page >= 0) & (page < num_blocks)
-        # page * block stride overflows int32 in large caches.
-        page = tl.where(valid, page, 0).to(tl.int64)
-        offset = tl.where(valid, token % PAGE, 0)
-        k_rows = k_head + page * k_sb + offset * k_sp
-        v_rows = v_head + page * v_sb + offset * v_sp
+        if SLOT_ROWS:
+            # Pages are runs of rows (block stride = PAGE x row stride) and the cache
+            # has < 2**31 rows: the int32 row index of the token's slot, times the row
+            # stride in one 32 x 32 -> 64-bit multiply (the other path takes ~25 integer
+            # ops per row and thread), shared by K and V when their row strides agree.
+            slot = page.to(tl.int32) * PAGE + (token - logical_page * PAGE).to(tl.int32)
+            slot = tl.where(valid, slot, 0).to(tl.int64)
+            k_rows = k_head + slot * k_sp
+            v_rows = v_head + (slot * k_sp if SAME_ROW_STRIDE else slot * v_sp)
+        else:
+            # page * block stride overflows int32 in large caches.
+            page = tl.where(valid, page, 0).to(tl.int64)
+            offset = tl.where(valid, token % PAGE, 0)
+            k_rows = k_head + page * k_sb + offset * k_sp
+            v_rows = v_head + page * v_sb + offset * v_sp
         keys = tl.load(k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         values = tl.load(v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         if FP8_CACHE:  # widened to q's dtype (exact) for the 16-bit dots
@@ -337,6 +348,11 @@ def plan_sparse_paged_attention(
     block_m = max(16, triton.next_power_of_2(group))
     block_n, tiles_per_split, splits, num_warps, num_stages = _launch_config(rows, kh, width, d, tuning, fp8)
 
+    # Row addressing by slot (see the kernel) where the caches allow it.
+    addressing = tuning.fp8_row_addressing if fp8 else tuning.row_addressing
+    slot_rows = (addressing == "slot" and num_blocks * page < 2 ** 31
+                 and all(cache.strides[0] == page * cache.strides[1] for cache in (k_cache, v_cache)))
+
     out = Buffer("out", (rows, qh, d), q.dtype)
     # The log2-sum-exps of one split are the rows' own: kept for a later
     # option to return them (docs/api.md, "Beyond the seeds").
@@ -372,6 +388,7 @@ def plan_sparse_paged_attention(
             GROUP=group, D=d, PAGE=page, WIDTH=width, BLOCK_M=block_m, BLOCK_N=block_n,
             TILES_PER_SPLIT=tiles_per_split, INTERPRET=runtime.INTERPRETED, FP8_CACHE=fp8,
             BIT_TRICK=bit_trick(fp8, q.dtype), FP8_IN_REGISTERS=in_registers(fp8, tuning.fp8_widen),
+            SLOT_ROWS=slot_rows, SAME_ROW_STRIDE=k_cache.strides[1] == v_cache.strides[1],
         ),
         num_warps=num_warps,
         num_stages=num_stages,

@@ -113,12 +113,28 @@ class AttentionTuning:
     #: instructions per thread and tile with "dot_operand" (128 LDS.U8), 1736
     #: with "registers" (16 LDS.128 + 32 STS.128 + ldmatrix); bf16 caches: 1859.
     fp8_widen: str = "registers"
+    #: How a gathered K/V row's address is computed, for 16-bit and for fp8
+    #: caches.  "slot" (where each page is a run of rows and the cache has
+    #: < 2**31 rows; else "page"): the token's int32 slot (page x P + offset)
+    #: times the row stride, one widening multiply per row, shared by K and V
+    #: when their row strides agree.  "page" (the first release's): page x
+    #: block stride + offset x row stride in int64, for K and V apart.  The
+    #: same addresses either way.  sm_90 SASS at decode 256 (32-token tiles,
+    #: 2 warps), instructions per thread and tile page -> slot: fp8 1736 ->
+    #: 1642 (253 registers), bf16 1859 -> 1607 but 202 -> 216 registers (5 -> 4
+    #: programs per SM), so bf16 keeps "page" until measured.
+    row_addressing: str = "page"
+    fp8_row_addressing: str = "slot"
 
     def __post_init__(self):
         _positive_int("AttentionTuning", "target_programs", self.target_programs)
         _positive_int("AttentionTuning", "tile_bytes", self.tile_bytes, optional=True)
         _positive_int("AttentionTuning", "num_splits", self.num_splits, optional=True)
         _positive_int("AttentionTuning", "merge_chunk_elements", self.merge_chunk_elements)
+        for name in ("row_addressing", "fp8_row_addressing"):
+            if getattr(self, name) not in ROW_ADDRESSING_MODES:
+                raise ValueError(f"AttentionTuning: {name} must be one of "
+                                 f"{', '.join(map(repr, ROW_ADDRESSING_MODES))}, got {getattr(self, name)!r}")
         if self.fp8_widen not in FP8_WIDEN_MODES:
             raise ValueError(f"AttentionTuning: fp8_widen must be one of {', '.join(map(repr, FP8_WIDEN_MODES))}, "
                              f"got {self.fp8_widen!r}")
@@ -196,6 +212,8 @@ class TopkTuning:
 
 #: The values of ``AttentionTuning.fp8_widen``.
 FP8_WIDEN_MODES = ("registers", "dot_operand")
+#: The values of ``AttentionTuning.row_addressing``.
+ROW_ADDRESSING_MODES = ("slot", "page")
 
 #: The values of ``TopkTuning.path``.
 TOPK_PATHS = ("auto", "row", "sliced")
@@ -207,9 +225,27 @@ class SelectTuning:
 
     #: Logits of one chunk of rows stay under this many bytes (rows are processed in chunks).
     logits_workspace_bytes: int = 128 * 1024 * 1024
+    #: The scorer (``mqa_paged_scores``, and the selection's) with fp8 keys:
+    #: where key tiles are widened (as ``AttentionTuning.fp8_widen``), and the
+    #: columns of a program that scores one row (decode; a power of two >= 128).
+    #: The first release's: "dot_operand", 256 (a program moved as many key
+    #: bytes as with bf16 keys).  sm_90 SASS at decode 256 x 128K, 8 warps
+    #: (instructions per thread, registers): 256 columns "dot_operand" 1032,
+    #: 96 (2 programs per SM); 128 columns "dot_operand" 648, 58; 128 columns
+    #: "registers" 576, 40 (6 per SM; 36 KB of shared memory); bf16 keys, 128
+    #: columns: 496, 63.  Not yet measured on the H200.
+    fp8_widen: str = "registers"
+    fp8_row_columns: int = 128
 
     def __post_init__(self):
         _positive_int("SelectTuning", "logits_workspace_bytes", self.logits_workspace_bytes)
+        _positive_int("SelectTuning", "fp8_row_columns", self.fp8_row_columns)
+        if self.fp8_widen not in FP8_WIDEN_MODES:
+            raise ValueError(f"SelectTuning: fp8_widen must be one of {', '.join(map(repr, FP8_WIDEN_MODES))}, "
+                             f"got {self.fp8_widen!r}")
+        if self.fp8_row_columns < 128 or self.fp8_row_columns & (self.fp8_row_columns - 1):
+            raise ValueError(f"SelectTuning: fp8_row_columns must be a power of two >= 128, "
+                             f"got {self.fp8_row_columns!r}")
 
 
 @_tuning_value

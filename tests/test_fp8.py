@@ -184,25 +184,35 @@ def fp8_scoring_case(seed, scale, **kwargs):
     return case
 
 
+#: SelectTuning's fp8 scorer variants besides the default (GPU only: under the
+#: interpreter the widening modes run the same code).
+SCORER_VARIANTS = [pytest.param({}, id="default")] + [
+    pytest.param(variant, id=name, marks=pytest.mark.gpu) for name, variant in (
+        ("first_release", dict(fp8_widen="dot_operand", fp8_row_columns=256)),
+        ("256_columns", dict(fp8_row_columns=256)))]
+
+
+@pytest.mark.parametrize("variant", SCORER_VARIANTS)
 @pytest.mark.parametrize("dtype, heads, dim, ratio, prefill, scale", [
-    (torch.bfloat16, 4, 64, 4, False, 0.03),   # decode: one row per tile, 256-column tiles
+    (torch.bfloat16, 4, 64, 4, False, 0.03),   # decode: one row per tile, 128-column tiles (256: a variant)
     (torch.bfloat16, 1, 128, 8, True, 2.5),    # prefill: tiles of rows sharing one request
     (torch.float16, 4, 64, 4, True, 0.3),
     (torch.float32, 4, 128, 4, False, 0.7),    # fp32 queries: the exact fp32 dot
 ])
-def test_scores_fp8_match_dequantised_reference(dtype, heads, dim, ratio, prefill, scale):
+def test_scores_fp8_match_dequantised_reference(dtype, heads, dim, ratio, prefill, scale, variant):
     """Tolerance 1e-5: the products of q and the widened keys are exact, sums are float32."""
     case = fp8_scoring_case(11, scale, heads=heads, dim=dim, dtype=dtype, prefill=prefill)
     k_scale = scale_tensor(scale)
-    logits, visible = qsa_torch.mqa_paged_scores(**case, compress_ratio=ratio, k_scale=k_scale)
+    with tuning.override(select=tuning.SelectTuning(**variant)):
+        logits, visible = qsa_torch.mqa_paged_scores(**case, compress_ratio=ratio, k_scale=k_scale)
+        # Positional arrays: a dict through jax.jit comes back with its keys sorted.
+        scores = jax.jit(lambda s, *arrays: qsa_jax.mqa_paged_scores(*arrays, ratio, k_scale=s))
+        jax_logits, jax_visible = scores(to_jax(k_scale), *jax_args(case).values())
     expected, expected_visible = R.mqa_paged_scores(
         **dict(numpy_args(case), k_cache=dequantised(case["k_cache"], float(k_scale))), compress_ratio=ratio)
     assert np.array_equal(host(visible), expected_visible)
     assert np.isfinite(expected).sum() > 10, "no visible column: the case tests nothing"
     assert_scores_close(logits, expected, 1e-5, "fp8 logits vs reference on the dequantised keys")
-    # Positional arrays: a dict through jax.jit comes back with its keys sorted.
-    scores = jax.jit(lambda s, *arrays: qsa_jax.mqa_paged_scores(*arrays, ratio, k_scale=s))
-    jax_logits, jax_visible = scores(to_jax(k_scale), *jax_args(case).values())
     assert_bitwise_equal(logits, jax_logits, "logits torch vs jax")
     assert_bitwise_equal(visible, jax_visible, "visible torch vs jax")
 
