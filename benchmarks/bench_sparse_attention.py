@@ -170,7 +170,7 @@ def sweep(qsa_torch, attention, arrays, smoke):
     Every configuration takes AttentionTuning's default variants (fp8: widened in registers,
     slot addressing; 16-bit: page addressing); the table's configuration also runs with each
     other variant (``variant``: fp8_widen "dot_operand", the first release's fp8 code;
-    row_addressing "page" or "slot"), so one run compares them."""
+    row_addressing "page" or "slot"; fp8_unscaled_values), so one run compares them."""
     infos = {n: qsa_torch._launch.info(a) for n, a in arrays.items()}
     d = infos["q"].shape[2]
     planned = attention.plan_sparse_paged_attention(**infos).launches[0].grid[1]
@@ -180,6 +180,7 @@ def sweep(qsa_torch, attention, arrays, smoke):
     variants = [{}] + [{addressing: mode} for mode in ROW_ADDRESSING_MODES if mode != getattr(default, addressing)]
     if fp8:
         variants += [dict(fp8_widen=mode) for mode in FP8_WIDEN_MODES if mode != default.fp8_widen]
+        variants += [dict(fp8_unscaled_values=not default.fp8_unscaled_values)]
         # The first release's fp8 code as a whole: widened in the dot-operand layout, by page.
         variants += [dict(fp8_widen="dot_operand", fp8_row_addressing="page")]
     configs = [(None, None, None, None, variant) for variant in variants]

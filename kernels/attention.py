@@ -130,7 +130,8 @@ def sparse_attention_partial_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, WIDTH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr, FP8_CACHE: tl.constexpr, BIT_TRICK: tl.constexpr,
-    FP8_IN_REGISTERS: tl.constexpr, SLOT_ROWS: tl.constexpr, SAME_ROW_STRIDE: tl.constexpr,
+    FP8_IN_REGISTERS: tl.constexpr, FP8_V_UNSCALED: tl.constexpr, SLOT_ROWS: tl.constexpr,
+    SAME_ROW_STRIDE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
@@ -190,7 +191,7 @@ def sparse_attention_partial_kernel(
         values = tl.load(v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         if FP8_CACHE:  # widened to q's dtype (exact) for the 16-bit dots
             keys = widen_e4m3(keys, q.dtype, BIT_TRICK, FP8_IN_REGISTERS)
-            values = widen_e4m3(values, q.dtype, BIT_TRICK, FP8_IN_REGISTERS)
+            values = widen_e4m3(values, q.dtype, BIT_TRICK, FP8_IN_REGISTERS, FP8_V_UNSCALED)
 
         scores = _dot(q, tl.trans(keys), None, INTERPRET) * scale_log2
         scores = tl.where(valid[None, :], scores, MASKED_SCORE)
@@ -199,7 +200,13 @@ def sparse_attention_partial_kernel(
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         rescale = tl.math.exp2(running_max - new_max)
         probabilities = tl.where(valid[None, :], tl.math.exp2(scores - new_max[:, None]), 0.0)
-        acc = _dot(probabilities.to(values.dtype), values, acc * rescale[:, None], INTERPRET)
+        if FP8_V_UNSCALED:
+            # values are V x 2**-120 (fp8.widen_e4m3): P x 2**120 is exact in float32
+            # (P <= 1) and its bf16 rounding is P's, so the products are those of P and V.
+            weights = (probabilities * 1.329227995784916e36).to(values.dtype)
+        else:
+            weights = probabilities.to(values.dtype)
+        acc = _dot(weights, values, acc * rescale[:, None], INTERPRET)
         normaliser = normaliser * rescale + tl.sum(probabilities, axis=1)
         running_max = new_max
         valid_tokens += valid.to(tl.int32)
@@ -388,6 +395,8 @@ def plan_sparse_paged_attention(
             GROUP=group, D=d, PAGE=page, WIDTH=width, BLOCK_M=block_m, BLOCK_N=block_n,
             TILES_PER_SPLIT=tiles_per_split, INTERPRET=runtime.INTERPRETED, FP8_CACHE=fp8,
             BIT_TRICK=bit_trick(fp8, q.dtype), FP8_IN_REGISTERS=in_registers(fp8, tuning.fp8_widen),
+            FP8_V_UNSCALED=(tuning.fp8_unscaled_values and bit_trick(fp8, q.dtype)
+                            and in_registers(fp8, tuning.fp8_widen)),
             SLOT_ROWS=slot_rows, SAME_ROW_STRIDE=k_cache.strides[1] == v_cache.strides[1],
         ),
         num_warps=num_warps,

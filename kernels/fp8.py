@@ -46,7 +46,8 @@ def _opaque(x):
 
 
 @triton.jit
-def widen_e4m3(x, dtype: tl.constexpr, BIT_TRICK: tl.constexpr, IN_REGISTERS: tl.constexpr = False):
+def widen_e4m3(x, dtype: tl.constexpr, BIT_TRICK: tl.constexpr, IN_REGISTERS: tl.constexpr = False,
+               UNSCALED: tl.constexpr = False):
     """fp8 e4m3 ``x`` as ``dtype`` (bf16 or fp16), exactly for every finite value.
 
     Triton's own fp8 -> bf16 cast goes through fp16 with one F2F conversion
@@ -65,9 +66,24 @@ def widen_e4m3(x, dtype: tl.constexpr, BIT_TRICK: tl.constexpr, IN_REGISTERS: tl
     ``x`` was loaded in, never in a dot-operand layout (see :func:`_opaque`).
     Its bit trick places each byte with its sign replicated above it
     (``prmt``), so one shift and one mask give the bf16 bits: 4 ops per two
-    elements instead of 5.
+    elements instead of 5.  ``UNSCALED`` (with both): leave out the fma, so
+    the bf16 values are the e4m3 values times 2**-120 (exactly, e4m3
+    subnormals as bf16 subnormals): the caller owes the factor 2**120.
     """
-    if IN_REGISTERS:
+    if IN_REGISTERS and BIT_TRICK and UNSCALED:
+        widened = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 a<2>;
+            prmt.b32 a0, $2, 0, 0x9180;
+            prmt.b32 a1, $2, 0, 0xb3a2;
+            shl.b32 a0, a0, 4;
+            shl.b32 a1, a1, 4;
+            and.b32 $0, a0, 0x87f087f0;
+            and.b32 $1, a1, 0x87f087f0;
+            }""",
+            constraints="=r,=r,r", args=[x.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
+            is_pure=False, pack=4)
+    elif IN_REGISTERS:
         if BIT_TRICK:
             # prmt selector nibbles 8-b: the sign of byte 0-3 replicated; << 4 puts
             # e and m at bits 10..4 and a sign bit at 15, the mask clears the rest.

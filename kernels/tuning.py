@@ -94,10 +94,17 @@ class AttentionTuning:
     num_splits: int | None = None
     #: float32 elements of one merge chunk (SPLIT_CHUNK x D): 32 registers per thread.
     merge_chunk_elements: int = 4096
-    #: fp8 caches: tiles sized as for 16-bit ones (widened to q's dtype in
-    #: registers, registers bound them).  Not yet swept on the H200; compiled
-    #: for sm_90 offline: launch_table's prefill row spills with fp8 (16
-    #: registers), so fp8 takes 16 KB tiles there (255 registers, no spill).
+    #: fp8 caches: tiles sized as for 16-bit ones (BLOCK_N from the tile bytes
+    #: at 2 bytes an element: fp8 tiles move half the bytes).  Not yet swept on
+    #: the H200 (``bench_sparse_attention.py --sweep --fp8`` times the
+    #: candidates).  Compiled for sm_90 offline with the defaults below
+    #: (registers / shared memory -> programs per SM; SASS instructions of the
+    #: main loop per warp and token): decode 256, 32-token tiles, 2 warps, 3
+    #: stages (this table): 254 / 57 KB -> 4 (8 warps); 102.  Candidates: 4
+    #: warps, 2 stages: 166 / 57 KB -> 3 (12 warps); 99.  16-token tiles, 2
+    #: warps, 2 stages: 196 / 33 KB -> 5 (10 warps); 103.  Decode 64 (the
+    #: first row): 172 / 105 KB; 105.  Prefill (16 KB tiles): 251 registers;
+    #: 64-token tiles on 2 warps now compile without spills too (255, 104 KB).
     fp8_launch_table: tuple = (
         (132, 32 * 1024, 8, 3),
         (4095, 16 * 1024, 2, 3),
@@ -108,10 +115,16 @@ class AttentionTuning:
     #: shared memory with ldmatrix, as for 16-bit caches.  "dot_operand" (the
     #: first release's code, kept to compare): Triton stages the fp8 bytes in
     #: shared memory and widens them in the dot-operand layout, so V (the P.V
-    #: operand, tokens not contiguous) is read one byte at a time.  Compiled
-    #: for sm_90 offline (decode 256 rows, 32-token tiles, 2 warps): 2883 SASS
-    #: instructions per thread and tile with "dot_operand" (128 LDS.U8), 1736
-    #: with "registers" (16 LDS.128 + 32 STS.128 + ldmatrix); bf16 caches: 1859.
+    #: operand, tokens not contiguous) is read one byte at a time.
+    #:
+    #: sm_90 SASS of the main loop, decode 256 rows (32-token tiles, 2 warps,
+    #: 3 stages), instructions per thread and tile / registers / shared memory:
+    #: fp8 first release ("dot_operand", "page") 2875 / 255 / 26 KB (128
+    #: LDS.U8); "registers", "page" 1751 / 253 / 57 KB; "registers", "slot"
+    #: (the defaults) 1636 / 254 / 57 KB; with fp8_unscaled_values 1565 / 250.
+    #: bf16: "page" 1867 / 201 / 42 KB, "slot" 1620 / 216.  Decode 64 (64-token
+    #: tiles, 8 warps): fp8 first release 1485 / 182, defaults 840 / 172; bf16
+    #: 957 / 128.
     fp8_widen: str = "registers"
     #: How a gathered K/V row's address is computed, for 16-bit and for fp8
     #: caches.  "slot" (where each page is a run of rows and the cache has
@@ -119,12 +132,18 @@ class AttentionTuning:
     #: times the row stride, one widening multiply per row, shared by K and V
     #: when their row strides agree.  "page" (the first release's): page x
     #: block stride + offset x row stride in int64, for K and V apart.  The
-    #: same addresses either way.  sm_90 SASS at decode 256 (32-token tiles,
-    #: 2 warps), instructions per thread and tile page -> slot: fp8 1736 ->
-    #: 1642 (253 registers), bf16 1859 -> 1607 but 202 -> 216 registers (5 -> 4
-    #: programs per SM), so bf16 keeps "page" until measured.
+    #: same addresses either way.  16-bit caches keep "page" until measured:
+    #: "slot" takes 15 more registers at decode 256 (5 -> 4 programs per SM).
     row_addressing: str = "page"
     fp8_row_addressing: str = "slot"
+    #: fp8 caches, bf16 q, widened in registers: V's bit trick leaves out its
+    #: multiply by 2**120 (V enters the dot as V x 2**-120, e4m3 subnormals as
+    #: bf16 subnormals) and the probabilities are multiplied by 2**120 in
+    #: float32 before their bf16 rounding: the same products if the tensor
+    #: cores keep bf16 subnormal inputs (the GPU tests check it bitwise), 64
+    #: fewer instructions per thread and tile at decode 256.  Off until the
+    #: GPU tests pass with it.
+    fp8_unscaled_values: bool = False
 
     def __post_init__(self):
         _positive_int("AttentionTuning", "target_programs", self.target_programs)

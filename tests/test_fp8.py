@@ -125,28 +125,33 @@ FP8_ATTENTION_CASES = {
 }
 
 
-#: AttentionTuning.fp8_widen: under the interpreter both modes run the same code
-#: (no inline asm there), so the first release's mode runs on the GPU only.
-WIDEN_MODES = [pytest.param(mode, marks=[pytest.mark.gpu] if mode != "registers" else [])
-               for mode in tuning.FP8_WIDEN_MODES]
+#: AttentionTuning's fp8 variants besides the default, on the GPU only (under
+#: the interpreter the widening modes run the same code; both addressing modes
+#: are compared on the CPU in test_attention.py).
+FP8_VARIANTS = [pytest.param({}, id="default")] + [
+    pytest.param(variant, id=name, marks=pytest.mark.gpu) for name, variant in (
+        ("first_release", dict(fp8_widen="dot_operand", fp8_row_addressing="page")),
+        ("dot_operand", dict(fp8_widen="dot_operand")),
+        ("page_addressing", dict(fp8_row_addressing="page")),
+        ("unscaled_values", dict(fp8_unscaled_values=True)))]
 
 
 @contextlib.contextmanager
-def fp8_widen(mode: str):
-    """The attention tuning in force (splits forced or not), widening fp8 tiles as ``mode`` says."""
-    with tuning.override(attention=dataclasses.replace(tuning.current().attention, fp8_widen=mode)):
+def fp8_variant(variant: dict):
+    """The attention tuning in force (splits forced or not), with ``variant``'s fields."""
+    with tuning.override(attention=dataclasses.replace(tuning.current().attention, **variant)):
         yield
 
 
-@pytest.mark.parametrize("widen", WIDEN_MODES)
+@pytest.mark.parametrize("variant", FP8_VARIANTS)
 @pytest.mark.parametrize("name", list(FP8_ATTENTION_CASES))
-def test_attention_fp8_matches_dequantised_reference(name, widen, force_splits):  # noqa: F811
+def test_attention_fp8_matches_dequantised_reference(name, variant, force_splits):  # noqa: F811
     """Tolerance: q's dtype's (1e-2 bf16, 2e-3 fp16), as for 16-bit caches: the fp8
     values are exact in q's dtype, so only the 16-bit kernel's roundings remain."""
     c, k_scale, v_scale = FP8_ATTENTION_CASES[name]
     args, scales, (k_scale, v_scale) = fp8_attention_inputs(c, k_scale, v_scale, torch.bfloat16)
     force_splits(c.splits)
-    with fp8_widen(widen):
+    with fp8_variant(variant):
         out = qsa_torch.sparse_paged_attention(**args, **scales, softmax_scale=c.scale)
         jax_out = run_jax_attention(args, scales, c.scale)
     ref = R.sparse_paged_attention(f64(args["q"]), dequantised(args["k_cache"], k_scale),
@@ -158,17 +163,19 @@ def test_attention_fp8_matches_dequantised_reference(name, widen, force_splits):
     assert_bitwise_equal(jax_out, out, "torch vs JAX")
 
 
-@pytest.mark.parametrize("widen", WIDEN_MODES)
+@pytest.mark.parametrize("variant", FP8_VARIANTS)
 @pytest.mark.parametrize("dtype, splits", [(torch.bfloat16, 1), (torch.float16, 3)])
-def test_attention_fp8_equals_16bit_cache_of_its_values(dtype, splits, widen, force_splits):  # noqa: F811
-    """Power-of-two scales: exactly the 16-bit kernel on the dequantised caches."""
+def test_attention_fp8_equals_16bit_cache_of_its_values(dtype, splits, variant, force_splits):  # noqa: F811
+    """Power-of-two scales: exactly the 16-bit kernel on the dequantised caches (scale 4 puts
+    about 5% of the values on e4m3 subnormals: fp8_unscaled_values feeds them to the tensor
+    cores as bf16 subnormals)."""
     c = Case(QH=12, KH=1, D=128, W=300, R=4, dtype=dtype, splits=splits)
     args, scales, (k_scale, v_scale) = fp8_attention_inputs(c, 0.125, 4.0)
     widened = dict(args, k_cache=(args["k_cache"].to(dtype) * k_scale).to(dtype),
                    v_cache=(args["v_cache"].to(dtype) * v_scale).to(dtype))
     assert planned_splits(widened, splits) == splits  # small shapes: the fp8 table's row is the same
     force_splits(splits)
-    with fp8_widen(widen):
+    with fp8_variant(variant):
         out = qsa_torch.sparse_paged_attention(**args, **scales)
     assert np.array_equal(f64(widened["k_cache"]), dequantised(args["k_cache"], k_scale)), "not exact: a bad case"
     assert_bitwise_equal(out, qsa_torch.sparse_paged_attention(**widened), "fp8 vs 16-bit cache")
