@@ -207,6 +207,7 @@ def main():
     ]
     shapes = [("decode", r, c) for c in g["CONTEXTS"] for r in g["DECODE_ROWS"]]
     shapes += [("prefill", r, c) for c in g["PREFILL_CONTEXTS"] for r in g["PREFILL_ROWS"]]
+    shapes = args.shapes or shapes
     rows_out = []
     for mode, rows, context in shapes:
         if time.perf_counter() - started > hard_stop_s:

@@ -31,7 +31,8 @@ byte per K/V element plus the two scales; ``fp8_first_release_*``: the same
 with the first release's fp8 code (``AttentionTuning(fp8_widen="dot_operand",
 fp8_row_addressing="page")``), ``fp8_first_release_equal``: whether its output
 is bitwise the default's (it should be).  ``--sweep`` also times the table's
-configuration under each other variant (the ``variant`` column).  With ``--sweep``, the sweep runs on
+configuration under each other variant (the ``variant`` column); ``--quick``
+only the variants and the SWEEP_QUICK candidates; ``--shapes`` picks shapes.  With ``--sweep``, the sweep runs on
 the fp8 pools (results in sparse_attention_fp8_sweep.json).
 """
 
@@ -65,6 +66,8 @@ FP8_SHAPES = {(mode, rows, context) for mode, rows in (("decode", 1), ("decode",
               for context in (32768, 131072)}
 SWEEP_SHAPES = [("decode", 1, 32768), ("decode", 64, 32768), ("decode", 256, 32768), ("prefill", 2048, 131072)]
 SWEEP_BLOCK_N, SWEEP_WARPS, SWEEP_STAGES = (16, 32, 64), (2, 4, 8), (2, 3)
+# --sweep --quick: (BLOCK_N, warps, stages) candidates of the fp8 table (AttentionTuning.fp8_launch_table's notes).
+SWEEP_QUICK = ((16, 2, 2), (16, 2, 3), (32, 2, 2), (32, 4, 2), (32, 4, 3), (64, 2, 2), (64, 4, 2), (64, 8, 2), (64, 8, 3))
 
 # Tiny shapes for the CPU interpreter (still split: 67 indices are 3 tiles of 32).
 SMOKE = dict(QH=4, KH=2, D=256, PAGE=16, TOKEN_TOPK=64, DECODE_ROWS=[1], PREFILL_ROWS=[4], CONTEXTS=[256],
@@ -164,7 +167,7 @@ def seed_us(mode, rows, context):
     return SEED_DECODE_US.get(rows) if mode == "decode" else SEED_PREFILL_US.get((rows, context))
 
 
-def sweep(qsa_torch, attention, arrays, smoke):
+def sweep(qsa_torch, attention, arrays, smoke, quick=False):
     """CUDA-graph µs of configurations around the table's (partial kernel's warps/stages overridden).
 
     Every configuration takes AttentionTuning's default variants (fp8: widened in registers,
@@ -184,9 +187,13 @@ def sweep(qsa_torch, attention, arrays, smoke):
         # The first release's fp8 code as a whole: widened in the dot-operand layout, by page.
         variants += [dict(fp8_widen="dot_operand", fp8_row_addressing="page")]
     configs = [(None, None, None, None, variant) for variant in variants]
-    configs += [(block_n, None, warps, stages, {})
-                for block_n in SWEEP_BLOCK_N for warps in SWEEP_WARPS for stages in SWEEP_STAGES]
-    configs += [(None, splits, None, None, {}) for splits in sorted({max(1, planned // 2), 2 * planned} - {planned})]
+    if quick:  # the launch-table candidates only
+        configs += [(block_n, None, warps, stages, {}) for block_n, warps, stages in SWEEP_QUICK]
+    else:
+        configs += [(block_n, None, warps, stages, {})
+                    for block_n in SWEEP_BLOCK_N for warps in SWEEP_WARPS for stages in SWEEP_STAGES]
+        configs += [(None, splits, None, None, {})
+                    for splits in sorted({max(1, planned // 2), 2 * planned} - {planned})]
     results = []
     for block_n, splits, warps, stages, variant in configs[:2] if smoke else configs:
         # The tuning is part of the plan's memo key: nothing to restore or clear afterwards.
@@ -213,6 +220,8 @@ def sweep(qsa_torch, attention, arrays, smoke):
 def main():
     parser = common.parser(__doc__, "sparse_attention.json")
     parser.add_argument("--sweep", action="store_true", help="tune: sweep launch configurations instead")
+    parser.add_argument("--quick", action="store_true",
+                        help="with --sweep: the variants and the SWEEP_QUICK candidates only")
     parser.add_argument("--fp8", action="store_true",
                         help="also read fp8 e4m3 caches (per-tensor scales) on FP8_SHAPES, side by side")
     args = parser.parse_args()
@@ -261,6 +270,8 @@ def main():
     shapes += [("prefill", r, c) for r in g["PREFILL_ROWS"] for c in g["CONTEXTS"]]
     if args.sweep:
         shapes = shapes[:1] if args.smoke else SWEEP_SHAPES
+    shapes = args.shapes or shapes
+    if args.sweep:
         rows_out = []
         for mode, rows, context in shapes:
             q, token_indices, block_table, token_to_req, _ = make_shape(
@@ -272,7 +283,7 @@ def main():
                 arrays.update(fp8_arrays)
                 nbytes = moved_bytes(g, rows, width, cache_bytes=1)
             table = plan_choice(qsa_torch, attention, arrays)
-            for result in sweep(qsa_torch, attention, arrays, args.smoke):
+            for result in sweep(qsa_torch, attention, arrays, args.smoke, args.quick):
                 is_table = all(result[k] == table[k] for k in ("block_n", "splits", "warps", "stages")) and (
                 result["variant"] == "default")
                 rows_out.append(dict(mode=mode, rows=rows, context=context, table=is_table, bytes=nbytes, **result,
