@@ -63,9 +63,11 @@ FP8_SHAPES = {(mode, rows, context) for mode, rows in (("decode", 1), ("decode",
 FP8_EXTRA_S = 60.0  # --fp8: added to DEADLINE_S and HARD_STOP_S
 #: --fp8: the scorer also under these SelectTuning variants (fp8_scorer_<name>_* columns).
 FP8_SCORER_VARIANTS = {
-    "first_release": dict(fp8_widen="dot_operand", fp8_row_columns=256),
+    "first_release": dict(fp8_widen="dot_operand", fp8_row_columns=256, fp8_row_warps=8),
     "dot_operand": dict(fp8_widen="dot_operand"),
     "256_columns": dict(fp8_row_columns=256),
+    "8_warps": dict(fp8_row_warps=8),
+    "2_warps": dict(fp8_row_warps=2),
 }
 
 SMOKE = dict(PAGE=16, TOKEN_TOPK=32, DECODE_ROWS=[1, 2], PREFILL_ROWS=[8], CONTEXTS=[512, 2048],

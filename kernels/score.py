@@ -246,7 +246,8 @@ def score_tiling(q: ArrayInfo, k_cache: ArrayInfo, page_table: ArrayInfo, num_co
     prefill chunk): then tiles of 16-64 rows share key loads.  fp32 or mixed
     operands take an exact fp32 dot (no tensor cores): scored row by row.
     Register use of these tiles was checked offline for sm_90 (no spills).
-    fp8 keys scored row by row take ``tuning.fp8_row_columns`` columns.
+    fp8 keys scored row by row take ``tuning.fp8_row_columns`` columns (and
+    ``fp8_row_warps`` warps: see score_launches).
     """
     tuning = tuning or SelectTuning()
     rows, dim = q.shape[0], q.shape[2]
@@ -273,6 +274,7 @@ def score_launches(q, k_cache, page_table, compress_ratio, num_columns, score_di
     pages, page = k_cache.shape[0], k_cache.shape[1]
     requests, table_width = page_table.shape
     block_r, block_n, upcast = score_tiling(q, k_cache, page_table, num_columns, tuning)
+    upcast_exact = q.dtype == "float32"  # fp32 queries: the exact fp32 dot (8 warps)
     return [Launch(
         kernel=scores_kernel,
         grid=(triton.cdiv(count, block_r), max(1, triton.cdiv(num_columns, block_n))),
@@ -290,7 +292,7 @@ def score_launches(q, k_cache, page_table, compress_ratio, num_columns, score_di
                         BLOCK_R=block_r, BLOCK_N=block_n, UPCAST=upcast, FP8_KEYS=fp8_keys,
                         BIT_TRICK=bit_trick(fp8_keys, q.dtype),
                         IN_REGISTERS=in_registers(fp8_keys, tuning.fp8_widen)),
-        num_warps=8,
+        num_warps=tuning.fp8_row_warps if fp8_keys and block_r == 1 and not upcast_exact else 8,
         num_stages=1,
     ) for first, count in row_ranges]
 

@@ -246,19 +246,23 @@ class SelectTuning:
     logits_workspace_bytes: int = 128 * 1024 * 1024
     #: The scorer (``mqa_paged_scores``, and the selection's) with fp8 keys:
     #: where key tiles are widened (as ``AttentionTuning.fp8_widen``), and the
-    #: columns of a program that scores one row (decode; a power of two >= 128).
-    #: The first release's: "dot_operand", 256 (a program moved as many key
-    #: bytes as with bf16 keys).  sm_90 SASS at decode 256 x 128K, 8 warps
-    #: (instructions per thread, registers): 256 columns "dot_operand" 1032,
-    #: 96 (2 programs per SM); 128 columns "dot_operand" 648, 58; 128 columns
-    #: "registers" 576, 40 (6 per SM; 36 KB of shared memory); bf16 keys, 128
-    #: columns: 496, 63.  Not yet measured on the H200.
+    #: columns and warps of a program that scores one row (decode; columns a
+    #: power of two >= 128).  The first release's: "dot_operand", 256 columns
+    #: (as many key bytes a program as with bf16 keys), 8 warps.  sm_90 SASS at
+    #: decode 256 x 128K (instructions per warp and column, registers,
+    #: programs per SM): first release 32, 96, 2 (no pipelining: few
+    #: programs hide little latency); 128 columns, "registers", 8 warps: 36,
+    #: 40, 6 (36 KB of shared memory each); 4 warps (the defaults): 28, 70, 6;
+    #: 2 warps: 25, 107, 6; "dot_operand", 4 warps: 33, 88, 5.  bf16 keys
+    #: (128 columns, 8 warps): 31, 63, 4.  Not yet measured on the H200.
     fp8_widen: str = "registers"
     fp8_row_columns: int = 128
+    fp8_row_warps: int = 4
 
     def __post_init__(self):
         _positive_int("SelectTuning", "logits_workspace_bytes", self.logits_workspace_bytes)
         _positive_int("SelectTuning", "fp8_row_columns", self.fp8_row_columns)
+        _positive_int("SelectTuning", "fp8_row_warps", self.fp8_row_warps)
         if self.fp8_widen not in FP8_WIDEN_MODES:
             raise ValueError(f"SelectTuning: fp8_widen must be one of {', '.join(map(repr, FP8_WIDEN_MODES))}, "
                              f"got {self.fp8_widen!r}")

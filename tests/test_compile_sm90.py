@@ -170,7 +170,9 @@ CASES = {
     "scores/fp8-fp16-prefill-256-d64": _scores(256, 1, 1 << 15, heads=8, d=64, q=FP16, k=FP8),
     "scores/fp8-fp32-queries": _scores(8, 8, 1 << 15, q=FP32, k=FP8),
     "scores/fp8-decode-256-128k-first-release": _scores(256, 256, 1 << 17, k=FP8,
-                                                        tuning=dict(fp8_widen="dot_operand", fp8_row_columns=256)),
+                                                        tuning=dict(fp8_widen="dot_operand", fp8_row_columns=256,
+                                                                    fp8_row_warps=8)),
+    "scores/fp8-decode-256-128k-8-warps": _scores(256, 256, 1 << 17, k=FP8, tuning=dict(fp8_row_warps=8)),
     "scores/fp8-decode-256-128k-256-columns": _scores(256, 256, 1 << 17, k=FP8, tuning=dict(fp8_row_columns=256)),
     # Stage 3: top-k (a top-k set takes ~20 s of compiling: few shapes).
     "topk/decode-1-1m-k512": _topk(1, 1 << 18, 512),

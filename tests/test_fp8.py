@@ -195,8 +195,8 @@ def fp8_scoring_case(seed, scale, **kwargs):
 #: interpreter the widening modes run the same code).
 SCORER_VARIANTS = [pytest.param({}, id="default")] + [
     pytest.param(variant, id=name, marks=pytest.mark.gpu) for name, variant in (
-        ("first_release", dict(fp8_widen="dot_operand", fp8_row_columns=256)),
-        ("256_columns", dict(fp8_row_columns=256)))]
+        ("first_release", dict(fp8_widen="dot_operand", fp8_row_columns=256, fp8_row_warps=8)),
+        ("256_columns", dict(fp8_row_columns=256)), ("8_warps", dict(fp8_row_warps=8)))]
 
 
 @pytest.mark.parametrize("variant", SCORER_VARIANTS)
