@@ -68,6 +68,9 @@ SWEEP_SHAPES = [("decode", 1, 32768), ("decode", 64, 32768), ("decode", 256, 327
 SWEEP_BLOCK_N, SWEEP_WARPS, SWEEP_STAGES = (16, 32, 64), (2, 4, 8), (2, 3)
 # --sweep --quick: (BLOCK_N, warps, stages) candidates of the fp8 table (AttentionTuning.fp8_launch_table's notes).
 SWEEP_QUICK = ((16, 2, 2), (16, 2, 3), (32, 2, 2), (32, 4, 2), (32, 4, 3), (64, 2, 2), (64, 4, 2), (64, 8, 2), (64, 8, 3))
+# fp8: these also with AttentionTuning.fp8_late_values (less shared memory: 64-token tiles on
+# 2 warps fit 3 programs per SM instead of 2).
+SWEEP_QUICK_FP8_LATE = ((32, 2, 3), (32, 4, 2), (64, 2, 2), (64, 4, 2))
 
 # Tiny shapes for the CPU interpreter (still split: 67 indices are 3 tiles of 32).
 SMOKE = dict(QH=4, KH=2, D=256, PAGE=16, TOKEN_TOPK=64, DECODE_ROWS=[1], PREFILL_ROWS=[4], CONTEXTS=[256],
@@ -173,7 +176,8 @@ def sweep(qsa_torch, attention, arrays, smoke, quick=False):
     Every configuration takes AttentionTuning's default variants (fp8: widened in registers,
     slot addressing; 16-bit: page addressing); the table's configuration also runs with each
     other variant (``variant``: fp8_widen "dot_operand", the first release's fp8 code;
-    row_addressing "page" or "slot"; fp8_unscaled_values), so one run compares them."""
+    row_addressing "page" or "slot"; fp8_unscaled_values; fp8_late_values), so one run
+    compares them."""
     infos = {n: qsa_torch._launch.info(a) for n, a in arrays.items()}
     d = infos["q"].shape[2]
     planned = attention.plan_sparse_paged_attention(**infos).launches[0].grid[1]
@@ -183,12 +187,16 @@ def sweep(qsa_torch, attention, arrays, smoke, quick=False):
     variants = [{}] + [{addressing: mode} for mode in ROW_ADDRESSING_MODES if mode != getattr(default, addressing)]
     if fp8:
         variants += [dict(fp8_widen=mode) for mode in FP8_WIDEN_MODES if mode != default.fp8_widen]
-        variants += [dict(fp8_unscaled_values=not default.fp8_unscaled_values)]
+        variants += [dict(fp8_unscaled_values=not default.fp8_unscaled_values),
+                     dict(fp8_late_values=not default.fp8_late_values)]
         # The first release's fp8 code as a whole: widened in the dot-operand layout, by page.
         variants += [dict(fp8_widen="dot_operand", fp8_row_addressing="page")]
     configs = [(None, None, None, None, variant) for variant in variants]
     if quick:  # the launch-table candidates only
         configs += [(block_n, None, warps, stages, {}) for block_n, warps, stages in SWEEP_QUICK]
+        if fp8:
+            configs += [(block_n, None, warps, stages, dict(fp8_late_values=True))
+                        for block_n, warps, stages in SWEEP_QUICK_FP8_LATE]
     else:
         configs += [(block_n, None, warps, stages, {})
                     for block_n in SWEEP_BLOCK_N for warps in SWEEP_WARPS for stages in SWEEP_STAGES]

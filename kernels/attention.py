@@ -130,7 +130,8 @@ def sparse_attention_partial_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, WIDTH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr, FP8_CACHE: tl.constexpr, BIT_TRICK: tl.constexpr,
-    FP8_IN_REGISTERS: tl.constexpr, FP8_V_UNSCALED: tl.constexpr, SLOT_ROWS: tl.constexpr,
+    FP8_IN_REGISTERS: tl.constexpr, FP8_V_UNSCALED: tl.constexpr, FP8_V_LATE: tl.constexpr,
+    SLOT_ROWS: tl.constexpr,
     SAME_ROW_STRIDE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -191,7 +192,8 @@ def sparse_attention_partial_kernel(
         values = tl.load(v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         if FP8_CACHE:  # widened to q's dtype (exact) for the 16-bit dots
             keys = widen_e4m3(keys, q.dtype, BIT_TRICK, FP8_IN_REGISTERS)
-            values = widen_e4m3(values, q.dtype, BIT_TRICK, FP8_IN_REGISTERS, FP8_V_UNSCALED)
+            if not FP8_V_LATE:
+                values = widen_e4m3(values, q.dtype, BIT_TRICK, FP8_IN_REGISTERS, FP8_V_UNSCALED)
 
         scores = _dot(q, tl.trans(keys), None, INTERPRET) * scale_log2
         scores = tl.where(valid[None, :], scores, MASKED_SCORE)
@@ -200,6 +202,11 @@ def sparse_attention_partial_kernel(
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         rescale = tl.math.exp2(running_max - new_max)
         probabilities = tl.where(valid[None, :], tl.math.exp2(scores - new_max[:, None]), 0.0)
+        if FP8_CACHE and FP8_V_LATE:
+            # Widened only now: the in-register widening keeps its place in the loop
+            # (not pure), so V's 16-bit tile is not live across q.K and the softmax
+            # (its shared memory is K's).
+            values = widen_e4m3(values, q.dtype, BIT_TRICK, FP8_IN_REGISTERS, FP8_V_UNSCALED)
         if FP8_V_UNSCALED:
             # values are V x 2**-120 (fp8.widen_e4m3): P x 2**120 is exact in float32
             # (P <= 1) and its bf16 rounding is P's, so the products are those of P and V.
@@ -397,6 +404,7 @@ def plan_sparse_paged_attention(
             BIT_TRICK=bit_trick(fp8, q.dtype), FP8_IN_REGISTERS=in_registers(fp8, tuning.fp8_widen),
             FP8_V_UNSCALED=(tuning.fp8_unscaled_values and bit_trick(fp8, q.dtype)
                             and in_registers(fp8, tuning.fp8_widen)),
+            FP8_V_LATE=tuning.fp8_late_values and in_registers(fp8, tuning.fp8_widen),
             SLOT_ROWS=slot_rows, SAME_ROW_STRIDE=k_cache.strides[1] == v_cache.strides[1],
         ),
         num_warps=num_warps,

@@ -105,6 +105,11 @@ class AttentionTuning:
     #: warps, 2 stages: 196 / 33 KB -> 5 (10 warps); 103.  Decode 64 (the
     #: first row): 172 / 105 KB; 105.  Prefill (16 KB tiles): 251 registers;
     #: 64-token tiles on 2 warps now compile without spills too (255, 104 KB).
+    #: 64-token tiles take far fewer instructions a token on 2 warps: at decode
+    #: 256, 2 stages, 255 / 104 KB -> 2 (4 warps); 61; with fp8_late_values
+    #: 255 / 74 KB -> 3 (6 warps); 62.  4 warps: 168 / 104 KB -> 2; 90 (late
+    #: values: 200 / 75 KB).  (fp8_late_values at the table's rows: decode 256
+    #: 252 / 41 KB, decode 64 186 / 75 KB, prefill 236 / 41 KB.)
     fp8_launch_table: tuple = (
         (132, 32 * 1024, 8, 3),
         (4095, 16 * 1024, 2, 3),
@@ -144,6 +149,10 @@ class AttentionTuning:
     #: fewer instructions per thread and tile at decode 256.  Off until the
     #: GPU tests pass with it.
     fp8_unscaled_values: bool = False
+    #: fp8 caches widened in registers: widen V after the softmax, right
+    #: before P.V, instead of beside K (its 16-bit tile then reuses K's shared
+    #: memory).  See fp8_launch_table's notes for its registers and memory.
+    fp8_late_values: bool = False
 
     def __post_init__(self):
         _positive_int("AttentionTuning", "target_programs", self.target_programs)

@@ -221,6 +221,8 @@ CASES = {
     "attention/fp8-decode-256-first-release": _attention(256, cache=FP8, fp8_widen="dot_operand",
                                                          fp8_row_addressing="page"),
     "attention/fp8-decode-256-unscaled-values": _attention(256, cache=FP8, fp8_unscaled_values=True),
+    "attention/fp8-decode-256-late-values-64-token-tiles": _attention(256, cache=FP8, fp8_late_values=True,
+                                                                      tile_bytes=32 * 1024),
     "attention/fp8-fp16-decode-64-page-addressing": _attention(64, dtype=FP16, cache=FP8, fp8_row_addressing="page"),
     "attention/fp8-fp16-d64-int64": _attention(8, qh=16, kh=4, d=64, dtype=FP16, index=I64, page=16, cache=FP8),
 }

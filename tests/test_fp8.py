@@ -133,7 +133,8 @@ FP8_VARIANTS = [pytest.param({}, id="default")] + [
         ("first_release", dict(fp8_widen="dot_operand", fp8_row_addressing="page")),
         ("dot_operand", dict(fp8_widen="dot_operand")),
         ("page_addressing", dict(fp8_row_addressing="page")),
-        ("unscaled_values", dict(fp8_unscaled_values=True)))]
+        ("unscaled_values", dict(fp8_unscaled_values=True)),
+        ("late_values", dict(fp8_late_values=True)))]
 
 
 @contextlib.contextmanager
