@@ -192,9 +192,9 @@ def sweep(qsa_torch, attention, arrays, smoke, quick=False):
         # The first release's fp8 code as a whole: widened in the dot-operand layout, by page.
         variants += [dict(fp8_widen="dot_operand", fp8_row_addressing="page")]
     configs = [(None, None, None, None, variant) for variant in variants]
-    if quick:  # the launch-table candidates only
-        configs += [(block_n, None, warps, stages, {}) for block_n, warps, stages in SWEEP_QUICK]
+    if quick:  # fp8: the launch-table candidates; 16-bit: the variants only
         if fp8:
+            configs += [(block_n, None, warps, stages, {}) for block_n, warps, stages in SWEEP_QUICK]
             configs += [(block_n, None, warps, stages, dict(fp8_late_values=True))
                         for block_n, warps, stages in SWEEP_QUICK_FP8_LATE]
     else:
@@ -229,7 +229,7 @@ def main():
     parser = common.parser(__doc__, "sparse_attention.json")
     parser.add_argument("--sweep", action="store_true", help="tune: sweep launch configurations instead")
     parser.add_argument("--quick", action="store_true",
-                        help="with --sweep: the variants and the SWEEP_QUICK candidates only")
+                        help="with --sweep: the variants, and with --fp8 the SWEEP_QUICK candidates, only")
     parser.add_argument("--fp8", action="store_true",
                         help="also read fp8 e4m3 caches (per-tensor scales) on FP8_SHAPES, side by side")
     args = parser.parse_args()

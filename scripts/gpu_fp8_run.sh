@@ -20,7 +20,6 @@ run() {
   echo "$* wall: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
 }
 run benchmarks/bench_sparse_attention.py --fp8 --shapes "$SHAPES" --json "$OUT/sparse_attention.json"
-run benchmarks/bench_sparse_attention.py --sweep --quick --fp8 --shapes decode:64:131072,decode:256:131072 \
-    --json "$OUT/sparse_attention.json"
+run benchmarks/bench_sparse_attention.py --sweep --quick --fp8 --shapes decode:256:131072 --json "$OUT/sparse_attention.json"
 run benchmarks/bench_sparse_attention.py --sweep --quick --shapes decode:256:131072 --json "$OUT/sparse_attention.json"
 run benchmarks/bench_select.py --fp8 --shapes "$SHAPES" --json "$OUT/select.json"
