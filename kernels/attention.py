@@ -24,11 +24,14 @@ cast), so the dots are the same 16-bit tensor-core dots as for 16-bit caches
 the layout they were loaded in and reach the dots through shared memory as
 16-bit values, like 16-bit tiles (``AttentionTuning.fp8_widen``; Triton
 would otherwise stage the fp8 bytes and widen them in the dot-operand
-layout, reading V from shared memory one byte at a time).  ``k_scale`` is folded into the float32
-score scale, ``softmax_scale * k_scale * log2(e)``; ``v_scale`` multiplies
+layout, reading V from shared memory one byte at a time).  ``k_scale`` is
+folded into the float32 score scale, ``softmax_scale * k_scale * log2(e)``; ``v_scale`` multiplies
 each program's float32 output once (``acc / normaliser * v_scale``), never
 the values.  So the result is that of a 16-bit cache holding the dequantised
-values, up to the rounding of those scale products.
+values, up to the rounding of those scale products.  (Variant
+``AttentionTuning.fp8_unscaled_values``: V enters P.V as V x 2**-120 and the
+probabilities as P x 2**120, exact in float32 and rounded to bf16 as P is:
+the same products, provided the tensor cores keep bf16 subnormal inputs.)
 """
 
 from __future__ import annotations
