@@ -25,10 +25,11 @@ the layout they were loaded in and reach the dots through shared memory as
 16-bit values, like 16-bit tiles (``AttentionTuning.fp8_widen``; Triton
 would otherwise stage the fp8 bytes and widen them in the dot-operand
 layout, reading V from shared memory one byte at a time).  ``k_scale`` is
-folded into the float32 score scale, ``softmax_scale * k_scale * log2(e)``; ``v_scale`` multiplies
-each program's float32 output once (``acc / normaliser * v_scale``), never
-the values.  So the result is that of a 16-bit cache holding the dequantised
-values, up to the rounding of those scale products.  (Variant
+folded into the float32 score scale, ``softmax_scale * k_scale * log2(e)``;
+``v_scale`` multiplies each program's float32 output once (``acc /
+normaliser * v_scale``), never the values.  So the result is that of a
+16-bit cache holding the dequantised values, up to the rounding of those
+scale products.  (Variant
 ``AttentionTuning.fp8_unscaled_values``: V enters P.V as V x 2**-120 and the
 probabilities as P x 2**120, exact in float32 and rounded to bf16 as P is:
 the same products, provided the tensor cores keep bf16 subnormal inputs.)
@@ -134,8 +135,7 @@ def sparse_attention_partial_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr, FP8_CACHE: tl.constexpr, BIT_TRICK: tl.constexpr,
     FP8_IN_REGISTERS: tl.constexpr, FP8_V_UNSCALED: tl.constexpr, FP8_V_LATE: tl.constexpr,
-    SLOT_ROWS: tl.constexpr,
-    SAME_ROW_STRIDE: tl.constexpr,
+    SLOT_ROWS: tl.constexpr, SAME_ROW_STRIDE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
