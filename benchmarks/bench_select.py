@@ -22,6 +22,9 @@ per-tensor scale, pool amax / 448), side by side: ``fp8_*`` columns,
 ``fp8_scorer_vs_bf16`` (CUDA-graph time ratio), and the selection agreement
 with bf16 (fraction of a row's top-k blocks both select: mean and min over
 rows).  fp8 bytes count 1 byte per key element plus the scale.
+``fp8_scorer_<variant>_*``: the fp8 scorer under the SelectTuning variants of
+FP8_SCORER_VARIANTS (``first_release``: the first release's tiling and
+widening), with ``_equal``: logits bitwise the default's.
 torch: CUDA-graph replay (device time; fewer calls per graph for slow
 shapes) and do_bench (median, L2 flushed) for the scorer.  JAX: wall clock of
 back-to-back jitted calls (host overhead included) and, for the selection and
@@ -36,6 +39,8 @@ import time
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the card
 
 import common  # noqa: E402
+from qsa_kernels import tuning  # noqa: E402
+from qsa_kernels.tuning import SelectTuning  # noqa: E402
 
 HEADS, D, RATIO, PAGE, TOKEN_TOPK = 4, 128, 4, 64, 2048
 DECODE_ROWS = [1, 8, 64, 256]
@@ -56,6 +61,14 @@ FP8_SHAPES = {(mode, rows, context) for mode, rows in (("decode", 1), ("decode",
                                                       ("decode", 256), ("prefill", 2048))
               for context in (32768, 131072)}
 FP8_EXTRA_S = 60.0  # --fp8: added to DEADLINE_S and HARD_STOP_S
+#: --fp8: the scorer also under these SelectTuning variants (fp8_scorer_<name>_* columns).
+FP8_SCORER_VARIANTS = {
+    "first_release": dict(fp8_widen="dot_operand", fp8_row_columns=256, fp8_row_warps=8),
+    "dot_operand": dict(fp8_widen="dot_operand"),
+    "256_columns": dict(fp8_row_columns=256),
+    "8_warps": dict(fp8_row_warps=8),
+    "2_warps": dict(fp8_row_warps=2),
+}
 
 SMOKE = dict(PAGE=16, TOKEN_TOPK=32, DECODE_ROWS=[1, 2], PREFILL_ROWS=[8], CONTEXTS=[512, 2048],
              PREFILL_CONTEXTS=[512], POOL_BYTES=1 << 20, JAX_SHAPES={("decode", 1, 512)},
@@ -196,6 +209,7 @@ def main():
     ]
     shapes = [("decode", r, c) for c in g["CONTEXTS"] for r in g["DECODE_ROWS"]]
     shapes += [("prefill", r, c) for c in g["PREFILL_CONTEXTS"] for r in g["PREFILL_ROWS"]]
+    shapes = args.shapes or shapes
     rows_out = []
     for mode, rows, context in shapes:
         if time.perf_counter() - started > hard_stop_s:
@@ -243,6 +257,16 @@ def main():
             if row["fp8_select_graph_us"] and row["select_graph_us"]:
                 row["fp8_select_vs_bf16"] = row["fp8_select_graph_us"] / row["select_graph_us"]
             logits8, _ = score8()
+            # The scorer's other fp8 variants (SelectTuning): the first release's (256 columns
+            # a program, widened in the dot-operand layout) and each knob alone; logits bitwise
+            # the default's (a variant changes where keys are widened, not the arithmetic).
+            for name, variant in FP8_SCORER_VARIANTS.items():
+                with tuning.override(select=SelectTuning(**variant)):
+                    us = graph_us(score8, args.smoke)
+                    row[f"fp8_scorer_{name}_graph_us"] = us
+                    if us and row["scorer_graph_us"]:
+                        row[f"fp8_scorer_{name}_vs_bf16"] = us / row["scorer_graph_us"]
+                    row[f"fp8_scorer_{name}_equal"] = bool(torch.equal(score8()[0], logits8))
             blocks16, blocks8 = qsa_torch.topk_blocks(logits, visible, k), qsa_torch.topk_blocks(logits8, visible, k)
             row["fp8_block_agreement_mean"], row["fp8_block_agreement_min"] = block_agreement(
                 torch, blocks16, blocks8, columns)

@@ -27,13 +27,19 @@ double the split count) on a few shapes, written to sparse_attention_sweep.json.
 prefill) also read fp8 e4m3 copies of the pools (per-tensor scales, pool amax
 / 448), side by side: ``fp8_*`` columns, ``fp8_vs_bf16`` = fp8 / bf16 CUDA-graph
 time, ``fp8_rel_diff`` = ‖out_fp8 − out_bf16‖ / ‖out_bf16‖; fp8 bytes count 1
-byte per K/V element plus the two scales.  With ``--sweep``, the sweep runs on
+byte per K/V element plus the two scales; ``fp8_first_release_*``: the same
+with the first release's fp8 code (``AttentionTuning(fp8_widen="dot_operand",
+fp8_row_addressing="page")``), ``fp8_first_release_equal``: whether its output
+is bitwise the default's (it should be).  ``--sweep`` also times the table's
+configuration under each other variant (the ``variant`` column); ``--quick``
+only the variants and the SWEEP_QUICK candidates; ``--shapes`` picks shapes.  With ``--sweep``, the sweep runs on
 the fp8 pools (results in sparse_attention_fp8_sweep.json).
 
 ``--merge``: how split-K shapes (decode up to 64 rows: programs <= 132) merge
-their splits: ``fused`` (the default: in the same launch, the last split to
-finish merges), ``unfused`` (every call through a second merge launch:
-``AttentionTuning(fused_merge=False)``), or ``both``: the default run plus,
+their splits: ``default`` (AttentionTuning's: a merge launch), ``fused``
+(every call merges in its split launch, the last split to finish merging:
+``AttentionTuning(fused_merge=True)``), ``unfused`` (every call through a
+second merge launch: ``fused_merge=False``), or ``both``: the default run plus,
 on split shapes, CUDA-graph µs of each side by side in one process
 (``fused_graph_us``, ``unfused_graph_us``, ``unfused_vs_fused`` =
 unfused / fused), ``merge_bitwise_equal`` (the two outputs' bits), and
@@ -54,7 +60,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX
 
 import common  # noqa: E402
 from qsa_kernels import tuning  # noqa: E402
-from qsa_kernels.tuning import AttentionTuning  # noqa: E402
+from qsa_kernels.tuning import FP8_WIDEN_MODES, ROW_ADDRESSING_MODES, AttentionTuning  # noqa: E402
 
 QH, KH, D, PAGE = 24, 2, 256, 64
 TOKEN_TOPK, COMPRESS_RATIO = 2048, 4
@@ -75,6 +81,11 @@ FP8_SHAPES = {(mode, rows, context) for mode, rows in (("decode", 1), ("decode",
               for context in (32768, 131072)}
 SWEEP_SHAPES = [("decode", 1, 32768), ("decode", 64, 32768), ("decode", 256, 32768), ("prefill", 2048, 131072)]
 SWEEP_BLOCK_N, SWEEP_WARPS, SWEEP_STAGES = (16, 32, 64), (2, 4, 8), (2, 3)
+# --sweep --quick: (BLOCK_N, warps, stages) candidates of the fp8 table (AttentionTuning.fp8_launch_table's notes).
+SWEEP_QUICK = ((16, 2, 2), (16, 2, 3), (32, 2, 2), (32, 4, 2), (32, 4, 3), (64, 2, 2), (64, 4, 2), (64, 8, 2), (64, 8, 3))
+# fp8: these also with AttentionTuning.fp8_late_values (less shared memory: 64-token tiles on
+# 2 warps fit 3 programs per SM instead of 2).
+SWEEP_QUICK_FP8_LATE = ((32, 2, 3), (32, 4, 2), (64, 2, 2), (64, 4, 2))
 
 # Tiny shapes for the CPU interpreter (still split: 67 indices are 3 tiles of 32).
 SMOKE = dict(QH=4, KH=2, D=256, PAGE=16, TOKEN_TOPK=64, DECODE_ROWS=[1], PREFILL_ROWS=[4], CONTEXTS=[256],
@@ -196,18 +207,42 @@ def seed_us(mode, rows, context):
     return SEED_DECODE_US.get(rows) if mode == "decode" else SEED_PREFILL_US.get((rows, context))
 
 
-def sweep(qsa_torch, attention, arrays, smoke):
-    """CUDA-graph µs of configurations around the table's (partial kernel's warps/stages overridden)."""
+def sweep(qsa_torch, attention, arrays, smoke, quick=False):
+    """CUDA-graph µs of configurations around the table's (partial kernel's warps/stages overridden).
+
+    Every configuration takes AttentionTuning's default variants (fp8: widened in registers,
+    slot addressing; 16-bit: page addressing); the table's configuration also runs with each
+    other variant (``variant``: fp8_widen "dot_operand", the first release's fp8 code;
+    row_addressing "page" or "slot"; fp8_unscaled_values; fp8_late_values), so one run
+    compares them."""
     infos = {n: qsa_torch._launch.info(a) for n, a in arrays.items()}
     d = infos["q"].shape[2]
     planned = attention.plan_sparse_paged_attention(**infos).launches[0].grid[1]
-    configs = [(block_n, None, warps, stages)
-               for block_n in SWEEP_BLOCK_N for warps in SWEEP_WARPS for stages in SWEEP_STAGES]
-    configs += [(None, splits, None, None) for splits in sorted({max(1, planned // 2), 2 * planned} - {planned})]
+    fp8 = infos["k_cache"].dtype == "float8_e4m3fn"
+    default = AttentionTuning()
+    addressing = "fp8_row_addressing" if fp8 else "row_addressing"
+    variants = [{}] + [{addressing: mode} for mode in ROW_ADDRESSING_MODES if mode != getattr(default, addressing)]
+    if fp8:
+        variants += [dict(fp8_widen=mode) for mode in FP8_WIDEN_MODES if mode != default.fp8_widen]
+        variants += [dict(fp8_unscaled_values=not default.fp8_unscaled_values),
+                     dict(fp8_late_values=not default.fp8_late_values)]
+        # The first release's fp8 code as a whole: widened in the dot-operand layout, by page.
+        variants += [dict(fp8_widen="dot_operand", fp8_row_addressing="page")]
+    configs = [(None, None, None, None, variant) for variant in variants]
+    if quick:  # fp8: the launch-table candidates; 16-bit: the variants only
+        if fp8:
+            configs += [(block_n, None, warps, stages, {}) for block_n, warps, stages in SWEEP_QUICK]
+            configs += [(block_n, None, warps, stages, dict(fp8_late_values=True))
+                        for block_n, warps, stages in SWEEP_QUICK_FP8_LATE]
+    else:
+        configs += [(block_n, None, warps, stages, {})
+                    for block_n in SWEEP_BLOCK_N for warps in SWEEP_WARPS for stages in SWEEP_STAGES]
+        configs += [(None, splits, None, None, {})
+                    for splits in sorted({max(1, planned // 2), 2 * planned} - {planned})]
     results = []
-    for block_n, splits, warps, stages in configs[:2] if smoke else configs:
+    for block_n, splits, warps, stages, variant in configs[:2] if smoke else configs:
         # The tuning is part of the plan's memo key: nothing to restore or clear afterwards.
-        forced = AttentionTuning(tile_bytes=block_n * 2 * d if block_n else None, num_splits=splits)
+        forced = AttentionTuning(tile_bytes=block_n * 2 * d if block_n else None, num_splits=splits, **variant)
         program = attention.plan_sparse_paged_attention(**infos, tuning=forced)
         partial = program.launches[0]
         partial = dataclasses.replace(partial, num_warps=warps or partial.num_warps,
@@ -215,7 +250,8 @@ def sweep(qsa_torch, attention, arrays, smoke):
         program = dataclasses.replace(program, launches=(partial, *program.launches[1:]))
         result = dict(block_n=partial.constexprs["BLOCK_N"], splits=partial.grid[1],
                       tiles_per_split=partial.constexprs["TILES_PER_SPLIT"],
-                      warps=partial.num_warps, stages=partial.num_stages)
+                      warps=partial.num_warps, stages=partial.num_stages,
+                      variant=",".join(f"{k}={v}" for k, v in variant.items()) or "default")
         call = lambda: qsa_torch._launch.run(program, arrays, arrays["q"].device)  # noqa: E731
         try:
             # Without CUDA (smoke): the wall clock, to check the path runs.
@@ -229,10 +265,13 @@ def sweep(qsa_torch, attention, arrays, smoke):
 def main():
     parser = common.parser(__doc__, "sparse_attention.json")
     parser.add_argument("--sweep", action="store_true", help="tune: sweep launch configurations instead")
+    parser.add_argument("--quick", action="store_true",
+                        help="with --sweep: the variants, and with --fp8 the SWEEP_QUICK candidates, only")
     parser.add_argument("--fp8", action="store_true",
                         help="also read fp8 e4m3 caches (per-tensor scales) on FP8_SHAPES, side by side")
-    parser.add_argument("--merge", choices=("fused", "unfused", "both"), default="fused",
-                        help="split-K merge: in the launch (default), by a merge launch, or both side by side")
+    parser.add_argument("--merge", choices=("default", "fused", "unfused", "both"), default="default",
+                        help="split-K merge: AttentionTuning's default, in the launch, by a merge launch, or "
+                             "both side by side")
     parser.add_argument("--only", choices=("decode", "prefill"), help="run only these shapes")
     args = parser.parse_args()
     import jax
@@ -282,15 +321,17 @@ def main():
            "outputs' bits; tickets_fill_graph_us: the fused path's [R, KH] int32 zero fill alone (torch.full)"]
           if args.merge == "both" else []),
     ]
-    merge_override = contextlib.ExitStack()  # --merge unfused: every plan of the run
-    if args.merge == "unfused":
-        merge_override.enter_context(tuning.override(attention=AttentionTuning(fused_merge=False)))
+    merge_override = contextlib.ExitStack()  # --merge fused / unfused: every plan of the run
+    if args.merge in ("fused", "unfused"):
+        merge_override.enter_context(tuning.override(attention=AttentionTuning(fused_merge=args.merge == "fused")))
     shapes = [("decode", r, c) for r in g["DECODE_ROWS"] for c in g["CONTEXTS"]]
     shapes += [("prefill", r, c) for r in g["PREFILL_ROWS"] for c in g["CONTEXTS"]]
     if args.only:
         shapes = [shape for shape in shapes if shape[0] == args.only]
     if args.sweep:
         shapes = shapes[:1] if args.smoke else SWEEP_SHAPES
+    shapes = args.shapes or shapes
+    if args.sweep:
         rows_out = []
         for mode, rows, context in shapes:
             q, token_indices, block_table, token_to_req, _ = make_shape(
@@ -302,14 +343,16 @@ def main():
                 arrays.update(fp8_arrays)
                 nbytes = moved_bytes(g, rows, width, cache_bytes=1)
             table = plan_choice(qsa_torch, attention, arrays)
-            for result in sweep(qsa_torch, attention, arrays, args.smoke):
-                is_table = all(result[k] == table[k] for k in ("block_n", "splits", "warps", "stages"))
+            for result in sweep(qsa_torch, attention, arrays, args.smoke, args.quick):
+                is_table = all(result[k] == table[k] for k in ("block_n", "splits", "warps", "stages")) and (
+                result["variant"] == "default")
                 rows_out.append(dict(mode=mode, rows=rows, context=context, table=is_table, bytes=nbytes, **result,
                                      pct_peak=common.pct_peak(nbytes, result.get("graph_us"))))
             shape_rows = [r for r in rows_out if (r["mode"], r["rows"], r["context"]) == (mode, rows, context)]
             shape_rows.sort(key=lambda r: r.get("graph_us") or float("inf"))
             common.print_table(shape_rows[:8], ["mode", "rows", "context", "table", "block_n", "splits",
-                                                "tiles_per_split", "warps", "stages", "graph_us", "pct_peak", "error"])
+                                                "tiles_per_split", "warps", "stages", "variant", "graph_us",
+                                                "pct_peak", "error"])
         common.write_json(args.json.replace(".json", "_fp8_sweep.json" if args.fp8 else "_sweep.json"),
                           "sparse_paged_attention sweep", rows_out,
                           notes[:1] + ["graph_us: CUDA graph replay of 20 calls, per call; table: the plan's choice"])
@@ -352,6 +395,13 @@ def main():
                 row["fp8_vs_bf16"] = row["fp8_torch_graph_us"] / row["torch_graph_us"]
             out16, out8 = call(), call8()
             row["fp8_rel_diff"] = float((out8.float() - out16.float()).norm() / out16.float().norm())
+            # The first release's fp8 code (widened in the dot-operand layout, by page), same call.
+            first = dataclasses.replace(tuning.current().attention, fp8_widen="dot_operand", fp8_row_addressing="page")
+            with tuning.override(attention=first):
+                us = common.torch_graph_us(call8, smoke=args.smoke)
+                row["fp8_first_release_graph_us"] = us
+                row["fp8_first_release_vs_bf16"] = us / row["torch_graph_us"] if us and row["torch_graph_us"] else None
+                row["fp8_first_release_equal"] = bool(torch.equal(call8(), out8))
             del out16, out8
 
         if (mode, rows, context) in g["JAX_SHAPES"]:
@@ -388,11 +438,12 @@ def main():
         "mode", "rows", "context", "splits", "block_n", "tiles_per_split", "bytes", "torch_us", "torch_graph_us",
         "torch_graph_gbps", "torch_graph_pct_peak", "seed_us", "speedup_vs_seed", "jax_wall_us", "jax_loop_us",
         "jax_vs_torch_device", "dense_graph_us", "sparse_speedup_vs_dense", "neighbour_overlap"]
-        + (["fp8_torch_graph_us", "fp8_torch_graph_pct_peak", "fp8_vs_bf16", "fp8_rel_diff"] if args.fp8 else [])
+        + (["fp8_torch_graph_us", "fp8_torch_graph_pct_peak", "fp8_vs_bf16", "fp8_rel_diff",
+            "fp8_first_release_graph_us", "fp8_first_release_vs_bf16", "fp8_first_release_equal"] if args.fp8 else [])
         + (["fused_graph_us", "unfused_graph_us", "unfused_vs_fused", "merge_bitwise_equal", "tickets_fill_graph_us"]
            if args.merge == "both" else []))
     merge_override.close()
-    suffix = {"fused": "", "unfused": "_unfused", "both": "_merge"}[args.merge] + (f"_{args.only}" if args.only else "")
+    suffix = {"default": "", "fused": "_fused", "unfused": "_unfused", "both": "_merge"}[args.merge] + (f"_{args.only}" if args.only else "")
     common.write_json(args.json.replace(".json", f"{suffix}.json"), "sparse_paged_attention", rows_out, notes)
 
 

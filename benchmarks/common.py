@@ -27,9 +27,22 @@ def parser(description: str, default_json: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", default_json),
                    help="where to write the results")
+    p.add_argument("--shapes", type=parse_shapes, default=None,
+                   help="only these shapes, e.g. decode:256:131072,prefill:2048:131072 (mode:rows:context)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes, few repeats: checks the script runs (CPU interpreter too)")
     return p
+
+
+def parse_shapes(text: str) -> list[tuple[str, int, int]]:
+    """``"decode:256:131072,prefill:2048:131072"`` -> [("decode", 256, 131072), ...]."""
+    shapes = []
+    for item in text.split(","):
+        mode, rows, context = item.split(":")
+        if mode not in ("decode", "prefill"):
+            raise argparse.ArgumentTypeError(f"mode must be decode or prefill, got {mode!r}")
+        shapes.append((mode, int(rows), int(context)))
+    return shapes
 
 
 def torch_median_us(fn, smoke: bool = False) -> float:

@@ -30,11 +30,19 @@ fp8 e4m3 caches (``stored = value / scale``, as stage 1 writes them): each
 gathered K/V tile is converted to q's dtype, which holds every e4m3 value
 exactly (:func:`.fp8.widen_e4m3`: for bf16 on integer ops, not Triton's
 cast), so the dots are the same 16-bit tensor-core dots as for 16-bit caches
-(an fp8 dot would round q to fp8).  ``k_scale`` is folded into the float32
-score scale, ``softmax_scale * k_scale * log2(e)``; ``v_scale`` multiplies
-each program's float32 output once (``acc / normaliser * v_scale``), never
-the values.  So the result is that of a 16-bit cache holding the dequantised
-values, up to the rounding of those scale products.
+(an fp8 dot would round q to fp8).  The tiles are widened in registers in
+the layout they were loaded in and reach the dots through shared memory as
+16-bit values, like 16-bit tiles (``AttentionTuning.fp8_widen``; Triton
+would otherwise stage the fp8 bytes and widen them in the dot-operand
+layout, reading V from shared memory one byte at a time).  ``k_scale`` is
+folded into the float32 score scale, ``softmax_scale * k_scale * log2(e)``;
+``v_scale`` multiplies each program's float32 output once (``acc /
+normaliser * v_scale``), never the values.  So the result is that of a
+16-bit cache holding the dequantised values, up to the rounding of those
+scale products.  (Variant
+``AttentionTuning.fp8_unscaled_values``: V enters P.V as V x 2**-120 and the
+probabilities as P x 2**120, exact in float32 and rounded to bf16 as P is:
+the same products, provided the tensor cores keep bf16 subnormal inputs.)
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from .fp8 import bit_trick, widen_e4m3
+from .fp8 import bit_trick, in_registers, widen_e4m3
 from .launch import ArrayInfo, Buffer, Launch, Program
 from .memo import cached_plan
 from .tuning import AttentionTuning
@@ -136,6 +144,8 @@ def sparse_attention_partial_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, WIDTH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr, FP8_CACHE: tl.constexpr, BIT_TRICK: tl.constexpr,
+    FP8_IN_REGISTERS: tl.constexpr, FP8_V_UNSCALED: tl.constexpr, FP8_V_LATE: tl.constexpr,
+    SLOT_ROWS: tl.constexpr, SAME_ROW_STRIDE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
@@ -167,7 +177,8 @@ def sparse_attention_partial_kernel(
     # the float64 softmax, and only "no valid token" gives zeros.  Counted per
     # column (no reduction inside the loop), summed once after it.
     valid_tokens = tl.zeros((BLOCK_N,), tl.int32)
-    first_column = split * (TILES_PER_SPLIT * BLOCK_N)
+    # int32 (WIDTH < 2**31): int64 columns cost 64-bit compares per tile.
+    first_column = tl.program_id(1) * (TILES_PER_SPLIT * BLOCK_N)
     for tile in range(TILES_PER_SPLIT):
         columns = first_column + tile * BLOCK_N + tl.arange(0, BLOCK_N)
         token = tl.load(index_row + columns, mask=columns < WIDTH, other=-1)
@@ -175,16 +186,27 @@ def sparse_attention_partial_kernel(
         valid = request_ok & (token >= 0) & (logical_page < table_width)
         page = tl.load(table_row + tl.where(valid, logical_page, 0), mask=valid, other=-1)
         valid = valid & (page >= 0) & (page < num_blocks)
-        # page * block stride overflows int32 in large caches.
-        page = tl.where(valid, page, 0).to(tl.int64)
-        offset = tl.where(valid, token % PAGE, 0)
-        k_rows = k_head + page * k_sb + offset * k_sp
-        v_rows = v_head + page * v_sb + offset * v_sp
+        if SLOT_ROWS:
+            # Pages are runs of rows (block stride = PAGE x row stride) and the cache
+            # has < 2**31 rows: the int32 row index of the token's slot, times the row
+            # stride in one 32 x 32 -> 64-bit multiply (the other path takes ~25 integer
+            # ops per row and thread), shared by K and V when their row strides agree.
+            slot = page.to(tl.int32) * PAGE + (token - logical_page * PAGE).to(tl.int32)
+            slot = tl.where(valid, slot, 0).to(tl.int64)
+            k_rows = k_head + slot * k_sp
+            v_rows = v_head + (slot * k_sp if SAME_ROW_STRIDE else slot * v_sp)
+        else:
+            # page * block stride overflows int32 in large caches.
+            page = tl.where(valid, page, 0).to(tl.int64)
+            offset = tl.where(valid, token % PAGE, 0)
+            k_rows = k_head + page * k_sb + offset * k_sp
+            v_rows = v_head + page * v_sb + offset * v_sp
         keys = tl.load(k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         values = tl.load(v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         if FP8_CACHE:  # widened to q's dtype (exact) for the 16-bit dots
-            keys = widen_e4m3(keys, q.dtype, BIT_TRICK)
-            values = widen_e4m3(values, q.dtype, BIT_TRICK)
+            keys = widen_e4m3(keys, q.dtype, BIT_TRICK, FP8_IN_REGISTERS)
+            if not FP8_V_LATE:
+                values = widen_e4m3(values, q.dtype, BIT_TRICK, FP8_IN_REGISTERS, FP8_V_UNSCALED)
 
         scores = _dot(q, tl.trans(keys), None, INTERPRET) * scale_log2
         scores = tl.where(valid[None, :], scores, MASKED_SCORE)
@@ -193,7 +215,18 @@ def sparse_attention_partial_kernel(
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         rescale = tl.math.exp2(running_max - new_max)
         probabilities = tl.where(valid[None, :], tl.math.exp2(scores - new_max[:, None]), 0.0)
-        acc = _dot(probabilities.to(values.dtype), values, acc * rescale[:, None], INTERPRET)
+        if FP8_CACHE and FP8_V_LATE:
+            # Widened only now: the in-register widening keeps its place in the loop
+            # (not pure), so V's 16-bit tile is not live across q.K and the softmax
+            # (its shared memory is K's).
+            values = widen_e4m3(values, q.dtype, BIT_TRICK, FP8_IN_REGISTERS, FP8_V_UNSCALED)
+        if FP8_V_UNSCALED:
+            # values are V x 2**-120 (fp8.widen_e4m3): P x 2**120 is exact in float32
+            # (P <= 1) and its bf16 rounding is P's, so the products are those of P and V.
+            weights = (probabilities * 1.329227995784916e36).to(values.dtype)
+        else:
+            weights = probabilities.to(values.dtype)
+        acc = _dot(weights, values, acc * rescale[:, None], INTERPRET)
         normaliser = normaliser * rescale + tl.sum(probabilities, axis=1)
         running_max = new_max
         valid_tokens += valid.to(tl.int32)
@@ -444,6 +477,11 @@ def plan_sparse_paged_attention(
     block_m = max(16, triton.next_power_of_2(group))
     block_n, tiles_per_split, splits, num_warps, num_stages = _launch_config(rows, kh, width, d, tuning, fp8)
 
+    # Row addressing by slot (see the kernel) where the caches allow it.
+    addressing = tuning.fp8_row_addressing if fp8 else tuning.row_addressing
+    slot_rows = (addressing == "slot" and num_blocks * page < 2 ** 31
+                 and all(cache.strides[0] == page * cache.strides[1] for cache in (k_cache, v_cache)))
+
     out = Buffer("out", (rows, qh, d), q.dtype)
     # The log2-sum-exps of one split are the rows' own: kept for a later
     # option to return them (docs/api.md, "Beyond the seeds").
@@ -473,7 +511,11 @@ def plan_sparse_paged_attention(
     constexprs = dict(
         GROUP=group, D=d, PAGE=page, WIDTH=width, BLOCK_M=block_m, BLOCK_N=block_n,
         TILES_PER_SPLIT=tiles_per_split, INTERPRET=runtime.INTERPRETED, FP8_CACHE=fp8,
-        BIT_TRICK=bit_trick(fp8, q.dtype),
+        BIT_TRICK=bit_trick(fp8, q.dtype), FP8_IN_REGISTERS=in_registers(fp8, tuning.fp8_widen),
+        FP8_V_UNSCALED=(tuning.fp8_unscaled_values and bit_trick(fp8, q.dtype)
+                        and in_registers(fp8, tuning.fp8_widen)),
+        FP8_V_LATE=tuning.fp8_late_values and in_registers(fp8, tuning.fp8_widen),
+        SLOT_ROWS=slot_rows, SAME_ROW_STRIDE=k_cache.strides[1] == v_cache.strides[1],
     )
     # Rows vary fastest (see the table).
     grid = (rows, splits, kh)

@@ -17,10 +17,11 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from .fp8 import bit_trick, widen_e4m3
+from .fp8 import bit_trick, in_registers, widen_e4m3
 from .launch import ArrayInfo, Buffer, Launch, Program
 from .memo import cached_plan
 from .rows import count_visible_blocks, row_request
+from .tuning import SelectTuning
 from .validate import FINITE_POSITIVE_NUMBER, FLOAT_DTYPES, FP8_DTYPE, NONNEGATIVE_INT, POSITIVE_INT, Checker
 
 #: Options of the scorer's arguments (select_paged_tokens shares them).
@@ -104,7 +105,7 @@ def _score_row(q_ptr, k_cache_ptr, page_table_ptr, token_to_req_ptr, query_posit
                q_sr, q_sh, kc_sb, kc_sp, pt_sr, lg_sr, score_divisor,
                HEADS: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                PAGE: tl.constexpr, RATIO: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-               FP8_KEYS: tl.constexpr, BIT_TRICK: tl.constexpr):
+               FP8_KEYS: tl.constexpr, BIT_TRICK: tl.constexpr, IN_REGISTERS: tl.constexpr):
     """One row against a column tile: its heads padded to a dot of HEADS_P >= 16 rows."""
     row = row_begin + local_row.to(tl.int64)
     request, request_ok, length = row_request(token_to_req_ptr, sequence_lengths_ptr, row, True, num_requests)
@@ -119,7 +120,7 @@ def _score_row(q_ptr, k_cache_ptr, page_table_ptr, token_to_req_ptr, query_posit
         q = tl.load(q_ptr + row * q_sr + heads[:, None] * q_sh + dims[None, :],
                     mask=(heads[:, None] < HEADS) & (dims[None, :] < D), other=0.0)
         if FP8_KEYS:
-            keys = widen_e4m3(keys, q.dtype, BIT_TRICK)  # exact: q's dtype holds every e4m3 value
+            keys = widen_e4m3(keys, q.dtype, BIT_TRICK, IN_REGISTERS)  # exact: q's dtype holds every e4m3 value
         # Padded heads are zero rows: relu(0) adds nothing.
         total = tl.sum(tl.maximum(_dot(q, tl.trans(keys), UPCAST), 0.0), axis=0)
         scores = tl.where(present, total / score_divisor, float("-inf"))
@@ -145,7 +146,7 @@ def scores_kernel(
     # constexprs
     HEADS: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, RATIO: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, FP8_KEYS: tl.constexpr, BIT_TRICK: tl.constexpr,
+    UPCAST: tl.constexpr, FP8_KEYS: tl.constexpr, BIT_TRICK: tl.constexpr, IN_REGISTERS: tl.constexpr,
 ):
     """Rows ``row_begin + [0, num_rows)``; their logits and visible rows are local (0-based)."""
     if FP8_KEYS:
@@ -167,7 +168,7 @@ def scores_kernel(
                    sequence_lengths_ptr, logits_ptr, first, col_start,
                    row_begin, num_columns, num_pages, num_requests, table_width,
                    q_sr, q_sh, kc_sb, kc_sp, pt_sr, lg_sr, score_divisor,
-                   HEADS, HEADS_P, D, BLOCK_D, PAGE, RATIO, BLOCK_N, UPCAST, FP8_KEYS, BIT_TRICK)
+                   HEADS, HEADS_P, D, BLOCK_D, PAGE, RATIO, BLOCK_N, UPCAST, FP8_KEYS, BIT_TRICK, IN_REGISTERS)
     else:
         # A tile whose valid rows share one request (a prefill chunk) loads
         # the keys once for all its rows; any other tile is scored row by row.
@@ -181,7 +182,7 @@ def scores_kernel(
                                          D, BLOCK_D, PAGE)
             if col_start < limit:
                 if FP8_KEYS:  # exact, as in _score_row (a new name: keys' type is fixed out here)
-                    keys_t = tl.trans(widen_e4m3(keys, q_ptr.dtype.element_ty, BIT_TRICK))
+                    keys_t = tl.trans(widen_e4m3(keys, q_ptr.dtype.element_ty, BIT_TRICK, IN_REGISTERS))
                 else:
                     keys_t = tl.trans(keys)
                 dims = tl.arange(0, BLOCK_D)
@@ -201,7 +202,7 @@ def scores_kernel(
                                sequence_lengths_ptr, logits_ptr, first + i, col_start,
                                row_begin, num_columns, num_pages, num_requests, table_width,
                                q_sr, q_sh, kc_sb, kc_sp, pt_sr, lg_sr, score_divisor,
-                               HEADS, HEADS_P, D, BLOCK_D, PAGE, RATIO, BLOCK_N, UPCAST, FP8_KEYS, BIT_TRICK)
+                               HEADS, HEADS_P, D, BLOCK_D, PAGE, RATIO, BLOCK_N, UPCAST, FP8_KEYS, BIT_TRICK, IN_REGISTERS)
 
 
 def check_scoring(check: Checker, q, k_cache, page_table, token_to_req, query_positions,
@@ -237,14 +238,18 @@ def check_key_scale(check: Checker, k_cache: ArrayInfo, k_scale: ArrayInfo | Non
     return fp8
 
 
-def score_tiling(q: ArrayInfo, k_cache: ArrayInfo, page_table: ArrayInfo, num_columns: int):
+def score_tiling(q: ArrayInfo, k_cache: ArrayInfo, page_table: ArrayInfo, num_columns: int,
+                 tuning: SelectTuning | None = None):
     """(rows per tile, columns per tile, upcast operands) of the scorer.
 
     Rows outnumber requests only when some request has several rows (a
     prefill chunk): then tiles of 16-64 rows share key loads.  fp32 or mixed
     operands take an exact fp32 dot (no tensor cores): scored row by row.
     Register use of these tiles was checked offline for sm_90 (no spills).
+    fp8 keys scored row by row take ``tuning.fp8_row_columns`` columns (and
+    ``fp8_row_warps`` warps: see score_launches).
     """
+    tuning = tuning or SelectTuning()
     rows, dim = q.shape[0], q.shape[2]
     # fp8 keys are widened exactly to q's dtype: not a mixed-precision dot.
     exact = (q.dtype != k_cache.dtype and k_cache.dtype != FP8_DTYPE) or q.dtype == "float32"
@@ -252,9 +257,8 @@ def score_tiling(q: ArrayInfo, k_cache: ArrayInfo, page_table: ArrayInfo, num_co
         block_r = 1
     else:
         block_r = 64 if rows >= 1024 else 16
-    # fp8 keys scored row by row: twice the columns, so a program moves as
-    # many key bytes as with 16-bit keys (96 registers on sm_90, no spill).
-    wide = 2 if k_cache.dtype == FP8_DTYPE and block_r == 1 and not exact else 1
+    fp8_rows = k_cache.dtype == FP8_DTYPE and block_r == 1 and not exact
+    wide = max(1, tuning.fp8_row_columns // 128) if fp8_rows else 1
     block_n = wide * (32 if exact else (128 if block_r == 1 else 64))
     block_d = max(16, triton.next_power_of_2(dim))
     block_n = max(16, min(block_n, wide * 16384 // block_d, triton.next_power_of_2(max(num_columns, 1))))
@@ -263,12 +267,14 @@ def score_tiling(q: ArrayInfo, k_cache: ArrayInfo, page_table: ArrayInfo, num_co
 
 
 def score_launches(q, k_cache, page_table, compress_ratio, num_columns, score_divisor,
-                   row_ranges, logits_stride, fp8_keys=False):
+                   row_ranges, logits_stride, fp8_keys=False, tuning: SelectTuning | None = None):
     """Scorer launches over ``row_ranges`` [(first row, rows)], writing local logits/visible rows."""
+    tuning = tuning or SelectTuning()
     heads, dim = q.shape[1], q.shape[2]
     pages, page = k_cache.shape[0], k_cache.shape[1]
     requests, table_width = page_table.shape
-    block_r, block_n, upcast = score_tiling(q, k_cache, page_table, num_columns)
+    block_r, block_n, upcast = score_tiling(q, k_cache, page_table, num_columns, tuning)
+    upcast_exact = q.dtype == "float32"  # fp32 queries: the exact fp32 dot (8 warps)
     return [Launch(
         kernel=scores_kernel,
         grid=(triton.cdiv(count, block_r), max(1, triton.cdiv(num_columns, block_n))),
@@ -284,8 +290,9 @@ def score_launches(q, k_cache, page_table, compress_ratio, num_columns, score_di
         constexprs=dict(HEADS=heads, HEADS_P=max(16, triton.next_power_of_2(heads)), D=dim,
                         BLOCK_D=max(16, triton.next_power_of_2(dim)), PAGE=page, RATIO=compress_ratio,
                         BLOCK_R=block_r, BLOCK_N=block_n, UPCAST=upcast, FP8_KEYS=fp8_keys,
-                        BIT_TRICK=bit_trick(fp8_keys, q.dtype)),
-        num_warps=8,
+                        BIT_TRICK=bit_trick(fp8_keys, q.dtype),
+                        IN_REGISTERS=in_registers(fp8_keys, tuning.fp8_widen)),
+        num_warps=tuning.fp8_row_warps if fp8_keys and block_r == 1 and not upcast_exact else 8,
         num_stages=1,
     ) for first, count in row_ranges]
 
@@ -295,8 +302,12 @@ def score_launches(q, k_cache, page_table, compress_ratio, num_columns, score_di
 def plan_mqa_paged_scores(q: ArrayInfo, k_cache: ArrayInfo, page_table: ArrayInfo,
                           token_to_req: ArrayInfo, query_positions: ArrayInfo,
                           sequence_lengths: ArrayInfo, compress_ratio: int, num_columns: int | None = None,
-                          score_divisor: float | None = None, *, k_scale: ArrayInfo | None = None) -> Program:
-    """Validate ``mqa_paged_scores`` arguments and describe its launch (see docs/api.md)."""
+                          score_divisor: float | None = None, *, k_scale: ArrayInfo | None = None,
+                          tuning: SelectTuning | None = None) -> Program:
+    """Validate ``mqa_paged_scores`` arguments and describe its launch (see docs/api.md).
+
+    ``tuning`` (default: the current :class:`~qsa_kernels.tuning.SelectTuning`)
+    holds the fp8 scorer's variants."""
     check = Checker("mqa_paged_scores")
     check_scoring(check, q, k_cache, page_table, token_to_req, query_positions, sequence_lengths)
     fp8_keys = check_key_scale(check, k_cache, k_scale)
@@ -308,5 +319,5 @@ def plan_mqa_paged_scores(q: ArrayInfo, k_cache: ArrayInfo, page_table: ArrayInf
     logits = Buffer("logits", (rows, num_columns), "float32")
     visible = Buffer("visible_blocks", (rows,), "int32")
     launches = score_launches(q, k_cache, page_table, compress_ratio, num_columns, score_divisor,
-                              [(0, rows)], logits.info.strides[0], fp8_keys)
+                              [(0, rows)], logits.info.strides[0], fp8_keys, tuning)
     return Program("mqa_paged_scores", (logits, visible), tuple(launches), ("logits", "visible_blocks"))

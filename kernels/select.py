@@ -60,7 +60,7 @@ def plan_select_paged_tokens(q: ArrayInfo, k_cache: ArrayInfo, page_table: Array
     columns = page_table.shape[1] * k_cache.shape[1]
     block_topk = token_topk // compress_ratio
     # Chunks are whole scorer row tiles, so chunking never changes a score.
-    tile_rows, _, _ = score_tiling(q, k_cache, page_table, columns)
+    tile_rows, _, _ = score_tiling(q, k_cache, page_table, columns, tuning)
     chunk = max(1, tuning.logits_workspace_bytes // (4 * max(columns, 1)) // tile_rows) * tile_rows
     chunk = min(chunk, rows)
     ranges = [(first, min(chunk, rows - first)) for first in range(0, rows, max(chunk, 1))]
@@ -68,7 +68,7 @@ def plan_select_paged_tokens(q: ArrayInfo, k_cache: ArrayInfo, page_table: Array
     out = Buffer("out", (rows, token_topk + compress_ratio - 1), "int32")
     stride = logits.info.strides[0]
     score = score_launches(q, k_cache, page_table, compress_ratio, columns, math.sqrt(q.shape[2]),
-                           ranges, stride, fp8_keys)
+                           ranges, stride, fp8_keys, tuning)
     topk_buffers, topk = topk_parts(chunk, columns, block_topk, stride, [n for _, n in ranges],
                                     "logits", "visible_blocks", "blocks", topk_tuning)
     expand = expand_launches(block_topk, compress_ratio, max(block_topk, 1), out.shape[1],

@@ -105,15 +105,65 @@ class AttentionTuning:
     fused_merge_chunk_elements: int = 16384
     #: float32 elements of one merge launch's chunk (SPLIT_CHUNK x D): 32 registers per thread.
     merge_chunk_elements: int = 4096
-    #: fp8 caches: tiles sized as for 16-bit ones (widened to q's dtype in
-    #: registers, registers bound them).  Not yet swept on the H200; compiled
-    #: for sm_90 offline: launch_table's prefill row spills with fp8 (16
-    #: registers), so fp8 takes 16 KB tiles there (255 registers, no spill).
+    #: fp8 caches: tiles sized as for 16-bit ones (BLOCK_N from the tile bytes
+    #: at 2 bytes an element: fp8 tiles move half the bytes).  Not yet swept on
+    #: the H200 (``bench_sparse_attention.py --sweep --fp8`` times the
+    #: candidates).  Compiled for sm_90 offline with the defaults below
+    #: (registers / shared memory -> programs per SM; SASS instructions of the
+    #: main loop per warp and token): decode 256, 32-token tiles, 2 warps, 3
+    #: stages (this table): 254 / 57 KB -> 4 (8 warps); 102.  Candidates: 4
+    #: warps, 2 stages: 166 / 57 KB -> 3 (12 warps); 99.  16-token tiles, 2
+    #: warps, 2 stages: 196 / 33 KB -> 5 (10 warps); 103.  Decode 64 (the
+    #: first row): 172 / 105 KB; 105.  Prefill (16 KB tiles): 251 registers;
+    #: 64-token tiles on 2 warps now compile without spills too (255, 104 KB).
+    #: 64-token tiles take far fewer instructions a token on 2 warps: at decode
+    #: 256, 2 stages, 255 / 104 KB -> 2 (4 warps); 61; with fp8_late_values
+    #: 255 / 74 KB -> 3 (6 warps); 62.  4 warps: 168 / 104 KB -> 2; 90 (late
+    #: values: 200 / 75 KB).  (fp8_late_values at the table's rows: decode 256
+    #: 252 / 41 KB, decode 64 186 / 75 KB, prefill 236 / 41 KB.)
     fp8_launch_table: tuple = (
         (132, 32 * 1024, 8, 3),
         (4095, 16 * 1024, 2, 3),
         (None, 16 * 1024, 2, 2),
     )
+    #: fp8 caches: where K/V tiles are widened to q's dtype.  "registers": right
+    #: after the load, in its layout; the dots then read 16-bit tiles from
+    #: shared memory with ldmatrix, as for 16-bit caches.  "dot_operand" (the
+    #: first release's code, kept to compare): Triton stages the fp8 bytes in
+    #: shared memory and widens them in the dot-operand layout, so V (the P.V
+    #: operand, tokens not contiguous) is read one byte at a time.
+    #:
+    #: sm_90 SASS of the main loop, decode 256 rows (32-token tiles, 2 warps,
+    #: 3 stages), instructions per thread and tile / registers / shared memory:
+    #: fp8 first release ("dot_operand", "page") 2875 / 255 / 26 KB (128
+    #: LDS.U8); "registers", "page" 1751 / 253 / 57 KB; "registers", "slot"
+    #: (the defaults) 1636 / 254 / 57 KB; with fp8_unscaled_values 1565 / 250.
+    #: bf16: "page" 1867 / 201 / 42 KB, "slot" 1620 / 216.  Decode 64 (64-token
+    #: tiles, 8 warps): fp8 first release 1485 / 182, defaults 840 / 172; bf16
+    #: 957 / 128.
+    fp8_widen: str = "registers"
+    #: How a gathered K/V row's address is computed, for 16-bit and for fp8
+    #: caches.  "slot" (where each page is a run of rows and the cache has
+    #: < 2**31 rows; else "page"): the token's int32 slot (page x P + offset)
+    #: times the row stride, one widening multiply per row, shared by K and V
+    #: when their row strides agree.  "page" (the first release's): page x
+    #: block stride + offset x row stride in int64, for K and V apart.  The
+    #: same addresses either way.  16-bit caches keep "page" until measured:
+    #: "slot" takes 15 more registers at decode 256 (5 -> 4 programs per SM).
+    row_addressing: str = "page"
+    fp8_row_addressing: str = "slot"
+    #: fp8 caches, bf16 q, widened in registers: V's bit trick leaves out its
+    #: multiply by 2**120 (V enters the dot as V x 2**-120, e4m3 subnormals as
+    #: bf16 subnormals) and the probabilities are multiplied by 2**120 in
+    #: float32 before their bf16 rounding: the same products if the tensor
+    #: cores keep bf16 subnormal inputs (the GPU tests check it bitwise), 64
+    #: fewer instructions per thread and tile at decode 256.  Off until the
+    #: GPU tests pass with it.
+    fp8_unscaled_values: bool = False
+    #: fp8 caches widened in registers: widen V after the softmax, right
+    #: before P.V, instead of beside K (its 16-bit tile then reuses K's shared
+    #: memory).  See fp8_launch_table's notes for its registers and memory.
+    fp8_late_values: bool = False
 
     def __post_init__(self):
         _positive_int("AttentionTuning", "target_programs", self.target_programs)
@@ -122,6 +172,13 @@ class AttentionTuning:
         _positive_int("AttentionTuning", "merge_chunk_elements", self.merge_chunk_elements)
         _positive_int("AttentionTuning", "fused_merge_chunk_elements", self.fused_merge_chunk_elements)
         object.__setattr__(self, "fused_merge", BOOL.canonical("AttentionTuning", "fused_merge", self.fused_merge))
+        for name in ("row_addressing", "fp8_row_addressing"):
+            if getattr(self, name) not in ROW_ADDRESSING_MODES:
+                raise ValueError(f"AttentionTuning: {name} must be one of "
+                                 f"{', '.join(map(repr, ROW_ADDRESSING_MODES))}, got {getattr(self, name)!r}")
+        if self.fp8_widen not in FP8_WIDEN_MODES:
+            raise ValueError(f"AttentionTuning: fp8_widen must be one of {', '.join(map(repr, FP8_WIDEN_MODES))}, "
+                             f"got {self.fp8_widen!r}")
         for name in ("launch_table", "fp8_launch_table"):
             table = tuple(tuple(row) for row in getattr(self, name))
             object.__setattr__(self, name, table)
@@ -194,6 +251,11 @@ class TopkTuning:
                              f"{32 // self.radix_bits}, got {self.bound_passes!r}")
 
 
+#: The values of ``AttentionTuning.fp8_widen``.
+FP8_WIDEN_MODES = ("registers", "dot_operand")
+#: The values of ``AttentionTuning.row_addressing``.
+ROW_ADDRESSING_MODES = ("slot", "page")
+
 #: The values of ``TopkTuning.path``.
 TOPK_PATHS = ("auto", "row", "sliced")
 
@@ -204,9 +266,31 @@ class SelectTuning:
 
     #: Logits of one chunk of rows stay under this many bytes (rows are processed in chunks).
     logits_workspace_bytes: int = 128 * 1024 * 1024
+    #: The scorer (``mqa_paged_scores``, and the selection's) with fp8 keys:
+    #: where key tiles are widened (as ``AttentionTuning.fp8_widen``), and the
+    #: columns and warps of a program that scores one row (decode; columns a
+    #: power of two >= 128).  The first release's: "dot_operand", 256 columns
+    #: (as many key bytes a program as with bf16 keys), 8 warps.  sm_90 SASS at
+    #: decode 256 x 128K (instructions per warp and column, registers,
+    #: programs per SM): first release 32, 96, 2 (no pipelining: few
+    #: programs hide little latency); 128 columns, "registers", 8 warps: 36,
+    #: 40, 6 (36 KB of shared memory each); 4 warps (the defaults): 28, 70, 6;
+    #: 2 warps: 25, 107, 6; "dot_operand", 4 warps: 33, 88, 5.  bf16 keys
+    #: (128 columns, 8 warps): 31, 63, 4.  Not yet measured on the H200.
+    fp8_widen: str = "registers"
+    fp8_row_columns: int = 128
+    fp8_row_warps: int = 4
 
     def __post_init__(self):
         _positive_int("SelectTuning", "logits_workspace_bytes", self.logits_workspace_bytes)
+        _positive_int("SelectTuning", "fp8_row_columns", self.fp8_row_columns)
+        _positive_int("SelectTuning", "fp8_row_warps", self.fp8_row_warps)
+        if self.fp8_widen not in FP8_WIDEN_MODES:
+            raise ValueError(f"SelectTuning: fp8_widen must be one of {', '.join(map(repr, FP8_WIDEN_MODES))}, "
+                             f"got {self.fp8_widen!r}")
+        if self.fp8_row_columns < 128 or self.fp8_row_columns & (self.fp8_row_columns - 1):
+            raise ValueError(f"SelectTuning: fp8_row_columns must be a power of two >= 128, "
+                             f"got {self.fp8_row_columns!r}")
 
 
 @_tuning_value

@@ -284,6 +284,45 @@ def test_launch_table():
     assert plan(4, width=10).launches[0].constexprs["BLOCK_N"] == 16  # capped by the width
 
 
+ADDRESSING_CASES = {
+    "bf16_2splits": Case(splits=2),
+    "fp16_views_int64_unsplit": Case(dtype=torch.float16, views=True, index_dtype=torch.int64, splits=1, P=16),
+}
+
+
+@pytest.mark.parametrize("name", list(ADDRESSING_CASES))
+def test_row_addressing_modes_give_the_same_output(name):
+    """AttentionTuning.row_addressing: by slot or by page, the same rows are gathered."""
+    c = ADDRESSING_CASES[name]
+    args = make_inputs(c)
+    infos = {n: qsa_torch._launch.info(args[n]) for n in ARGUMENTS}
+    outs = {}
+    for mode in tuning.ROW_ADDRESSING_MODES:
+        forced = tuning.AttentionTuning(num_splits=c.splits, row_addressing=mode)
+        program = attention.plan_sparse_paged_attention(**infos, tuning=forced)
+        assert program.launches[0].constexprs["SLOT_ROWS"] == (mode == "slot")
+        (outs[mode],) = qsa_torch._launch.run(program, args, args["q"].device)
+    assert np.abs(f64(outs["page"])).sum() > 0, "the case attends nothing: it tests nothing"
+    assert_bitwise_equal(outs["slot"], outs["page"], "slot vs page addressing")
+
+
+def test_slot_addressing_only_where_pages_are_runs_of_rows():
+    """A cache whose pages are not runs of rows (a view of half of each page), or one of 2**31
+    rows or more, is addressed by page."""
+    a = ArrayInfo.contiguous
+    slot = tuning.AttentionTuning(row_addressing="slot")
+
+    def slot_rows(cache):
+        return attention.plan_sparse_paged_attention(
+            a((4, 8, 64), "bfloat16"), cache, cache, a((4, 24), "int32"), a((2, 8), "int32"), a((4,), "int32"),
+            tuning=slot).launches[0].constexprs["SLOT_ROWS"]
+
+    assert slot_rows(a((16, 32, 2, 64), "bfloat16"))
+    half_pages = ArrayInfo((16, 32, 2, 64), "bfloat16", (64 * 2 * 64, 2 * 64, 64, 1))
+    assert not slot_rows(half_pages)
+    assert not slot_rows(a((2 ** 25, 64, 2, 64), "bfloat16"))
+
+
 # --------------------------------------------------------------------------
 # Split-K merged in its launch (the last split to take a ticket) or by a second launch
 # --------------------------------------------------------------------------
@@ -410,8 +449,9 @@ def test_production_decode_fused_merge_is_the_merge_launch(rows):
 
 
 @pytest.mark.gpu
-def test_page_offsets_past_int32():
-    """page * block stride exceeds 2**31 elements: offsets must be int64."""
+@pytest.mark.parametrize("addressing", tuning.ROW_ADDRESSING_MODES)
+def test_page_offsets_past_int32(addressing):
+    """page * block stride exceeds 2**31 elements: offsets must be int64 (by page, or by slot)."""
     d, kh, page = 256, 2, 64
     blocks = 2 ** 31 // (page * kh * d) + 8
     k_cache = torch.empty(blocks, page, kh, d, device=DEVICE, dtype=torch.bfloat16)
@@ -423,7 +463,8 @@ def test_page_offsets_past_int32():
     block_table = pages.to(torch.int32)[None]
     indices = torch.randint(0, 3 * page, (2, 100), device=DEVICE, dtype=torch.int32)
     token_to_req = torch.zeros(2, device=DEVICE, dtype=torch.int32)
-    out = qsa_torch.sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_req)
+    with tuning.override(attention=tuning.AttentionTuning(row_addressing=addressing)):
+        out = qsa_torch.sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_req)
     # The reference sees only the three pages used.
     ref = R.sparse_paged_attention(f64(q), f64(k_cache[pages]), f64(v_cache[pages]), host(indices),
                                    np.arange(3)[None], host(token_to_req))

@@ -38,7 +38,7 @@ from qsa_kernels.expand import plan_expand_block_indices
 from qsa_kernels.score import plan_mqa_paged_scores
 from qsa_kernels.select import plan_select_paged_tokens
 from qsa_kernels.topk import plan_topk_blocks
-from qsa_kernels.tuning import AttentionTuning, TopkTuning
+from qsa_kernels.tuning import AttentionTuning, SelectTuning, TopkTuning
 
 ROOT = Path(__file__).resolve().parent.parent
 a = ArrayInfo.contiguous
@@ -114,9 +114,11 @@ def _scoring(rows, requests, context, heads=4, d=128, q=BF16, k=BF16, page=64, i
                 query_positions=a((rows,), index), sequence_lengths=a((requests,), index), **scale)
 
 
-def _scores(rows, requests, context, num_columns=None, score_divisor=None, **kw):
+def _scores(rows, requests, context, num_columns=None, score_divisor=None, tuning=None, **kw):
+    """``tuning``: SelectTuning fields (the fp8 variants benchmarks/bench_select.py times)."""
     return plan_mqa_paged_scores, dict(_scoring(rows, requests, context, **kw), compress_ratio=4,
-                                       num_columns=num_columns, score_divisor=score_divisor)
+                                       num_columns=num_columns, score_divisor=score_divisor,
+                                       **(dict(tuning=SelectTuning(**tuning)) if tuning else {}))
 
 
 def _topk(rows, columns, k, dtype=FP32, index=I32, **tuning):
@@ -139,7 +141,7 @@ def _select(rows, requests, context, token_topk=2048, **kw):
 
 def _attention(rows, qh=24, kh=2, d=256, dtype=BF16, index=I32, width=2051, page=64, scale=None, cache=None,
                **tuning):
-    """``tuning``: AttentionTuning fields (the merge launch, as bench_sparse_attention.py --merge both runs it)."""
+    """``tuning``: AttentionTuning fields (the variants benchmarks/bench_sparse_attention.py times)."""
     cache = cache or dtype
     scales = dict(k_scale=a((), FP32), v_scale=a((1,), FP32)) if cache == FP8 else {}
     return plan_sparse_paged_attention, dict(
@@ -190,6 +192,11 @@ CASES = {
     "scores/fp8-prefill-2048-128k": _scores(2048, 1, 1 << 17, k=FP8),
     "scores/fp8-fp16-prefill-256-d64": _scores(256, 1, 1 << 15, heads=8, d=64, q=FP16, k=FP8),
     "scores/fp8-fp32-queries": _scores(8, 8, 1 << 15, q=FP32, k=FP8),
+    "scores/fp8-decode-256-128k-first-release": _scores(256, 256, 1 << 17, k=FP8,
+                                                        tuning=dict(fp8_widen="dot_operand", fp8_row_columns=256,
+                                                                    fp8_row_warps=8)),
+    "scores/fp8-decode-256-128k-8-warps": _scores(256, 256, 1 << 17, k=FP8, tuning=dict(fp8_row_warps=8)),
+    "scores/fp8-decode-256-128k-256-columns": _scores(256, 256, 1 << 17, k=FP8, tuning=dict(fp8_row_columns=256)),
     # Stage 3: top-k (a top-k set takes ~20 s of compiling: few shapes).
     "topk/decode-1-1m-k512": _topk(1, 1 << 18, 512),
     "topk/decode-256-128k-k512": _topk(256, 1 << 15, 512),
@@ -233,9 +240,18 @@ CASES = {
     "attention/d128-32q-8kv": _attention(32, qh=32, kh=8, d=128),
     "attention/d64-fp16-int64": _attention(8, qh=16, kh=4, d=64, dtype=FP16, index=I64, page=16),
     "attention/mqa-d128-narrow-scale": _attention(4, qh=16, kh=1, d=128, width=20, scale=0.1),
+    "attention/decode-256-slot-addressing": _attention(256, row_addressing="slot"),
     "attention/fp8-decode-1": _attention(1, cache=FP8),
+    "attention/fp8-decode-64": _attention(64, cache=FP8),
     "attention/fp8-decode-256": _attention(256, cache=FP8),
     "attention/fp8-prefill-2048": _attention(2048, cache=FP8),
+    # The first release's fp8 code (widened in the dot-operand layout, by page).
+    "attention/fp8-decode-256-first-release": _attention(256, cache=FP8, fp8_widen="dot_operand",
+                                                         fp8_row_addressing="page"),
+    "attention/fp8-decode-256-unscaled-values": _attention(256, cache=FP8, fp8_unscaled_values=True),
+    "attention/fp8-decode-256-late-values-64-token-tiles": _attention(256, cache=FP8, fp8_late_values=True,
+                                                                      tile_bytes=32 * 1024),
+    "attention/fp8-fp16-decode-64-page-addressing": _attention(64, dtype=FP16, cache=FP8, fp8_row_addressing="page"),
     "attention/fp8-fp16-d64-int64": _attention(8, qh=16, kh=4, d=64, dtype=FP16, index=I64, page=16, cache=FP8),
 }
 

@@ -15,6 +15,7 @@ quantised by torch's own casts.  Tests that make the kernels *write* fp8
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -26,7 +27,7 @@ import triton.language as tl
 
 import qsa_jax
 import qsa_torch
-from qsa_kernels import runtime
+from qsa_kernels import runtime, tuning
 from qsa_kernels.fp8 import widen_e4m3
 
 from . import reference as R
@@ -64,24 +65,29 @@ def scale_tensor(value: float, dtype=torch.float32, shape=()):
 
 
 @triton.jit
-def _widen_kernel(x_ptr, bf16_ptr, fp16_ptr, N: tl.constexpr, BIT_TRICK: tl.constexpr):
+def _widen_kernel(x_ptr, bf16_ptr, fp16_ptr, N: tl.constexpr, BIT_TRICK: tl.constexpr,
+                  IN_REGISTERS: tl.constexpr):
     i = tl.arange(0, N)
     x = tl.load(x_ptr + i)
-    tl.store(bf16_ptr + i, widen_e4m3(x, tl.bfloat16, BIT_TRICK).to(tl.float32))
-    tl.store(fp16_ptr + i, widen_e4m3(x, tl.float16, False).to(tl.float32))
+    tl.store(bf16_ptr + i, widen_e4m3(x, tl.bfloat16, BIT_TRICK, IN_REGISTERS).to(tl.float32))
+    tl.store(fp16_ptr + i, widen_e4m3(x, tl.float16, False, IN_REGISTERS).to(tl.float32))
 
 
-@pytest.mark.parametrize("bit_trick", [False, pytest.param(True, marks=pytest.mark.gpu)])
-def test_every_finite_e4m3_value_widens_exactly(bit_trick):
-    """The readers' widening (Triton's cast, or the bf16 bit trick the GPU uses): every finite
+@pytest.mark.parametrize("bit_trick, in_registers", [
+    (False, False), pytest.param(True, False, marks=pytest.mark.gpu),
+    # The in-register widening (inline asm: compiled only): its own bit trick, and the cast.
+    pytest.param(True, True, marks=pytest.mark.gpu), pytest.param(False, True, marks=pytest.mark.gpu)])
+def test_every_finite_e4m3_value_widens_exactly(bit_trick, in_registers):
+    """The readers' widening (Triton's cast, or the bf16 bit tricks the GPU uses): every finite
     code, zeros and subnormals included, in a tile of codes repeated in every order of the
-    packing (the bit trick takes 4 bytes at a time).  On the CPU, the premise of running the
+    packing (the bit tricks take 4 bytes at a time).  On the CPU, the premise of running the
     reading tests there."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     codes = torch.cat([codes, codes.flip(0), codes.roll(1), codes.roll(2)]).view(FP8).to(DEVICE)
     as_bf16, as_fp16 = (torch.zeros(codes.numel(), device=DEVICE) for _ in range(2))
     with runtime.interpreter_lock if runtime.INTERPRETED else torch.cuda.device(DEVICE):
-        _widen_kernel[(1,)](codes, as_bf16, as_fp16, N=codes.numel(), BIT_TRICK=bit_trick)
+        _widen_kernel[(1,)](codes, as_bf16, as_fp16, N=codes.numel(), BIT_TRICK=bit_trick,
+                            IN_REGISTERS=in_registers)
     expected = codes.float()
     finite = torch.isfinite(expected)
     assert finite.sum() == 4 * 254
@@ -119,33 +125,59 @@ FP8_ATTENTION_CASES = {
 }
 
 
+#: AttentionTuning's fp8 variants besides the default, on the GPU only (under
+#: the interpreter the widening modes run the same code; both addressing modes
+#: are compared on the CPU in test_attention.py).
+FP8_VARIANTS = [pytest.param({}, id="default")] + [
+    pytest.param(variant, id=name, marks=pytest.mark.gpu) for name, variant in (
+        ("first_release", dict(fp8_widen="dot_operand", fp8_row_addressing="page")),
+        ("dot_operand", dict(fp8_widen="dot_operand")),
+        ("page_addressing", dict(fp8_row_addressing="page")),
+        ("unscaled_values", dict(fp8_unscaled_values=True)),
+        ("late_values", dict(fp8_late_values=True)))]
+
+
+@contextlib.contextmanager
+def fp8_variant(variant: dict):
+    """The attention tuning in force (splits forced or not), with ``variant``'s fields."""
+    with tuning.override(attention=dataclasses.replace(tuning.current().attention, **variant)):
+        yield
+
+
+@pytest.mark.parametrize("variant", FP8_VARIANTS)
 @pytest.mark.parametrize("name", list(FP8_ATTENTION_CASES))
-def test_attention_fp8_matches_dequantised_reference(name, force_splits):  # noqa: F811
+def test_attention_fp8_matches_dequantised_reference(name, variant, force_splits):  # noqa: F811
     """Tolerance: q's dtype's (1e-2 bf16, 2e-3 fp16), as for 16-bit caches: the fp8
     values are exact in q's dtype, so only the 16-bit kernel's roundings remain."""
     c, k_scale, v_scale = FP8_ATTENTION_CASES[name]
     args, scales, (k_scale, v_scale) = fp8_attention_inputs(c, k_scale, v_scale, torch.bfloat16)
     force_splits(c.splits)
-    out = qsa_torch.sparse_paged_attention(**args, **scales, softmax_scale=c.scale)
+    with fp8_variant(variant):
+        out = qsa_torch.sparse_paged_attention(**args, **scales, softmax_scale=c.scale)
+        jax_out = run_jax_attention(args, scales, c.scale)
     ref = R.sparse_paged_attention(f64(args["q"]), dequantised(args["k_cache"], k_scale),
                                    dequantised(args["v_cache"], v_scale), host(args["token_indices"]),
                                    host(args["block_table"]), host(args["token_to_req"]), softmax_scale=c.scale)
     assert out.dtype == c.dtype and out.shape == (c.R, c.QH, c.D)
     assert np.abs(ref).sum() > 0, "the case attends nothing: it tests nothing"
     assert_close(out, ref, tolerance(c.dtype), "fp8 attention vs reference on the dequantised caches")
-    assert_bitwise_equal(run_jax_attention(args, scales, c.scale), out, "torch vs JAX")
+    assert_bitwise_equal(jax_out, out, "torch vs JAX")
 
 
+@pytest.mark.parametrize("variant", FP8_VARIANTS)
 @pytest.mark.parametrize("dtype, splits", [(torch.bfloat16, 1), (torch.float16, 3)])
-def test_attention_fp8_equals_16bit_cache_of_its_values(dtype, splits, force_splits):  # noqa: F811
-    """Power-of-two scales: exactly the 16-bit kernel on the dequantised caches."""
+def test_attention_fp8_equals_16bit_cache_of_its_values(dtype, splits, variant, force_splits):  # noqa: F811
+    """Power-of-two scales: exactly the 16-bit kernel on the dequantised caches (scale 4 puts
+    about 5% of the values on e4m3 subnormals: fp8_unscaled_values feeds them to the tensor
+    cores as bf16 subnormals)."""
     c = Case(QH=12, KH=1, D=128, W=300, R=4, dtype=dtype, splits=splits)
     args, scales, (k_scale, v_scale) = fp8_attention_inputs(c, 0.125, 4.0)
     widened = dict(args, k_cache=(args["k_cache"].to(dtype) * k_scale).to(dtype),
                    v_cache=(args["v_cache"].to(dtype) * v_scale).to(dtype))
     assert planned_splits(widened, splits) == splits  # small shapes: the fp8 table's row is the same
     force_splits(splits)
-    out = qsa_torch.sparse_paged_attention(**args, **scales)
+    with fp8_variant(variant):
+        out = qsa_torch.sparse_paged_attention(**args, **scales)
     assert np.array_equal(f64(widened["k_cache"]), dequantised(args["k_cache"], k_scale)), "not exact: a bad case"
     assert_bitwise_equal(out, qsa_torch.sparse_paged_attention(**widened), "fp8 vs 16-bit cache")
 
@@ -160,25 +192,35 @@ def fp8_scoring_case(seed, scale, **kwargs):
     return case
 
 
+#: SelectTuning's fp8 scorer variants besides the default (GPU only: under the
+#: interpreter the widening modes run the same code).
+SCORER_VARIANTS = [pytest.param({}, id="default")] + [
+    pytest.param(variant, id=name, marks=pytest.mark.gpu) for name, variant in (
+        ("first_release", dict(fp8_widen="dot_operand", fp8_row_columns=256, fp8_row_warps=8)),
+        ("256_columns", dict(fp8_row_columns=256)), ("8_warps", dict(fp8_row_warps=8)))]
+
+
+@pytest.mark.parametrize("variant", SCORER_VARIANTS)
 @pytest.mark.parametrize("dtype, heads, dim, ratio, prefill, scale", [
-    (torch.bfloat16, 4, 64, 4, False, 0.03),   # decode: one row per tile, 256-column tiles
+    (torch.bfloat16, 4, 64, 4, False, 0.03),   # decode: one row per tile, 128-column tiles (256: a variant)
     (torch.bfloat16, 1, 128, 8, True, 2.5),    # prefill: tiles of rows sharing one request
     (torch.float16, 4, 64, 4, True, 0.3),
     (torch.float32, 4, 128, 4, False, 0.7),    # fp32 queries: the exact fp32 dot
 ])
-def test_scores_fp8_match_dequantised_reference(dtype, heads, dim, ratio, prefill, scale):
+def test_scores_fp8_match_dequantised_reference(dtype, heads, dim, ratio, prefill, scale, variant):
     """Tolerance 1e-5: the products of q and the widened keys are exact, sums are float32."""
     case = fp8_scoring_case(11, scale, heads=heads, dim=dim, dtype=dtype, prefill=prefill)
     k_scale = scale_tensor(scale)
-    logits, visible = qsa_torch.mqa_paged_scores(**case, compress_ratio=ratio, k_scale=k_scale)
+    with tuning.override(select=tuning.SelectTuning(**variant)):
+        logits, visible = qsa_torch.mqa_paged_scores(**case, compress_ratio=ratio, k_scale=k_scale)
+        # Positional arrays: a dict through jax.jit comes back with its keys sorted.
+        scores = jax.jit(lambda s, *arrays: qsa_jax.mqa_paged_scores(*arrays, ratio, k_scale=s))
+        jax_logits, jax_visible = scores(to_jax(k_scale), *jax_args(case).values())
     expected, expected_visible = R.mqa_paged_scores(
         **dict(numpy_args(case), k_cache=dequantised(case["k_cache"], float(k_scale))), compress_ratio=ratio)
     assert np.array_equal(host(visible), expected_visible)
     assert np.isfinite(expected).sum() > 10, "no visible column: the case tests nothing"
     assert_scores_close(logits, expected, 1e-5, "fp8 logits vs reference on the dequantised keys")
-    # Positional arrays: a dict through jax.jit comes back with its keys sorted.
-    scores = jax.jit(lambda s, *arrays: qsa_jax.mqa_paged_scores(*arrays, ratio, k_scale=s))
-    jax_logits, jax_visible = scores(to_jax(k_scale), *jax_args(case).values())
     assert_bitwise_equal(logits, jax_logits, "logits torch vs jax")
     assert_bitwise_equal(visible, jax_visible, "visible torch vs jax")
 
