@@ -361,6 +361,8 @@ def sparse_attention_fused_merge_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, WIDTH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr, FP8_CACHE: tl.constexpr, BIT_TRICK: tl.constexpr,
+    FP8_IN_REGISTERS: tl.constexpr, FP8_V_UNSCALED: tl.constexpr, FP8_V_LATE: tl.constexpr,
+    SLOT_ROWS: tl.constexpr, SAME_ROW_STRIDE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, CHUNKED_SPLITS: tl.constexpr,
 ):
     """Split-K in one launch: each split writes its partial, the last of a (row, KV head) to finish merges.
@@ -374,7 +376,8 @@ def sparse_attention_fused_merge_kernel(
         num_blocks, num_requests, table_width, scale_log2,
         q_sr, q_sh, k_sb, k_sp, k_sh, v_sb, v_sp, v_sh, ti_sr, bt_sr,
         o_ss, o_sr, o_sh, lse_ss, lse_sr,
-        GROUP, D, PAGE, WIDTH, BLOCK_M, BLOCK_N, TILES_PER_SPLIT, INTERPRET, FP8_CACHE, BIT_TRICK)
+        GROUP, D, PAGE, WIDTH, BLOCK_M, BLOCK_N, TILES_PER_SPLIT, INTERPRET, FP8_CACHE, BIT_TRICK,
+        FP8_IN_REGISTERS, FP8_V_UNSCALED, FP8_V_LATE, SLOT_ROWS, SAME_ROW_STRIDE)
     # Every thread's partial stores come before the ticket (one thread takes
     # it): acq_rel at GPU scope publishes them to the program that draws the
     # last ticket, and makes the other splits' partials visible to it.
