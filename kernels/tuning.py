@@ -121,8 +121,13 @@ class AttentionTuning:
     #: 255 / 74 KB -> 3 (6 warps); 62.  4 warps: 168 / 104 KB -> 2; 90 (late
     #: values: 200 / 75 KB).  (fp8_late_values at the table's rows: decode 256
     #: 252 / 41 KB, decode 64 186 / 75 KB, prefill 236 / 41 KB.)
+    #: Swept on the H200 (``--sweep --quick --fp8``, CUDA graphs, 128K): at
+    #: decode 64 the first row went from 64-token tiles, 8 warps, 3 stages
+    #: (123.5 us) to 4 warps, 2 stages (88.6 us; bf16 99.3); at decode 256
+    #: the second row is the fastest of the candidates once fp8_late_values
+    #: is on (279 us; 389.5 without it; 64-token tiles 306-309; bf16 294).
     fp8_launch_table: tuple = (
-        (132, 32 * 1024, 8, 3),
+        (132, 32 * 1024, 4, 2),
         (4095, 16 * 1024, 2, 3),
         (None, 16 * 1024, 2, 2),
     )
@@ -163,7 +168,9 @@ class AttentionTuning:
     #: fp8 caches widened in registers: widen V after the softmax, right
     #: before P.V, instead of beside K (its 16-bit tile then reuses K's shared
     #: memory).  See fp8_launch_table's notes for its registers and memory.
-    fp8_late_values: bool = False
+    #: On: measured on the H200 at decode 256 x 128K, 279 against 389.5 us
+    #: (three programs an SM instead of two); at decode 64 a tie (89.2 / 88.6).
+    fp8_late_values: bool = True
 
     def __post_init__(self):
         _positive_int("AttentionTuning", "target_programs", self.target_programs)
