@@ -567,11 +567,62 @@ def topk_row_kernel(
     _pad(out_row, tl.minimum(width, K), K, PAD_TILE)
 
 
+# --------------------------------------------------------------------------
+# Register path: one program per row, the whole row in registers.
+# --------------------------------------------------------------------------
+
+#: The widest row the register path holds: 16 keys a thread at 32 warps
+#: (64 registers, no spills on sm_90); 32768 spills (32 keys a thread at 32
+#: warps, or 64 at 16) and would lose to the sliced path anyway.
+REGISTER_MAX_TILE = 16384
+
+
+@triton.jit
+def topk_register_kernel(
+    logits_ptr,  # [rows, C] float32/bf16/fp16 (row stride lg_sr)
+    visible_ptr,  # [rows] int32/int64
+    out_ptr,  # [rows, K] int32: selected columns, then -1
+    num_columns, lg_sr,
+    K: tl.constexpr, TILE: tl.constexpr, BITS: tl.constexpr, PAD_TILE: tl.constexpr,
+):
+    """The whole top-k of one row held in registers (module docstring,
+    register path): one load, a radix select over the registers, one
+    placement; no workspace.  TILE >= C (the plan makes sure)."""
+    row = tl.program_id(0).to(tl.int64)
+    logits_row = logits_ptr + row * lg_sr
+    cols = tl.arange(0, TILE)
+    # Masked by the row's columns, not its visible width, so that the load
+    # need not wait for visible_blocks.
+    raw = tl.load(logits_row + cols, mask=cols < num_columns, other=0.0)
+    width = _row_width(visible_ptr, row, num_columns)
+    out_row = out_ptr + row * K
+    valid = cols < width
+    keys = tl.where(valid, _order_key(raw.to(tl.float32)), 0)
+    # Every key lies in [lowest, highest]: the radix passes of the digits
+    # they share are skipped.  A row of at most K keys takes them all.
+    zero = tl.full((), 0, tl.int32)
+    threshold = tl.full((), 0, tl.uint32)
+    take_equal = zero + K
+    if width > K:
+        highest = tl.max(keys, 0)
+        lowest = tl.min(tl.where(valid, keys, tl.full((), 0xFFFFFFFF, tl.uint32)), 0)
+        threshold, take_equal = _kth_largest_between(keys, valid, K, lowest, highest, 32 // BITS, BITS)
+    # TILE <= 16384: the two prefix counts fit the 16-bit halves of an int32.
+    _place_tile(keys, cols, valid, threshold, take_equal, zero, zero, out_row)
+    _pad(out_row, tl.minimum(width, K), K, PAD_TILE)
+
+
 def topk_path(rows: int, columns: int, k: int, tuning: TopkTuning) -> str:
-    """``"row"`` (one program per row) or ``"sliced"`` (rows split over
+    """``"register"`` (one program per row, the row in registers), ``"row"``
+    (one program per row, streamed) or ``"sliced"`` (rows split over
     programs), from the static shape unless ``tuning.path`` forces one."""
     if tuning.path != "auto":
+        if tuning.path == "register" and columns > REGISTER_MAX_TILE:
+            raise ValueError(f"TopkTuning: path 'register' holds a row in registers: at most "
+                             f"{REGISTER_MAX_TILE} columns, got {columns}")
         return tuning.path
+    if columns <= min(tuning.register_max_columns, REGISTER_MAX_TILE):
+        return "register"
     return "row" if columns <= tuning.row_max_columns or rows >= tuning.row_min_rows else "sliced"
 
 
@@ -590,8 +641,30 @@ def topk_parts(rows: int, columns: int, k: int, logits_stride: int, row_counts,
     """
     if rows == 0 or k == 0:
         return (), ()
-    parts = _row_parts if topk_path(rows, columns, k, tuning) == "row" else _sliced_parts
+    parts = dict(register=_register_parts, row=_row_parts, sliced=_sliced_parts)[topk_path(rows, columns, k, tuning)]
     return parts(rows, columns, k, logits_stride, row_counts, logits, visible, out, tuning)
+
+
+def register_tiling(columns: int, tuning: TopkTuning) -> tuple[int, int]:
+    """(TILE, warps) of the register path: TILE covers the row, with
+    ``register_keys_per_thread`` keys a thread (more past 32 warps)."""
+    tile = max(16, triton.next_power_of_2(max(columns, 1)))
+    assert tile <= REGISTER_MAX_TILE, "the register path holds the whole row"
+    warps = max(1, min(tuning.register_max_warps, tile // (32 * tuning.register_keys_per_thread)))
+    return tile, warps
+
+
+def _register_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out, tuning: TopkTuning):
+    """The register path: one launch of one program per row, no workspace."""
+    tile, warps = register_tiling(columns, tuning)
+    launches = tuple(
+        Launch(topk_register_kernel, (count,), (logits, visible), (out,),
+               dict(num_columns=columns, lg_sr=logits_stride),
+               dict(K=k, TILE=tile, BITS=tuning.register_radix_bits,
+                    PAD_TILE=min(1024, triton.next_power_of_2(k))),
+               num_warps=warps, num_stages=1)
+        for count in row_counts)
+    return (), launches
 
 
 def _row_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out, tuning: TopkTuning):
