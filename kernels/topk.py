@@ -1,8 +1,23 @@
 """Stage 3b: exact top-k blocks of each row (``topk_blocks``).
 
 An exact radix select on order-preserving uint32 keys
-(``-0.0 == +0.0``; NaN below ``-inf``), by one of two paths that the plan
+(``-0.0 == +0.0``; NaN below ``-inf``), by one of three paths that the plan
 chooses from the static shape (:func:`topk_path`):
+
+**Register path** (one launch, one program per row, no workspace; rows up
+to ``TopkTuning.register_max_columns`` wide, whatever the rows, and at most
+``REGISTER_MAX_TILE`` when forced).  The program loads its row once into
+registers (16 keys a thread: 4 warps at 2048 columns, 32 at 16384), skips
+the radix passes of the leading digits that the row's smallest and largest
+keys share, runs the others on the registers (``tl.histogram`` of the
+digit among the keys matching the prefix so far, then the digit holding
+the k-th largest from a prefix sum taken from the top; passes stop once a
+digit's keys are exactly those left to take), and writes the selection
+with one prefix sum over column order, then ``-1`` padding.  No global
+round trip or block barrier between phases, which is what the row path
+pays for on short rows; but every pass costs every key of the row (about
+75 instructions a key on sm_90), so past ~8192 columns the row and sliced
+paths, which select among ~1.4k candidates, win.
 
 **Row path** (one launch, one program per row; rows up to
 ``TopkTuning.row_max_columns`` wide, or any width once there are
@@ -44,9 +59,10 @@ long row still spreads over many SMs):
    buffer, over the whole row) finds ``T`` and writes the selection; then
    ``-1`` padding.
 
-Selected columns are written in ascending column order with ties taken by
-lower column (prefix sums over column order), so the result is exact and
-deterministic: integer counts only, no atomics, no host synchronisation.
+On every path, selected columns are written in ascending column order with
+ties taken by lower column (prefix sums over column order), so the result is
+exact, deterministic and the same on every path: integer counts only, no
+atomics, no host synchronisation.
 """
 
 from __future__ import annotations
