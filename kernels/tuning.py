@@ -154,7 +154,12 @@ class TopkTuning:
     #: this, at most ``register_max_warps``; past that the keys per thread grow).
     register_keys_per_thread: int = 16
     register_max_warps: int = 32
-    #: Bits per radix pass of the register path (a divisor of 32, at most 8;
+    #: The register path's select: "histogram" (``register_radix_bits``-bit
+    #: digits by ``tl.histogram``) or "count" (2-bit digits, counting the
+    #: keys at or above each of 3 thresholds: ~2.5x fewer instructions a
+    #: key, 4x the block-wide reductions; see ``topk._kth_largest_counted``).
+    register_select: str = "histogram"
+    #: Bits per radix pass of the register path's histograms (a divisor of 32, at most 8;
     #: ``tl.histogram`` costs about the same per bit at 4 and 8 bits, and 8
     #: makes half the passes, each with its block-wide reductions).
     register_radix_bits: int = 8
@@ -180,7 +185,7 @@ class TopkTuning:
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
-            if field.name != "path":
+            if field.name not in ("path", "register_select"):
                 _positive_int("TopkTuning", field.name, getattr(self, field.name))
         for name in ("radix_bits", "register_radix_bits"):
             value = getattr(self, name)
@@ -188,6 +193,9 @@ class TopkTuning:
                 raise ValueError(f"TopkTuning: {name} must divide 32, got {value!r}")
             if value > 8:  # a digit's counts (up to 2**bits) are packed in 16 bits
                 raise ValueError(f"TopkTuning: {name} must be at most 8, got {value!r}")
+        if not isinstance(self.register_select, str) or self.register_select not in REGISTER_SELECTS:
+            raise ValueError(f"TopkTuning: register_select must be one of "
+                             f"{', '.join(map(repr, REGISTER_SELECTS))}, got {self.register_select!r}")
         if not isinstance(self.path, str) or self.path not in TOPK_PATHS:
             raise ValueError(f"TopkTuning: path must be one of {', '.join(map(repr, TOPK_PATHS))}, "
                              f"got {self.path!r}")
@@ -206,6 +214,8 @@ class TopkTuning:
 
 #: The values of ``TopkTuning.path``.
 TOPK_PATHS = ("auto", "register", "row", "sliced")
+#: The values of ``TopkTuning.register_select``.
+REGISTER_SELECTS = ("histogram", "count")
 
 
 @_tuning_value

@@ -244,9 +244,10 @@ def test_many_rows_switch(small_tiles):
 # The register path, at small widths
 # --------------------------------------------------------------------------
 
-@pytest.fixture
-def register_path():
-    with retuned(path="register"):
+@pytest.fixture(params=["histogram", "count"])
+def register_path(request):
+    """The register path forced, with each of its selects."""
+    with retuned(path="register", register_select=request.param):
         yield
 
 
@@ -284,20 +285,24 @@ def test_register_path_data(register_path, kind):
     with retuned(register_radix_bits=4, register_keys_per_thread=2, register_max_warps=2):
         (launch,) = plan(3, 200, 5).launches
         assert launch.constexprs["BITS"] == 4 and launch.num_warps == 2
+        assert launch.constexprs["COUNTED"] is (tuning.current().topk.register_select == "count")
         check_topk(logits, visible, 5)
 
 
 def test_register_path_equals_the_other_paths(small_tiles):
-    """Forced register, row and sliced paths: bitwise the same columns."""
+    """Forced register (both selects), row and sliced paths: bitwise the
+    same columns, the reference's."""
     logits = topk_logits(42, 4, 150, special=True)
     visible = torch.tensor([150, 149, 30, 1], dtype=torch.int32)
     outs = {}
-    for path in ("register", "row", "sliced"):
-        with retuned(path=path, tile=64):
+    for path, select in (("register", "histogram"), ("register", "count"), ("row", "histogram"),
+                         ("sliced", "histogram")):
+        with retuned(path=path, tile=64, register_select=select):
             assert topk_plans.topk_path(4, 150, 9, tuning.current().topk) == path
-            outs[path] = host(qsa_torch.topk_blocks(logits, visible, 9))
-    assert np.array_equal(outs["register"], outs["row"]) and np.array_equal(outs["register"], outs["sliced"])
-    assert np.array_equal(outs["register"], reference.topk_blocks(host(logits).astype(np.float64), host(visible), 9))
+            outs[path, select] = host(qsa_torch.topk_blocks(logits, visible, 9))
+    expected = reference.topk_blocks(host(logits).astype(np.float64), host(visible), 9)
+    for (path, select), out in outs.items():
+        assert np.array_equal(out, expected), (path, select)
 
 
 def test_register_switch_shapes():
@@ -367,6 +372,8 @@ def test_topk_tuning_is_checked():
                             (dict(register_radix_bits=3), "TopkTuning: register_radix_bits must divide 32, got 3"),
                             (dict(register_radix_bits=16), "TopkTuning: register_radix_bits must be at most 8"),
                             (dict(register_max_columns=0), "TopkTuning: register_max_columns must be a positive int"),
+                            (dict(register_select="counts"), "TopkTuning: register_select must be one of "
+                                                             "'histogram', 'count', got 'counts'"),
                             (dict(row_warps=12), "TopkTuning: row_warps must be a power of two, got 12"),
                             (dict(row_warps=64), "TopkTuning: row_warps must be at most 32, got 64"),
                             (dict(row_keys_per_thread=3), "TopkTuning: row_keys_per_thread must be a power of two"),
@@ -440,12 +447,11 @@ def test_register_path_equals_row_path_production(rows, columns, k):
     visible = torch.full((rows,), columns, dtype=torch.int32)
     visible[-1] = columns // 3
     visible = visible.to(DEVICE)
-    outs = {}
-    for path in ("register", "row", "sliced"):
-        with tuning.override(topk=TopkTuning(path=path)):
-            outs[path] = host(qsa_torch.topk_blocks(logits, visible, k))
-    assert np.array_equal(outs["register"], sorted_reference(host(logits), host(visible), k))
-    assert np.array_equal(outs["register"], outs["row"]) and np.array_equal(outs["register"], outs["sliced"])
+    expected = sorted_reference(host(logits), host(visible), k)
+    for fields in (dict(path="register"), dict(path="register", register_select="count"),
+                   dict(path="register", register_radix_bits=4), dict(path="row"), dict(path="sliced")):
+        with tuning.override(topk=TopkTuning(**fields)):
+            assert np.array_equal(host(qsa_torch.topk_blocks(logits, visible, k)), expected), fields
 
 
 @pytest.mark.gpu
