@@ -594,21 +594,17 @@ REGISTER_MAX_TILE = 16384
 
 
 @triton.jit
-def _add_pairs(a0, a1, b0, b1):
-    return a0 + b0, a1 + b1
-
-
-@triton.jit
 def _counted_digit(keys, prefix, k, SHIFT: tl.constexpr):
     """One pass of :func:`_kth_largest_counted`: the prefix extended by the
     digit at SHIFT, and whether exactly k keys are at or above it."""
     # The prefix's digits from this one down are 0: adding d * step sets this one.
     step = tl.full((), 1 << SHIFT, tl.uint32)
-    # Counts below 2**15 (TILE <= 16384): two share an int32, one reduction for all three.
+    # Counts below 2**15 (TILE <= 16384): two share an int32.
     # (A key at or above the second threshold is at or above the first.)
     low_two = tl.where(keys >= prefix + 2 * step, 0x8001, tl.where(keys >= prefix + step, 1, 0))
     top = tl.where(keys >= prefix + 3 * step, 1, 0)
-    packed, at_least_3 = tl.reduce((low_two, top), 0, _add_pairs)
+    packed = tl.sum(low_two, 0)
+    at_least_3 = tl.sum(top, 0)
     at_least_1 = packed & 0x7FFF
     at_least_2 = packed >> 15
     digit = (at_least_1 >= k).to(tl.int32) + (at_least_2 >= k).to(tl.int32) + (at_least_3 >= k).to(tl.int32)
