@@ -156,8 +156,9 @@ class TopkTuning:
     register_max_warps: int = 32
     #: The register path's select: "histogram" (``register_radix_bits``-bit
     #: digits by ``tl.histogram``) or "count" (2-bit digits, counting the
-    #: keys at or above each of 3 thresholds: ~2.5x fewer instructions a
-    #: key, 4x the block-wide reductions; see ``topk._kth_largest_counted``).
+    #: keys at or above each of 3 thresholds: about half the instructions a
+    #: key on sm_90, 4x the passes; see ``topk._kth_largest_counted``).
+    #: Which wins is for ``bench_topk.py --register-sweep`` to say.
     register_select: str = "histogram"
     #: Bits per radix pass of the register path's histograms (a divisor of 32, at most 8;
     #: ``tl.histogram`` costs about the same per bit at 4 and 8 bits, and 8
