@@ -12,12 +12,14 @@ the radix passes of the leading digits that the row's smallest and largest
 keys share, runs the others on the registers (``tl.histogram`` of the
 digit among the keys matching the prefix so far, then the digit holding
 the k-th largest from a prefix sum taken from the top; passes stop once a
-digit's keys are exactly those left to take), and writes the selection
-with one prefix sum over column order, then ``-1`` padding.  No global
-round trip or block barrier between phases, which is what the row path
-pays for on short rows; but every pass costs every key of the row (about
-75 instructions a key on sm_90), so past ~8192 columns the row and sliced
-paths, which select among ~1.4k candidates, win.
+digit's keys are exactly those left to take; or, with
+``TopkTuning.register_select = "count"``, 2-bit digits by counting the keys
+at or above three thresholds: :func:`_kth_largest_counted`), and writes the
+selection with one prefix sum over column order, then ``-1`` padding.  No
+global round trip between phases, which is what the row path pays for on
+short rows; but every pass costs every key of the row (about 75
+instructions a key an 8-bit pass on sm_90), so past ~8192 columns the row
+and sliced paths, which select among ~1.4k candidates, win.
 
 **Row path** (one launch, one program per row; rows up to
 ``TopkTuning.row_max_columns`` wide, or any width once there are
