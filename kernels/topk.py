@@ -19,7 +19,8 @@ selection with one prefix sum over column order, then ``-1`` padding.  No
 global round trip between phases, which is what the row path pays for on
 short rows; but every pass costs every key of the row (about 75
 instructions a key an 8-bit pass on sm_90), so past ~8192 columns the row
-and sliced paths, which select among ~1.4k candidates, win.
+and sliced paths, which select among the keys at or above a bound (~700
+for k = 512 on half-normal scores), win.
 
 **Row path** (one launch, one program per row; rows up to
 ``TopkTuning.row_max_columns`` wide, or any width once there are
