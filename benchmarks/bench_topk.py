@@ -8,23 +8,27 @@ scores (|N(0, 1)|, continuous like the scorer's), every column visible.
 Per shape, CUDA-graph replay (device time, L2 warm), median µs per call:
 - ``ours_us``: topk_blocks as planned (``TopkTuning.path = "auto"``;
   ``path`` says which path the plan chose);
-- ``row_us`` / ``sliced_us``: the one-program-per-row path and the old
-  four-launch sliced path, each forced (``tuning.override`` of
-  ``TopkTuning.path``), in the same run;
+- ``register_us`` / ``row_us`` / ``sliced_us``: the register path (one
+  program per row, the row in registers; rows up to
+  ``topk.REGISTER_MAX_TILE`` columns, else absent), the one-program-per-row
+  streaming path and the four-launch sliced path, each forced
+  (``tuning.override`` of ``TopkTuning.path``), in the same run;
 - ``torch_topk_us``: ``torch.topk(logits, k, sorted=False)`` (values and
   indices, unordered; ours also orders the columns);
 - ``lax_topk_us``: ``jax.lax.top_k`` on the same logits (a jitted fori_loop
   of calls, per call: device-time estimate), where JAX has a GPU and the
   logits are at most MAX_LAX_BYTES.
-Bytes: one pass over the logits is ``R x C x 4``; the row path reads the row
-twice (group maxima, compaction) plus ~1.4k candidates a row, the sliced path
-three times.  ``*_gbps`` is one pass's bytes over the time (a lower bound of
+Bytes: one pass over the logits is ``R x C x 4``; the register path reads the
+row once, the row path twice (group maxima, compaction) plus ~1.4k candidates
+a row, the sliced path three times.  ``*_gbps`` is one pass's bytes over the time (a lower bound of
 the achieved bandwidth).  The summary gives median speedups over the grid.
 
-    python benchmarks/bench_topk.py [--json PATH] [--smoke] [--sweep]
+    python benchmarks/bench_topk.py [--json PATH] [--smoke] [--sweep | --register-sweep]
 
 ``--sweep`` instead times the row path's tuning (``TopkTuning.row_warps`` x
-``row_keys_per_thread`` x ``bound_passes``) on a few shapes.
+``row_keys_per_thread`` x ``bound_passes``) on a few shapes;
+``--register-sweep`` the register path's (``register_select`` x
+``register_keys_per_thread`` x ``register_radix_bits``).
 """
 
 from __future__ import annotations
@@ -78,10 +82,13 @@ def lax_topk_us(jax, logits, k, smoke):
 
 SWEEP_SHAPES = [(1, 32768), (64, 262144), (2048, 2048), (2048, 32768)]
 SWEEP = dict(row_warps=[8, 16], row_keys_per_thread=[8, 16], bound_passes=[1, 2])  # TopkTuning fields
+REGISTER_SWEEP_SHAPES = [(1, 2048), (1, 8192), (1, 16384), (256, 8192), (2048, 2048), (2048, 8192)]
+REGISTER_SWEEP = dict(register_select=["histogram", "count"], register_keys_per_thread=[8, 16],
+                      register_radix_bits=[4, 8])  # "count" ignores register_radix_bits
 
 
-def sweep(args):
-    """The row path's µs per tuning, on SWEEP_SHAPES (results checked against the default's)."""
+def sweep(args, path="row", grid=SWEEP, sweep_shapes=SWEEP_SHAPES):
+    """A path's µs per tuning, on ``sweep_shapes`` (results checked against the default's)."""
     import itertools
 
     import torch
@@ -90,34 +97,39 @@ def sweep(args):
     from qsa_kernels.tuning import TopkTuning
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    shapes = [(1, 64), (3, 300)] if args.smoke else SWEEP_SHAPES
+    shapes = [(1, 64), (3, 300)] if args.smoke else sweep_shapes
     k = SMOKE["K"] if args.smoke else K
     generator = torch.Generator(device=device).manual_seed(0)
-    row = TopkTuning(path="row")
-    defaults = {name: getattr(row, name) for name in SWEEP}
+    row = TopkTuning(path=path)
+    defaults = {name: getattr(row, name) for name in grid}
     results = []
     for rows, columns in shapes:
         logits = torch.randn(rows, columns, device=device, generator=generator).abs_()
         visible = torch.full((rows,), columns, device=device, dtype=torch.int32)
         _, expected = ours_us(qsa_torch, row, logits, visible, k, args.smoke)
-        for values in itertools.product(*SWEEP.values()):
-            fields = dict(zip(SWEEP, values))
+        for values in itertools.product(*grid.values()):
+            fields = dict(zip(grid, values))
             us, out = ours_us(qsa_torch, dataclasses.replace(row, **fields), logits, visible, k, args.smoke)
-            result = dict(rows=rows, columns=columns, k=k, **fields, row_us=us,
+            result = dict(rows=rows, columns=columns, k=k, **fields, **{f"{path}_us": us},
                           matches=bool(torch.equal(out, expected)))
             results.append(result)
             common.print_table([result], list(result))
-    path = args.json.replace("topk.json", "topk_sweep.json") if args.json.endswith("results/topk.json") else args.json
-    common.write_json(path, "topk_blocks row-path tuning sweep", results,
+    name = "topk_sweep.json" if path == "row" else f"topk_{path}_sweep.json"
+    out = args.json.replace("topk.json", name) if args.json.endswith("results/topk.json") else args.json
+    common.write_json(out, f"topk_blocks {path}-path tuning sweep", results,
                       [f"defaults {defaults}; CUDA-graph replay, median us per call; logits |N(0,1)|"])
 
 
 def main():
     parser = common.parser(__doc__, "topk.json")
     parser.add_argument("--sweep", action="store_true", help="time the row path's tuning instead of the grid")
+    parser.add_argument("--register-sweep", action="store_true",
+                        help="time the register path's tuning instead of the grid")
     args = parser.parse_args()
     if args.sweep:
         return sweep(args)
+    if args.register_sweep:
+        return sweep(args, "register", REGISTER_SWEEP, REGISTER_SWEEP_SHAPES)
     import torch
 
     import qsa_kernels.topk as topk_plans
@@ -141,9 +153,11 @@ def main():
     started = time.perf_counter()
     notes = [
         f"k = {k}; logits |N(0,1)| fp32, every column visible; CUDA-graph replay, median us per call",
-        "ours_us: TopkTuning.path auto (path = the plan's choice); row_us / sliced_us: each path forced",
+        "ours_us: TopkTuning.path auto (path = the plan's choice); register_us / row_us / sliced_us: "
+        f"each path forced (register_us up to {topk_plans.REGISTER_MAX_TILE} columns)",
         "torch_topk_us: torch.topk(sorted=False); lax_topk_us: jax.lax.top_k, jitted fori_loop per call",
-        "one pass = R x C x 4 bytes; *_gbps = one pass / time; row path reads a row twice, sliced thrice",
+        "one pass = R x C x 4 bytes; *_gbps = one pass / time; register path reads a row once, row path "
+        "twice, sliced thrice",
         f"skipped: logits above {g['MAX_LOGITS_BYTES'] >> 20} MiB; lax.top_k above {g['MAX_LAX_BYTES'] >> 20} MiB"
         + ("" if jax_gpu else " and everywhere (no JAX GPU in this process)"),
     ]
@@ -161,7 +175,9 @@ def main():
             row = dict(rows=rows, columns=columns, k=k, bytes_one_pass=nbytes,
                        path=topk_plans.topk_path(rows, columns, k, auto))
             row["ours_us"], expected = ours_us(qsa_torch, auto, logits, visible, k, args.smoke)
-            for path in ("row", "sliced"):
+            for path in ("register", "row", "sliced"):
+                if path == "register" and columns > topk_plans.REGISTER_MAX_TILE:
+                    continue
                 forced = dataclasses.replace(auto, path=path)
                 row[f"{path}_us"], out = ours_us(qsa_torch, forced, logits, visible, k, args.smoke)
                 row[f"{path}_matches"] = bool(torch.equal(out, expected))
@@ -169,7 +185,7 @@ def main():
             if jax_gpu and nbytes <= g["MAX_LAX_BYTES"]:
                 torch.cuda.synchronize()
                 row["lax_topk_us"] = lax_topk_us(jax, common.to_jax(logits), k, args.smoke)
-            for name in ("ours", "row", "sliced", "torch_topk", "lax_topk"):
+            for name in ("ours", "register", "row", "sliced", "torch_topk", "lax_topk"):
                 row[f"{name}_gbps"] = common.gbps(nbytes, row.get(f"{name}_us"))
             for name in ("torch_topk", "sliced", "lax_topk"):
                 if row.get(f"{name}_us") and row["ours_us"]:
@@ -185,9 +201,9 @@ def main():
             summary[f"min_speedup_vs_{name}"] = min(speedups)
     notes.append("summary: " + ", ".join(f"{key} {value:.2f}" for key, value in summary.items()))
     notes.append(f"total run time {time.perf_counter() - started:.0f} s")
-    common.print_table(results, ["rows", "columns", "path", "ours_us", "row_us", "sliced_us", "torch_topk_us",
-                                 "lax_topk_us", "speedup_vs_torch_topk", "speedup_vs_sliced", "ours_gbps",
-                                 "row_matches", "sliced_matches"])
+    common.print_table(results, ["rows", "columns", "path", "ours_us", "register_us", "row_us", "sliced_us",
+                                 "torch_topk_us", "lax_topk_us", "speedup_vs_torch_topk", "speedup_vs_sliced",
+                                 "ours_gbps", "register_matches", "row_matches", "sliced_matches"])
     print(notes[-2])
     common.write_json(args.json, "topk_blocks paths vs torch.topk and jax.lax.top_k", results, notes)
 

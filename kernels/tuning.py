@@ -198,9 +198,11 @@ class AttentionTuning:
 class TopkTuning:
     """Stage 3b (``topk_blocks``, and the top-k of ``select_paged_tokens``).
 
-    Two paths (:mod:`.topk`): the row path (one launch, one program per
-    row) and the sliced path (four launches over ``(row, slice)``
-    programs); ``path`` picks one or lets the static shape decide.
+    Three paths (:mod:`.topk`): the register path (one launch, one program
+    per row holding the whole row in registers), the row path (one launch,
+    one program per row streaming its row) and the sliced path (four
+    launches over ``(row, slice)`` programs); ``path`` picks one or lets
+    the static shape decide.
     """
 
     #: Columns a sliced-path program handles per step (raised to G where needed).
@@ -213,9 +215,32 @@ class TopkTuning:
     max_groups: int = 4096
     #: Bits per radix pass (a divisor of 32, at most 8).
     radix_bits: int = 8
-    #: Top-k path: "auto" (by shape, see ``topk.topk_path``), "row" or
-    #: "sliced" (forced; benchmarks compare them).
+    #: Top-k path: "auto" (by shape, see ``topk.topk_path``), "register",
+    #: "row" or "sliced" (forced; benchmarks compare them; "register" holds
+    #: at most ``topk.REGISTER_MAX_TILE`` columns).
     path: str = "auto"
+    #: The register path for rows at most this wide, whatever the rows.  Its
+    #: cost is the radix passes over every key of the row, about 75
+    #: instructions a key a pass on sm_90 (``tl.histogram`` of 8-bit
+    #: digits): estimated from the sm_90 code (instructions x warps per
+    #: scheduler; not measured yet), 1 x 2048 ~ 3-4 us of issue (row path:
+    #: 14.1 us), 1 x 8192 ~ 12 us (19.5), 1 x 16384 ~ 25 us (sliced: ~24),
+    #: 2048 x 2048 ~ 44 us (113), 2048 x 8192 ~ 180 us (179).
+    register_max_columns: int = 8192
+    #: A register-path program's keys per thread (warps = row tile / 32 /
+    #: this, at most ``register_max_warps``; past that the keys per thread grow).
+    register_keys_per_thread: int = 16
+    register_max_warps: int = 32
+    #: The register path's select: "histogram" (``register_radix_bits``-bit
+    #: digits by ``tl.histogram``) or "count" (2-bit digits, counting the
+    #: keys at or above each of 3 thresholds: about half the instructions a
+    #: key on sm_90, 4x the passes; see ``topk._kth_largest_counted``).
+    #: Which wins is for ``bench_topk.py --register-sweep`` to say.
+    register_select: str = "histogram"
+    #: Bits per radix pass of the register path's histograms (a divisor of 32, at most 8;
+    #: ``tl.histogram`` costs about the same per bit at 4 and 8 bits, and 8
+    #: makes half the passes, each with its block-wide reductions).
+    register_radix_bits: int = 8
     #: One program per row for rows at most this wide, or for any width once
     #: there are this many rows (enough programs to fill an H200 without slicing).
     #: Measured on the H200 (benchmarks/results/topk.json, k = 512): with 1-8
@@ -238,21 +263,28 @@ class TopkTuning:
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
-            if field.name != "path":
+            if field.name not in ("path", "register_select"):
                 _positive_int("TopkTuning", field.name, getattr(self, field.name))
-        if 32 % self.radix_bits:
-            raise ValueError(f"TopkTuning: radix_bits must divide 32, got {self.radix_bits!r}")
-        if self.radix_bits > 8:  # a digit's counts (up to 2**bits) are packed in 16 bits
-            raise ValueError(f"TopkTuning: radix_bits must be at most 8, got {self.radix_bits!r}")
+        for name in ("radix_bits", "register_radix_bits"):
+            value = getattr(self, name)
+            if 32 % value:
+                raise ValueError(f"TopkTuning: {name} must divide 32, got {value!r}")
+            if value > 8:  # a digit's counts (up to 2**bits) are packed in 16 bits
+                raise ValueError(f"TopkTuning: {name} must be at most 8, got {value!r}")
+        if not isinstance(self.register_select, str) or self.register_select not in REGISTER_SELECTS:
+            raise ValueError(f"TopkTuning: register_select must be one of "
+                             f"{', '.join(map(repr, REGISTER_SELECTS))}, got {self.register_select!r}")
         if not isinstance(self.path, str) or self.path not in TOPK_PATHS:
             raise ValueError(f"TopkTuning: path must be one of {', '.join(map(repr, TOPK_PATHS))}, "
                              f"got {self.path!r}")
-        for name in ("row_warps", "row_group_keys_per_thread", "row_keys_per_thread"):
+        for name in ("row_warps", "row_group_keys_per_thread", "row_keys_per_thread",
+                     "register_keys_per_thread", "register_max_warps"):
             value = getattr(self, name)
             if value & (value - 1):
                 raise ValueError(f"TopkTuning: {name} must be a power of two, got {value!r}")
-        if self.row_warps > 32:
-            raise ValueError(f"TopkTuning: row_warps must be at most 32, got {self.row_warps!r}")
+        for name in ("row_warps", "register_max_warps"):
+            if getattr(self, name) > 32:
+                raise ValueError(f"TopkTuning: {name} must be at most 32, got {getattr(self, name)!r}")
         if self.bound_passes > 32 // self.radix_bits:
             raise ValueError(f"TopkTuning: bound_passes must be at most 32 // radix_bits = "
                              f"{32 // self.radix_bits}, got {self.bound_passes!r}")
@@ -264,7 +296,9 @@ FP8_WIDEN_MODES = ("registers", "dot_operand")
 ROW_ADDRESSING_MODES = ("slot", "page")
 
 #: The values of ``TopkTuning.path``.
-TOPK_PATHS = ("auto", "row", "sliced")
+TOPK_PATHS = ("auto", "register", "row", "sliced")
+#: The values of ``TopkTuning.register_select``.
+REGISTER_SELECTS = ("histogram", "count")
 
 
 @_tuning_value

@@ -202,22 +202,35 @@ CASES = {
     "topk/decode-256-128k-k512": _topk(256, 1 << 15, 512),
     "topk/prefill-2048-128k-k2048-bf16": _topk(2048, 1 << 15, 2048, dtype=BF16),
     "topk/short-rows-k-past-row-end-fp16-int64": _topk(8, 100, 128, dtype=FP16, index=I64),
+    # The register path (the row in registers, 16 keys a thread): 4 warps
+    # at 2048 columns, 16 at 8192, and 32 at its widest (REGISTER_MAX_TILE).
+    "topk/register-decode-1-8k-k512": _topk(1, 1 << 11, 512),
+    "topk/register-decode-1-32k-k512": _topk(1, 1 << 13, 512),
+    "topk/register-prefill-2048-8k-k512": _topk(2048, 1 << 11, 512),
+    "topk/forced-register-decode-1-64k-k512": _topk(1, 1 << 14, 512, path="register"),
+    "topk/register-prefill-2048-32k-k1-fp16-int64": _topk(2048, 1 << 13, 1, dtype=FP16, index=I64),
+    "topk/register-k2048-4096-bf16": _topk(16, 4096, 2048, dtype=BF16),
     # The row path (one program per row): bounded with 16 warps, halved tiles
     # for many rows, and the direct select of single-column groups; the
     # sliced path past TopkTuning.row_max_columns with few rows.
     "topk/row-decode-1-32k-k512": _topk(1, 1 << 15, 512),
-    "topk/row-prefill-2048-8k-k512": _topk(2048, 1 << 11, 512),
+    "topk/row-prefill-2048-8k-k512": _topk(2048, 1 << 11, 512, path="row"),
     "topk/row-decode-64-1m-k512": _topk(64, 1 << 18, 512),
-    "topk/row-direct-k2048-4096": _topk(16, 4096, 2048),
+    "topk/row-direct-k2048-4096": _topk(16, 4096, 2048, path="row"),
     "topk/row-decode-1-256k-k2048": _topk(1, 1 << 16, 2048),
-    "topk/row-prefill-2048-8k-k1": _topk(2048, 1 << 13, 1, dtype=FP16),
+    "topk/row-prefill-2048-8k-k1": _topk(2048, 1 << 13, 1, dtype=FP16, path="row"),
     "topk/sliced-decode-8-512k-k512": _topk(8, 1 << 17, 512),
     # Each path forced where the other is chosen (benchmarks/bench_topk.py
     # times both), and the --sweep's smallest row-path configuration.
     "topk/forced-sliced-decode-256-128k-k512": _topk(256, 1 << 15, 512, path="sliced"),
     "topk/forced-row-decode-1-1m-k512": _topk(1, 1 << 18, 512, path="row"),
-    "topk/row-8-warps-8-keys-1-bound-pass-2048-8k": _topk(2048, 1 << 13, 512, row_warps=8,
+    "topk/row-8-warps-8-keys-1-bound-pass-2048-8k": _topk(2048, 1 << 13, 512, path="row", row_warps=8,
                                                            row_keys_per_thread=8, bound_passes=1),
+    "topk/register-4-bit-digits-8-keys-1-8k": _topk(1, 1 << 13, 512, register_radix_bits=4,
+                                                    register_keys_per_thread=8),
+    "topk/register-count-decode-1-32k-k512": _topk(1, 1 << 13, 512, register_select="count"),
+    "topk/register-count-forced-1-64k-k512": _topk(1, 1 << 14, 512, path="register", register_select="count"),
+    "topk/register-count-prefill-2048-8k-k512": _topk(2048, 1 << 11, 512, register_select="count"),
     # Stage 3: expansion, and the whole selection (chunked past 128 MiB of
     # logits).  Shapes shared with the cases above compile once.
     "expand/decode-256-topk2048": _expand(256, 2048),

@@ -1,6 +1,7 @@
-"""topk_blocks by path: the one-program-per-row path (its bound, candidate
-and fallback branches, and the direct select), the sliced path, and the
-shapes where the plan switches between them.
+"""topk_blocks by path: the register path (the row in registers), the
+one-program-per-row path (its bound, candidate and fallback branches, and
+the direct select), the sliced path, and the shapes where the plan switches
+between them.
 
 CPU shapes are small: the tuning is shrunk (``tuning.override``) so that
 every path and branch runs at widths of a few hundred columns.  Every case is checked
@@ -46,8 +47,10 @@ def kernels(program):
 @pytest.fixture
 def small_tiles():
     """Row-path tiles of 32 columns (one warp, one key a thread) and
-    candidate buffers of 4k, so that small rows take every branch."""
-    with retuned(row_warps=1, row_keys_per_thread=1, row_group_keys_per_thread=1, min_candidates=8):
+    candidate buffers of 4k, so that small rows take every branch (and the
+    row path, not the register path, for rows wider than one column)."""
+    with retuned(row_warps=1, row_keys_per_thread=1, row_group_keys_per_thread=1, min_candidates=8,
+                 register_max_columns=1):
         yield
 
 
@@ -56,31 +59,60 @@ def small_tiles():
 # --------------------------------------------------------------------------
 
 def test_path_thresholds():
+    narrow = TopkTuning().register_max_columns
     wide = TopkTuning().row_max_columns
     few = TopkTuning().row_min_rows
+    for rows in (1, 31, 2048):
+        assert kernels(plan(rows, narrow, 512)) == ["topk_register_kernel"]
+        assert kernels(plan(rows, narrow + 1, 512)) == ["topk_row_kernel"]
     assert kernels(plan(1, wide, 512)) == ["topk_row_kernel"]
     assert kernels(plan(few - 1, wide + 1, 512))[0] == "topk_group_max_kernel"
     assert kernels(plan(few, wide + 1, 512)) == ["topk_row_kernel"]
-    assert kernels(plan(2048, 2048, 512)) == ["topk_row_kernel"]
+    assert kernels(plan(2048, 2048, 512)) == ["topk_register_kernel"]
     assert kernels(plan(1, 1 << 18, 512))[0] == "topk_group_max_kernel"
     # Forced paths, as the benchmark compares them.
     assert len(plan(1, 32768, 512, TopkTuning(path="sliced")).launches) == 4
     assert kernels(plan(1, 1 << 18, 512, TopkTuning(path="row"))) == ["topk_row_kernel"]
+    assert kernels(plan(2048, 2048, 512, TopkTuning(path="row"))) == ["topk_row_kernel"]
+    assert kernels(plan(1, topk_plans.REGISTER_MAX_TILE, 512, TopkTuning(path="register"))) == ["topk_register_kernel"]
     with tuning.override(topk=TopkTuning(path="sliced")):
         assert len(plan(2048, 2048, 512).launches) == 4
+    # A raised threshold stops at the widest row registers hold.
+    assert kernels(plan(1, 1 << 15, 512, TopkTuning(register_max_columns=1 << 15)))[0] == "topk_group_max_kernel"
+
+
+def test_register_path_holds_at_most_its_tile():
+    with pytest.raises(ValueError) as error:
+        plan(1, topk_plans.REGISTER_MAX_TILE + 1, 512, TopkTuning(path="register"))
+    assert str(error.value) == (f"TopkTuning: path 'register' holds a row in registers: at most "
+                                f"{topk_plans.REGISTER_MAX_TILE} columns, got {topk_plans.REGISTER_MAX_TILE + 1}")
+
+
+@pytest.mark.parametrize("columns, tile, warps", [
+    (1, 16, 1), (100, 128, 1), (2048, 2048, 4), (2049, 4096, 8), (8192, 8192, 16), (16384, 16384, 32)])
+def test_register_tiling(columns, tile, warps):
+    """TILE covers the row at 16 keys a thread; past 32 warps the keys per thread grow."""
+    (launch,) = plan(3, columns, 64, TopkTuning(path="register")).launches
+    assert launch.constexprs["TILE"] == tile and launch.num_warps == warps
+    assert launch.constexprs["BITS"] == 8 and launch.outputs == ("out",)
+    assert plan(3, columns, 64, TopkTuning(path="register")).buffers[1:] == ()  # no workspace
+    (launch,) = plan(3, columns, 64, TopkTuning(path="register", register_keys_per_thread=4,
+                                                 register_max_warps=8, register_radix_bits=4)).launches
+    assert launch.num_warps == max(1, min(8, tile // 128)) and launch.constexprs["BITS"] == 4
 
 
 @pytest.mark.parametrize("k", [1, 8, 512, 2048])
 def test_row_path_bounds_only_wider_rows(k):
     """Rows up to 2k columns (single-column groups) skip the bound; wider rows use it."""
+    row = TopkTuning(path="row")
     for columns, bounded in ((2 * k, False), (2 * k + 1, True)):
-        (launch,) = plan(4, columns, k).launches
+        (launch,) = plan(4, columns, k, row).launches
         assert launch.constexprs["BOUNDED"] is bounded
         assert launch.constexprs["TILE"] >= (1 if bounded else columns)
     # Every tile fits the 16-bit counts packed by the prefix sums.
     for rows in (64, 2048):
         for columns in (2048, 32768, 1 << 18):
-            (launch,) = plan(rows, columns, k).launches
+            (launch,) = plan(rows, columns, k, row).launches
             assert launch.constexprs["TILE"] <= 16384 and launch.constexprs["GROUP_TILE"] >= launch.constexprs["GROUPS"]
 
 
@@ -208,6 +240,82 @@ def test_many_rows_switch(small_tiles):
         check_topk(logits, visible, 9)
 
 
+# --------------------------------------------------------------------------
+# The register path, at small widths
+# --------------------------------------------------------------------------
+
+@pytest.fixture(params=["histogram", "count"])
+def register_path(request):
+    """The register path forced, with each of its selects."""
+    with retuned(path="register", register_select=request.param):
+        yield
+
+
+@pytest.mark.parametrize("columns, k", [(16, 8), (17, 8), (64, 1), (300, 20)])
+@pytest.mark.parametrize("special", [False, True])
+def test_register_path_matches_reference(register_path, columns, k, special):
+    """k = 1, widths at a tile's edge and inside one, visible widths below
+    k, zero, negative and past the row; ties, -0.0, -inf and NaN."""
+    logits = topk_logits(40 + columns, 6, columns, special)
+    visible = torch.tensor([columns, k - 1, 0, -5, columns + 3, max(columns // 2, 1)], dtype=torch.int32)
+    check_topk(logits, visible, k)
+
+
+@pytest.mark.parametrize("value", [0.5, -0.0, float("-inf"), float("nan")])
+def test_register_path_all_ties(register_path, value):
+    """A row of one value (every radix pass skipped): the lowest columns win."""
+    logits = torch.full((2, 100), value)
+    logits[1, ::2] = -value if value == value else value  # +0.0 among -0.0, +inf among -inf
+    check_topk(logits, torch.tensor([100, 60], dtype=torch.int32), 7)
+
+
+def test_register_path_k_past_visible_and_columns(register_path):
+    logits = topk_logits(41, 3, 40, special=True)
+    check_topk(logits, torch.tensor([40, 3, 0], dtype=torch.int32), 64)
+    check_topk(logits, torch.tensor([40, 39, 1], dtype=torch.int32), 40)
+
+
+@pytest.mark.parametrize("kind", ["sorted", "periodic", "narrow", "ties"])
+def test_register_path_data(register_path, kind):
+    """Sorted rows, outliers, keys sharing their top 16 bits (leading passes
+    skipped) and ties at the k-th key; 4-bit digits on the same rows."""
+    logits = branch_case(kind)
+    visible = torch.tensor([200, 150, 77], dtype=torch.int32)
+    check_topk(logits, visible, 5)
+    with retuned(register_radix_bits=4, register_keys_per_thread=2, register_max_warps=2):
+        (launch,) = plan(3, 200, 5).launches
+        assert launch.constexprs["BITS"] == 4 and launch.num_warps == 2
+        assert launch.constexprs["COUNTED"] is (tuning.current().topk.register_select == "count")
+        check_topk(logits, visible, 5)
+
+
+def test_register_path_equals_the_other_paths(small_tiles):
+    """Forced register (both selects), row and sliced paths: bitwise the
+    same columns, the reference's."""
+    logits = topk_logits(42, 4, 150, special=True)
+    visible = torch.tensor([150, 149, 30, 1], dtype=torch.int32)
+    outs = {}
+    for path, select in (("register", "histogram"), ("register", "count"), ("row", "histogram"),
+                         ("sliced", "histogram")):
+        with retuned(path=path, tile=64, register_select=select):
+            assert topk_plans.topk_path(4, 150, 9, tuning.current().topk) == path
+            outs[path, select] = host(qsa_torch.topk_blocks(logits, visible, 9))
+    expected = reference.topk_blocks(host(logits).astype(np.float64), host(visible), 9)
+    for (path, select), out in outs.items():
+        assert np.array_equal(out, expected), (path, select)
+
+
+def test_register_switch_shapes():
+    """Just below and above the register-width threshold: the register path,
+    then the row path; exact on both."""
+    logits = topk_logits(43, 3, 97, special=True)
+    visible = torch.tensor([97, 96, 50], dtype=torch.int32)
+    with retuned(register_max_columns=96, row_warps=1, row_keys_per_thread=1, row_group_keys_per_thread=1):
+        for columns, kernel in ((96, "topk_register_kernel"), (97, "topk_row_kernel")):
+            assert kernels(plan(3, columns, 6)) == [kernel]
+            check_topk(logits[:, :columns].contiguous(), visible.clamp(max=columns), 6)
+
+
 def test_tuning_reaches_the_row_plan():
     """Every row-path field is read from the tuning passed (or in force), and
     plans under different tunings are memoised apart."""
@@ -242,8 +350,8 @@ def test_select_topk_tuning_reaches_the_row_path():
         return [launch for launch in program.launches if launch.kernel.__name__.startswith("topk_")]
 
     (default,) = topk_launches(select_plans.plan_select_paged_tokens(**infos, **options))
-    assert default.kernel.__name__ == "topk_row_kernel" and default.num_warps == 16
-    small = TopkTuning(row_warps=1, row_keys_per_thread=1, row_group_keys_per_thread=1)
+    assert default.kernel.__name__ == "topk_register_kernel"
+    small = TopkTuning(register_max_columns=1, row_warps=1, row_keys_per_thread=1, row_group_keys_per_thread=1)
     (launch,) = topk_launches(select_plans.plan_select_paged_tokens(**infos, **options, topk_tuning=small))
     assert launch.num_warps == 1 and launch.constexprs["TILE"] == 32 and launch.constexprs["GROUP_TILE"] == 32
     with tuning.override(topk=small):
@@ -255,8 +363,17 @@ def test_select_topk_tuning_reaches_the_row_path():
 
 
 def test_topk_tuning_is_checked():
-    for fields, message in ((dict(path="rows"), "TopkTuning: path must be one of 'auto', 'row', 'sliced', got 'rows'"),
-                            (dict(path=None), "TopkTuning: path must be one of 'auto', 'row', 'sliced', got None"),
+    paths = "'auto', 'register', 'row', 'sliced'"
+    for fields, message in ((dict(path="rows"), f"TopkTuning: path must be one of {paths}, got 'rows'"),
+                            (dict(path=None), f"TopkTuning: path must be one of {paths}, got None"),
+                            (dict(register_keys_per_thread=12),
+                             "TopkTuning: register_keys_per_thread must be a power of two, got 12"),
+                            (dict(register_max_warps=64), "TopkTuning: register_max_warps must be at most 32, got 64"),
+                            (dict(register_radix_bits=3), "TopkTuning: register_radix_bits must divide 32, got 3"),
+                            (dict(register_radix_bits=16), "TopkTuning: register_radix_bits must be at most 8"),
+                            (dict(register_max_columns=0), "TopkTuning: register_max_columns must be a positive int"),
+                            (dict(register_select="counts"), "TopkTuning: register_select must be one of "
+                                                             "'histogram', 'count', got 'counts'"),
                             (dict(row_warps=12), "TopkTuning: row_warps must be a power of two, got 12"),
                             (dict(row_warps=64), "TopkTuning: row_warps must be at most 32, got 64"),
                             (dict(row_keys_per_thread=3), "TopkTuning: row_keys_per_thread must be a power of two"),
@@ -298,13 +415,16 @@ def test_sorted_reference_is_the_reference():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows, columns, k", [
+    (1, 2048, 512),       # register path, 4 warps
+    (1, 8192, 512),       # register path at its width threshold, 16 warps
+    (31, 8192, 2048),     # register path, k = 2048
+    (2048, 2048, 512),    # register path, prefill chunk
+    (1, 8193, 512),       # row path just past the register threshold
     (1, 32768, 512),      # row path, bounded, 16 warps
     (1, 65536, 2048),     # row path at its width threshold
     (8, 131072, 512),     # sliced path (few long rows)
     (64, 262144, 512),    # row path for long rows once rows fill the GPU
-    (2048, 2048, 512),    # prefill chunk, narrow rows, halved tiles
-    (300, 8192, 2048),    # many rows, k = 2048
-    (16, 4096, 2048),     # direct select (single-column groups)
+    (300, 16384, 2048),   # many rows, k = 2048
 ])
 def test_topk_paths_production(rows, columns, k):
     logits = topk_logits(27, rows, columns, special=True).to(DEVICE)
@@ -318,7 +438,25 @@ def test_topk_paths_production(rows, columns, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows, columns, k", [(1, 32768, 512), (2048, 8192, 512), (4, 262144, 2048)])
+@pytest.mark.parametrize("rows, columns, k", [(1, 2048, 512), (2048, 2048, 512), (16, 4096, 2048),
+                                              (300, 8192, 2048), (2, 16384, 512), (8, 100, 128)])
+def test_register_path_equals_row_path_production(rows, columns, k):
+    """The register path forced where it fits, bitwise equal to the row and
+    sliced paths (and the reference), with ties, -0.0, -inf and NaN."""
+    logits = topk_logits(29, rows, columns, special=True).to(DEVICE)
+    visible = torch.full((rows,), columns, dtype=torch.int32)
+    visible[-1] = columns // 3
+    visible = visible.to(DEVICE)
+    expected = sorted_reference(host(logits), host(visible), k)
+    for fields in (dict(path="register"), dict(path="register", register_select="count"),
+                   dict(path="register", register_radix_bits=4), dict(path="row"), dict(path="sliced")):
+        with tuning.override(topk=TopkTuning(**fields)):
+            assert np.array_equal(host(qsa_torch.topk_blocks(logits, visible, k)), expected), fields
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, columns, k", [(1, 8192, 512), (1, 32768, 512), (2048, 8192, 512),
+                                              (4, 262144, 2048)])
 def test_topk_paths_production_parity(rows, columns, k):
     """JAX bitwise equal to torch on each path (and both to the reference)."""
     logits = topk_logits(28, rows, columns).to(DEVICE)

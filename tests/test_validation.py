@@ -342,12 +342,14 @@ def test_override_is_part_of_the_plan_key_and_ends_with_its_block():
     with tuning.override(select=small) as current:
         assert current.select is small and current.topk == tuning.TopkTuning()
         chunked = plan_select_paged_tokens(**infos, **options)
-        with tuning.override(topk=tuning.TopkTuning(min_candidates=8)):  # nests: select stays small
+        # Nests: select stays small (the row path: the register path has no candidate buffer).
+        with tuning.override(topk=tuning.TopkTuning(path="row", min_candidates=8)):
             assert tuning.current().select is small
             nested = plan_select_paged_tokens(**infos, **options)
             assert nested.buffer("logits").shape == (1, columns) and nested.buffer("topk_candidates").shape == (1, 8)
     assert chunked.buffer("logits").shape == (1, columns) and default.buffer("logits").shape == (3, columns)
-    assert chunked.buffer("topk_candidates").shape == (1, 16)  # the row path's, at 8 columns
+    # The register path, planned at 8 columns: no top-k workspace in any chunk.
+    assert not [buffer.name for buffer in chunked.buffers if buffer.name.startswith("topk_")]
     # Back to the defaults, and to the memoised default plan: no cache to clear.
     assert tuning.current() == tuning.Tuning()
     assert plan_select_paged_tokens(**infos, **options) is default
