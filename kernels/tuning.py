@@ -222,11 +222,12 @@ class TopkTuning:
     #: The register path for rows at most this wide, whatever the rows.  Its
     #: cost is the radix passes over every key of the row, about 75
     #: instructions a key a pass on sm_90 (``tl.histogram`` of 8-bit
-    #: digits): estimated from the sm_90 code (instructions x warps per
-    #: scheduler; not measured yet), 1 x 2048 ~ 3-4 us of issue (row path:
-    #: 14.1 us), 1 x 8192 ~ 12 us (19.5), 1 x 16384 ~ 25 us (sliced: ~24),
-    #: 2048 x 2048 ~ 44 us (113), 2048 x 8192 ~ 180 us (179).
-    register_max_columns: int = 8192
+    #: digits).  Measured on the H200 (bench_topk.py, k = 512, CUDA graphs,
+    #: register / row / torch.topk us): 1 x 2048 9.0 / 14.4 / 17.1, 256 x
+    #: 2048 13.8 / 24.5 / 31.5, 2048 x 2048 70.5 / 113.3 / 106.6; but 1 x
+    #: 8192 20.0 / 19.4, 256 x 8192 44.3 / 40.1, 2048 x 8192 308.9 / 178.8 /
+    #: 268.0: so rows up to 2048 columns.
+    register_max_columns: int = 2048
     #: A register-path program's keys per thread (warps = row tile / 32 /
     #: this, at most ``register_max_warps``; past that the keys per thread grow).
     register_keys_per_thread: int = 16

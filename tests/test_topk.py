@@ -293,7 +293,7 @@ def test_register_path_equals_the_other_paths(small_tiles):
     """Forced register (both selects), row and sliced paths: bitwise the
     same columns, the reference's."""
     logits = topk_logits(42, 4, 150, special=True)
-    visible = torch.tensor([150, 149, 30, 1], dtype=torch.int32)
+    visible = torch.tensor([150, 149, 30, 1], dtype=torch.int32, device=logits.device)
     outs = {}
     for path, select in (("register", "histogram"), ("register", "count"), ("row", "histogram"),
                          ("sliced", "histogram")):
@@ -309,7 +309,7 @@ def test_register_switch_shapes():
     """Just below and above the register-width threshold: the register path,
     then the row path; exact on both."""
     logits = topk_logits(43, 3, 97, special=True)
-    visible = torch.tensor([97, 96, 50], dtype=torch.int32)
+    visible = torch.tensor([97, 96, 50], dtype=torch.int32, device=logits.device)
     with retuned(register_max_columns=96, row_warps=1, row_keys_per_thread=1, row_group_keys_per_thread=1):
         for columns, kernel in ((96, "topk_register_kernel"), (97, "topk_row_kernel")):
             assert kernels(plan(3, columns, 6)) == [kernel]
@@ -415,11 +415,11 @@ def test_sorted_reference_is_the_reference():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows, columns, k", [
-    (1, 2048, 512),       # register path, 4 warps
-    (1, 8192, 512),       # register path at its width threshold, 16 warps
-    (31, 8192, 2048),     # register path, k = 2048
+    (1, 2048, 512),       # register path at its width threshold, 4 warps
+    (1, 8192, 512),       # row path (the register path: rows up to 2048 columns)
+    (31, 8192, 2048),     # row path, k = 2048
     (2048, 2048, 512),    # register path, prefill chunk
-    (1, 8193, 512),       # row path just past the register threshold
+    (1, 8193, 512),       # row path, bounded
     (1, 32768, 512),      # row path, bounded, 16 warps
     (1, 65536, 2048),     # row path at its width threshold
     (8, 131072, 512),     # sliced path (few long rows)
