@@ -13,7 +13,7 @@ import sys
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 PATHS = [  # (column, label, style)
-    ("jax_loop_us", "JAX jit step (fori_loop device time)", dict(color="tab:blue", marker="o", markersize=9,
+    ("jax_device_us", "JAX jit step (GPU time, CUPTI)", dict(color="tab:blue", marker="o", markersize=9,
                                                                  fillstyle="none")),
     ("jax_wall_us", "JAX jit step (wall clock per call)", dict(color="tab:blue", marker="o", linestyle=":")),
     ("torch_graph_us", "torch step (CUDA graph)", dict(color="tab:orange", marker="s")),

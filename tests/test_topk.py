@@ -292,8 +292,8 @@ def test_register_path_data(register_path, kind):
 def test_register_path_equals_the_other_paths(small_tiles):
     """Forced register (both selects), row and sliced paths: bitwise the
     same columns, the reference's."""
-    logits = topk_logits(42, 4, 150, special=True)
-    visible = torch.tensor([150, 149, 30, 1], dtype=torch.int32, device=logits.device)
+    logits = topk_logits(42, 4, 150, special=True).to(DEVICE)
+    visible = torch.tensor([150, 149, 30, 1], dtype=torch.int32, device=DEVICE)
     outs = {}
     for path, select in (("register", "histogram"), ("register", "count"), ("row", "histogram"),
                          ("sliced", "histogram")):
@@ -308,8 +308,8 @@ def test_register_path_equals_the_other_paths(small_tiles):
 def test_register_switch_shapes():
     """Just below and above the register-width threshold: the register path,
     then the row path; exact on both."""
-    logits = topk_logits(43, 3, 97, special=True)
-    visible = torch.tensor([97, 96, 50], dtype=torch.int32, device=logits.device)
+    logits = topk_logits(43, 3, 97, special=True).to(DEVICE)
+    visible = torch.tensor([97, 96, 50], dtype=torch.int32, device=DEVICE)
     with retuned(register_max_columns=96, row_warps=1, row_keys_per_thread=1, row_group_keys_per_thread=1):
         for columns, kernel in ((96, "topk_register_kernel"), (97, "topk_row_kernel")):
             assert kernels(plan(3, columns, 6)) == [kernel]
