@@ -17,7 +17,9 @@ registers the FFI handler (jaxlib >= 0.11: a static check of the handler
 table, no device call), else ``"legacy"``.  ``QSA_JAX_LOWERING=legacy`` (or
 ``ffi``) in the environment forces one; :func:`use_triton_lowering` switches it
 for the functions traced inside a block.  Both lower the same compiled kernel with the
-same arguments, so their results are bitwise equal.
+same arguments, so their results are bitwise equal.  Either way the call's
+payload is slimmed (see :func:`_slim_call_proto`): jaxlib copies and hashes
+it per launch, so its size is host time.
 
 A later move to jax-triton 0.4 (which lowers to the FFI handler itself)
 should touch only this file.
@@ -110,8 +112,10 @@ def use_triton_lowering(name: str):
     ``QSA_JAX_LOWERING`` environment variable, else ``"auto"``).
 
     A jitted function is traced at its first call for given shapes: call (or
-    ``.lower()``) it inside the block.  Raises at entry if ``name`` cannot be
-    used here.  No effect in a process without a CUDA device.
+    ``.lower()``) it inside the block; JAX reuses that trace, lowering
+    included, for later calls of the same function wherever they are made.
+    Raises at entry if ``name`` cannot be used here.  No effect in a process
+    without a CUDA device.
     """
     global _requested
     _check_name(name, "lowering")
