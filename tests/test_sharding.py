@@ -427,6 +427,7 @@ def _torch_checks() -> dict:
 # --------------------------------------------------------------------------
 
 _OUTCOMES: dict = {}
+_STDERR: dict = {}  # the checks subprocess's stderr tail (its workers' too: a crash's message lands there)
 
 
 def _outcomes(framework: str) -> dict:
@@ -440,6 +441,7 @@ def _outcomes(framework: str) -> dict:
         except subprocess.TimeoutExpired as error:
             _OUTCOMES[framework] = f"timed out after {TIMEOUT_S} s; output:\n{error.stdout}\n{error.stderr}"
             return _OUTCOMES[framework]
+        _STDERR[framework] = done.stderr[-3000:]
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         _OUTCOMES[framework] = (json.loads(lines[-1]) if done.returncode == 0 and lines else
                                 f"exit {done.returncode}; stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}")
@@ -452,7 +454,8 @@ def _check(framework: str, name: str) -> None:
         pytest.fail(f"{framework} checks did not run: {outcomes}")
     failures = {k: v for k, v in outcomes.items() if v != "ok" and (k == name or k not in _KNOWN[framework])}
     assert name in outcomes, f"{framework}: check {name} did not run: {outcomes}"
-    assert not failures, "\n".join(f"{k}: {v}" for k, v in failures.items())
+    assert not failures, "\n".join([*(f"{k}: {v}" for k, v in failures.items()),
+                                    f"stderr of the checks' processes:\n{_STDERR.get(framework, '')}"])
 
 
 _KNOWN = {
