@@ -3,18 +3,20 @@
 Two measurements per lowering (``qsa_jax.use_triton_lowering``), in one process:
 
 * ``chain``: 12 chained tiny Triton kernels in one jitted function, an unrolled
-  ``lax.fori_loop`` of 10 chains: device µs per kernel (what XLA adds per
-  launch; a CUDA graph launch of the same kernels is the floor).
+  ``lax.fori_loop`` of 10 chains: wall µs per kernel, and the GPU's busy time
+  and span per kernel (what XLA adds per launch is the rest).
 * ``step``: the composed QSA decode step (``benchmarks/bench_step.py``'s shape,
-  128K context) as a jitted unrolled loop of 10 steps: per step, the kernels the
-  GPU ran (a CUPTI trace through ``torch.profiler``, which sees every kernel of
-  the process, XLA's included), their summed time and the span from first start
-  to last end; and, from XLA's optimised HLO, the custom calls, copies, fusions
-  and command-buffer calls per loop.
+  128K context), with the package's slimmed call protos and (at the first
+  batch) without them: a jitted unrolled loop of 10 steps, per step, with the
+  previous output alive and freed first; back-to-back calls of a one-step
+  jitted function (wall per call); the kernels the GPU ran in one loop (a
+  CUPTI trace through ``torch.profiler``, which sees XLA's kernels too), their
+  summed time and span; the call protos' size in XLA's optimised HLO and its
+  custom calls, copies and fusions.
 
 ``XLA_FLAGS`` decides command buffers (XLA's default: on); run once as is and
 once with ``--xla_gpu_enable_command_buffer=`` to compare (``--json`` names the
-file).  The optimised HLO of each loop is written next to the JSON.
+file).
 """
 
 from __future__ import annotations
@@ -83,26 +85,20 @@ def chain_us(lowering: str) -> dict:
     hlo = looped.lower(x).compile().as_text()
     trace = common.gpu_trace(lambda: jax.block_until_ready(looped(x)), CHAIN * LOOP) or {}
     return dict(lowering=lowering, us_per_kernel=per_loop / (CHAIN * LOOP), us_per_chain=per_loop / LOOP,
-                gpu_us_per_kernel=trace.get("device_us"), host_us_per_kernel=(
-                    per_loop / (CHAIN * LOOP) - trace["device_us"] if trace else None),
+                gpu_busy_us_per_kernel=trace.get("busy_us"), gpu_span_us_per_kernel=trace.get("device_us"),
                 **hlo_counts(hlo))
 
 
 def hlo_counts(hlo: str) -> dict:
-    """Ops of XLA's optimised HLO that decide dispatch: custom calls (by target), copies, fusions,
-    and the command buffers XLA outlined (``command_buffer`` computations)."""
-    entry = hlo  # count over the whole module: loops and command buffers are outlined computations
-    targets = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', entry))
-    return dict(
-        custom_calls=dict(targets),
-        copies=len(re.findall(r"\bcopy(-start)?\(", entry)),
-        fusions=len(re.findall(r"\bfusion\(", entry)),
-        command_buffers=len(set(re.findall(r"%?(command_buffer[\w.]*) ", entry))),
-        command_buffer_calls=len(re.findall(r"to_apply=%?command_buffer", entry)),
-    )
+    """Ops of XLA's optimised HLO (the whole module) besides the kernels' own work: custom calls by
+    target, copies and fusions.  (Command buffers are formed after HLO, from the thunks: see the
+    thunk dump, as tests/test_step.py reads it.)"""
+    targets = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', hlo))
+    return dict(custom_calls=dict(targets), copies=len(re.findall(r"\bcopy(-start)?\(", hlo)),
+                fusions=len(re.findall(r"\bfusion\(", hlo)))
 
 
-def step_trace(lowering: str, batch: int, context: int, out_dir: str, slim: bool = True) -> dict:
+def step_trace(lowering: str, batch: int, context: int, slim: bool = True) -> dict:
     import jax
     import torch
 
@@ -115,24 +111,9 @@ def step_trace(lowering: str, batch: int, context: int, out_dir: str, slim: bool
         import jax_triton
 
         jax_triton.triton_lib._COMPILED_KERNEL_CACHE.clear()
-    from qsa_kernels.paging import STATE_FIELDS
-
     shape = bench_step.Shape(bench_step.PRODUCTION, batch, context, torch.device("cuda"))
-    inputs = {name: jax.dlpack.from_dlpack(t) for name, t in shape.inputs.items()}
-    tables = (jax.dlpack.from_dlpack(shape.cos_sin), jax.dlpack.from_dlpack(shape.index_cos_sin))
-    meta = qsa_jax.StepMetadata.from_host(shape.host_meta)
-    state = qsa_jax.QSAState(**{name: jax.dlpack.from_dlpack(getattr(shape.state, name)) for name in STATE_FIELDS})
-
-    def step(inputs, state, meta, cos_sin, index_cos_sin):
-        return qsa_jax.qsa_attention_step(**inputs, state=state, metadata=meta, cos_sin=cos_sin,
-                                          index_cos_sin=index_cos_sin, **shape.options)
-
-    def loop(inputs, state, meta, cos_sin, index_cos_sin):
-        def body(_, carry):
-            q, state = carry
-            return step(dict(inputs, q=q), state, meta, cos_sin, index_cos_sin)
-
-        return jax.lax.fori_loop(0, LOOP, body, (inputs["q"], state), unroll=True)
+    inputs, state, meta, tables = bench_step.jax_arrays(shape)
+    step, loop = bench_step.jax_step_and_loop(shape, LOOP)
 
     with qsa_jax.use_triton_lowering(lowering), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
@@ -185,11 +166,10 @@ def main():
         row = dict(kind="chain", xla_flags=flags, **chain_us(lowering))  # a 1 KB call proto: slimming moot
         print(row)
         rows.append(row)
-    out_dir = os.path.dirname(os.path.abspath(args.json))
     for batch in args.batches:
         for lowering in lowerings:
             for slim in (True, False) if batch == args.batches[0] else (True,):
-                row = dict(kind="step", xla_flags=flags, **step_trace(lowering, batch, args.context, out_dir, slim))
+                row = dict(kind="step", xla_flags=flags, **step_trace(lowering, batch, args.context, slim))
                 print({k: v for k, v in row.items() if k != "ops"})
                 rows.append(row)
     common.write_json(args.json, "jax dispatch: legacy vs FFI lowering", rows, [

@@ -196,7 +196,9 @@ def jax_columns(shape: Shape, share: str, smoke: bool, lowering: str = "auto") -
         return _jax_columns(shape, share, smoke)
 
 
-def _jax_columns(shape: Shape, share: str, smoke: bool) -> tuple[dict, str]:
+def jax_arrays(shape: Shape, share: str = "dlpack") -> tuple[dict, object, object, tuple]:
+    """``(inputs, state, metadata, (cos_sin, index_cos_sin))`` of ``shape`` as JAX arrays: torch's
+    memory through DLPack, the state too with ``share="dlpack"`` (else JAX's own copy)."""
     import jax
     import jax.numpy as jnp
 
@@ -221,6 +223,16 @@ def _jax_columns(shape: Shape, share: str, smoke: bool) -> tuple[dict, str]:
     state = qsa_jax.QSAState(**{name: own(getattr(shape.state, name)) for name in STATE_FIELDS},
                              **{name: own(getattr(shape.state, name)) for name in SCALE_FIELDS
                                 if getattr(shape.state, name) is not None})
+    return inputs, state, meta, tables
+
+
+def jax_step_and_loop(shape: Shape, calls: int = LOOP_CALLS):
+    """``(step, loop)``: the QSA step over ``(inputs, state, meta, cos_sin, index_cos_sin)``, and a
+    ``lax.fori_loop`` of ``calls`` of them (unrolled; each output fed back as the next query, so no
+    step can be dropped), both returning ``(out, state)``; to be jitted with the state donated."""
+    import jax
+
+    import qsa_jax
 
     def step(inputs, state, meta, cos_sin, index_cos_sin):
         return qsa_jax.qsa_attention_step(**inputs, state=state, metadata=meta, cos_sin=cos_sin,
@@ -229,10 +241,18 @@ def _jax_columns(shape: Shape, share: str, smoke: bool) -> tuple[dict, str]:
     def loop(inputs, state, meta, cos_sin, index_cos_sin):
         def body(_, carry):
             q, state = carry
-            return step(dict(inputs, q=q), state, meta, cos_sin, index_cos_sin)  # out feeds the next q
+            return step(dict(inputs, q=q), state, meta, cos_sin, index_cos_sin)
 
-        return jax.lax.fori_loop(0, LOOP_CALLS, body, (inputs["q"], state), unroll=True)
+        return jax.lax.fori_loop(0, calls, body, (inputs["q"], state), unroll=True)
 
+    return step, loop
+
+
+def _jax_columns(shape: Shape, share: str, smoke: bool) -> tuple[dict, str]:
+    import jax
+
+    inputs, state, meta, tables = jax_arrays(shape, share)
+    step, loop = jax_step_and_loop(shape)
     jitted = jax.jit(step, donate_argnums=1)
     looped = jax.jit(loop, donate_argnums=1)
     with warnings.catch_warnings():

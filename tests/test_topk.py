@@ -44,13 +44,16 @@ def kernels(program):
     return [launch.kernel.__name__ for launch in program.launches]
 
 
+SMALL_TILES = dict(row_warps=1, row_keys_per_thread=1, row_group_keys_per_thread=1, min_candidates=8,
+                   register_max_columns=1)
+
+
 @pytest.fixture
 def small_tiles():
     """Row-path tiles of 32 columns (one warp, one key a thread) and
     candidate buffers of 4k, so that small rows take every branch (and the
     row path, not the register path, for rows wider than one column)."""
-    with retuned(row_warps=1, row_keys_per_thread=1, row_group_keys_per_thread=1, min_candidates=8,
-                 register_max_columns=1):
+    with retuned(**SMALL_TILES):
         yield
 
 
@@ -188,11 +191,24 @@ def test_row_path_branches(small_tiles, kind, k, branch):
     check_topk(logits, visible, k)
 
 
+@pytest.fixture(params=["row", "register-histogram", "register-count"])
+def one_program_a_row(request):
+    """Each path with one program a row: the row path with small_tiles' tiles,
+    or the register path forced, with each of its selects."""
+    if request.param == "row":
+        with retuned(**SMALL_TILES):
+            yield
+    else:
+        with retuned(path="register", register_select=request.param.split("-")[1]):
+            yield
+
+
 @pytest.mark.parametrize("columns, k", [(16, 8), (17, 8), (64, 1), (300, 20)])
 @pytest.mark.parametrize("special", [False, True])
-def test_row_path_matches_reference(small_tiles, columns, k, special):
-    """Widths at the direct/bounded switch (2k), k = 1, visible widths below
-    k, zero, negative and past the row; ties, -0.0, -inf and NaN."""
+def test_one_program_a_row_matches_reference(one_program_a_row, columns, k, special):
+    """Widths at the row path's direct/bounded switch (2k) and at a register
+    tile's edge, k = 1, visible widths below k, zero, negative and past the
+    row; ties, -0.0, -inf and NaN."""
     logits = topk_logits(22 + columns, 6, columns, special)
     visible = torch.tensor([columns, k - 1, 0, -5, columns + 3, max(columns // 2, 1)], dtype=torch.int32)
     check_topk(logits, visible, k)
@@ -213,7 +229,7 @@ def test_row_path_all_ties(small_tiles, value):
     check_topk(logits[:, :12].contiguous(), visible.clamp(max=12), 7)
 
 
-def test_k_past_visible_and_k_past_columns(small_tiles):
+def test_k_past_visible_and_k_past_columns(one_program_a_row):
     logits = topk_logits(23, 3, 40, special=True)
     check_topk(logits, torch.tensor([40, 3, 0], dtype=torch.int32), 64)
     check_topk(logits, torch.tensor([40, 39, 1], dtype=torch.int32), 40)
@@ -251,28 +267,12 @@ def register_path(request):
         yield
 
 
-@pytest.mark.parametrize("columns, k", [(16, 8), (17, 8), (64, 1), (300, 20)])
-@pytest.mark.parametrize("special", [False, True])
-def test_register_path_matches_reference(register_path, columns, k, special):
-    """k = 1, widths at a tile's edge and inside one, visible widths below
-    k, zero, negative and past the row; ties, -0.0, -inf and NaN."""
-    logits = topk_logits(40 + columns, 6, columns, special)
-    visible = torch.tensor([columns, k - 1, 0, -5, columns + 3, max(columns // 2, 1)], dtype=torch.int32)
-    check_topk(logits, visible, k)
-
-
 @pytest.mark.parametrize("value", [0.5, -0.0, float("-inf"), float("nan")])
 def test_register_path_all_ties(register_path, value):
     """A row of one value (every radix pass skipped): the lowest columns win."""
     logits = torch.full((2, 100), value)
     logits[1, ::2] = -value if value == value else value  # +0.0 among -0.0, +inf among -inf
     check_topk(logits, torch.tensor([100, 60], dtype=torch.int32), 7)
-
-
-def test_register_path_k_past_visible_and_columns(register_path):
-    logits = topk_logits(41, 3, 40, special=True)
-    check_topk(logits, torch.tensor([40, 3, 0], dtype=torch.int32), 64)
-    check_topk(logits, torch.tensor([40, 39, 1], dtype=torch.int32), 40)
 
 
 @pytest.mark.parametrize("kind", ["sorted", "periodic", "narrow", "ties"])
