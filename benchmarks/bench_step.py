@@ -416,8 +416,19 @@ def run(args, fp8: bool) -> None:
     runner = Runner(args.smoke, fp8, tuple(args.jax_lowerings))
     runner.skip_compile = args.skip_compile
     rows = []
+    chosen = None
+    if args.shapes and not args.smoke:  # decode:B:L entries only (a step decodes one row a request)
+        if any(mode != "decode" for mode, _, _ in args.shapes):
+            raise SystemExit("bench_step --shapes: decode:B:L entries only")
+        chosen = {(batch, context) for _, batch, context in args.shapes}
+        batches = [b for b in batches if any(b == c[0] for c in chosen)] + sorted(
+            {b for b, _ in chosen} - set(batches))
+        contexts = [c for c in contexts if any(c == x[1] for x in chosen)] + sorted(
+            {c for _, c in chosen} - set(contexts), reverse=True)
     for context in contexts:
         for batch in batches:
+            if chosen is not None and (batch, context) not in chosen:
+                continue
             if time.perf_counter() - started > args.budget:
                 runner.notes.append(f"B={batch} L={_tokens(context)}: skipped, past the {args.budget:.0f} s budget")
                 continue

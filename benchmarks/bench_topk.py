@@ -8,10 +8,11 @@ scores (|N(0, 1)|, continuous like the scorer's), every column visible.
 Per shape, CUDA-graph replay (device time, L2 warm), median µs per call:
 - ``ours_us``: topk_blocks as planned (``TopkTuning.path = "auto"``;
   ``path`` says which path the plan chose);
-- ``register_us`` / ``row_us`` / ``sliced_us``: the register path (one
-  program per row, the row in registers; rows up to
+- ``register_us`` / ``row_us`` / ``ticketed_us`` / ``sliced_us``: the
+  register path (one program per row, the row in registers; rows up to
   ``topk.REGISTER_MAX_TILE`` columns, else absent), the one-program-per-row
-  streaming path and the four-launch sliced path, each forced
+  streaming path, the one-launch ticketed path (several programs a row)
+  and the four-launch sliced path, each forced
   (``tuning.override`` of ``TopkTuning.path``), in the same run;
 - ``torch_topk_us``: ``torch.topk(logits, k, sorted=False)`` (values and
   indices, unordered; ours also orders the columns);
@@ -19,16 +20,17 @@ Per shape, CUDA-graph replay (device time, L2 warm), median µs per call:
   of calls, per call: device-time estimate), where JAX has a GPU and the
   logits are at most MAX_LAX_BYTES.
 Bytes: one pass over the logits is ``R x C x 4``; the register path reads the
-row once, the row path twice (group maxima, compaction) plus ~1.4k candidates
-a row, the sliced path three times.  ``*_gbps`` is one pass's bytes over the time (a lower bound of
+row once, the row and ticketed paths twice (group maxima, compaction) plus
+~1.4k candidates a row, the sliced path three times.  ``*_gbps`` is one pass's bytes over the time (a lower bound of
 the achieved bandwidth).  The summary gives median speedups over the grid.
 
-    python benchmarks/bench_topk.py [--json PATH] [--smoke] [--sweep | --register-sweep]
+    python benchmarks/bench_topk.py [--json PATH] [--smoke] [--sweep | --register-sweep | --ticketed-sweep]
 
 ``--sweep`` instead times the row path's tuning (``TopkTuning.row_warps`` x
 ``row_keys_per_thread`` x ``bound_passes``) on a few shapes;
 ``--register-sweep`` the register path's (``register_select`` x
-``register_keys_per_thread`` x ``register_radix_bits``).
+``register_keys_per_thread`` x ``register_radix_bits``); ``--ticketed-sweep``
+the ticketed path's (``ticketed_slice`` x ``ticketed_warps`` x ``bound_passes``).
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ SWEEP = dict(row_warps=[8, 16], row_keys_per_thread=[8, 16], bound_passes=[1, 2]
 REGISTER_SWEEP_SHAPES = [(1, 2048), (1, 8192), (1, 16384), (256, 8192), (2048, 2048), (2048, 8192)]
 REGISTER_SWEEP = dict(register_select=["histogram", "count"], register_keys_per_thread=[8, 16],
                       register_radix_bits=[4, 8])  # "count" ignores register_radix_bits
+TICKETED_SWEEP_SHAPES = [(1, 8192), (1, 32768), (8, 32768), (1, 262144), (8, 131072), (64, 32768)]
+TICKETED_SWEEP = dict(ticketed_slice=[1024, 2048, 4096], ticketed_warps=[4, 8], bound_passes=[1, 2])
 
 
 def sweep(args, path="row", grid=SWEEP, sweep_shapes=SWEEP_SHAPES):
@@ -125,7 +129,11 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="time the row path's tuning instead of the grid")
     parser.add_argument("--register-sweep", action="store_true",
                         help="time the register path's tuning instead of the grid")
+    parser.add_argument("--ticketed-sweep", action="store_true",
+                        help="time the ticketed path's tuning instead of the grid")
     args = parser.parse_args()
+    if args.ticketed_sweep:
+        return sweep(args, "ticketed", TICKETED_SWEEP, TICKETED_SWEEP_SHAPES)
     if args.sweep:
         return sweep(args)
     if args.register_sweep:
@@ -153,11 +161,11 @@ def main():
     started = time.perf_counter()
     notes = [
         f"k = {k}; logits |N(0,1)| fp32, every column visible; CUDA-graph replay, median us per call",
-        "ours_us: TopkTuning.path auto (path = the plan's choice); register_us / row_us / sliced_us: "
+        "ours_us: TopkTuning.path auto (path = the plan's choice); register_us / row_us / ticketed_us / sliced_us: "
         f"each path forced (register_us up to {topk_plans.REGISTER_MAX_TILE} columns)",
         "torch_topk_us: torch.topk(sorted=False); lax_topk_us: jax.lax.top_k, jitted fori_loop per call",
-        "one pass = R x C x 4 bytes; *_gbps = one pass / time; register path reads a row once, row path "
-        "twice, sliced thrice",
+        "one pass = R x C x 4 bytes; *_gbps = one pass / time; register path reads a row once, row and "
+        "ticketed paths twice, sliced thrice",
         f"skipped: logits above {g['MAX_LOGITS_BYTES'] >> 20} MiB; lax.top_k above {g['MAX_LAX_BYTES'] >> 20} MiB"
         + ("" if jax_gpu else " and everywhere (no JAX GPU in this process)"),
     ]
@@ -175,7 +183,7 @@ def main():
             row = dict(rows=rows, columns=columns, k=k, bytes_one_pass=nbytes,
                        path=topk_plans.topk_path(rows, columns, k, auto))
             row["ours_us"], expected = ours_us(qsa_torch, auto, logits, visible, k, args.smoke)
-            for path in ("register", "row", "sliced"):
+            for path in ("register", "row", "ticketed", "sliced"):
                 if path == "register" and columns > topk_plans.REGISTER_MAX_TILE:
                     continue
                 forced = dataclasses.replace(auto, path=path)
@@ -185,7 +193,7 @@ def main():
             if jax_gpu and nbytes <= g["MAX_LAX_BYTES"]:
                 torch.cuda.synchronize()
                 row["lax_topk_us"] = lax_topk_us(jax, common.to_jax(logits), k, args.smoke)
-            for name in ("ours", "register", "row", "sliced", "torch_topk", "lax_topk"):
+            for name in ("ours", "register", "row", "ticketed", "sliced", "torch_topk", "lax_topk"):
                 row[f"{name}_gbps"] = common.gbps(nbytes, row.get(f"{name}_us"))
             for name in ("torch_topk", "sliced", "lax_topk"):
                 if row.get(f"{name}_us") and row["ours_us"]:

@@ -682,10 +682,160 @@ def topk_register_kernel(
     _pad(out_row, tl.minimum(width, K), K, PAD_TILE)
 
 
+# --------------------------------------------------------------------------
+# Ticketed path: one launch, several programs per row, roles by ticket.
+# --------------------------------------------------------------------------
+
+@triton.jit
+def _ticketed_group_maxima(logits_row, maxima, slice_id, width, num_columns,
+                           SLICE: tl.constexpr, GROUPS: tl.constexpr):
+    """Folds the slice's keys into the row's G strided group maxima (column
+    ``c`` in group ``c % G``; invisible columns key 0): atomic maxima, so
+    the result is every slice's, whatever their order."""
+    SPAN: tl.constexpr = min(SLICE, GROUPS)  # groups one slice row covers
+    # The slice viewed as [SLICE // SPAN, SPAN]: a column of the view is one group.
+    first = slice_id * SLICE
+    span = tl.arange(0, SPAN)
+    offsets = first + tl.arange(0, SLICE // SPAN)[:, None] * SPAN + span[None, :]
+    raw = tl.load(logits_row + offsets, mask=offsets < num_columns, other=0.0)
+    keys = tl.where(offsets < width, _order_key(raw.to(tl.float32)), 0)
+    tl.atomic_max(maxima + (first + span) % GROUPS, tl.max(keys, 0), sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _wait_for(counter, target):
+    """Spins until ``*counter >= target`` (acquire: what was published before
+    each increment is visible after)."""
+    arrived = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+    while arrived < target:
+        arrived = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+
+
+@triton.jit
+def _ticketed_finish(logits_row, counts_row, cand_keys, cand_cols, out_row, width, bound, top,
+                     K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr, REGION: tl.constexpr,
+                     CAND_TILE: tl.constexpr, COUNTS_TILE: tl.constexpr, BITS: tl.constexpr):
+    """The selection from every slice's candidates (keys >= bound, each
+    slice's in its REGION of the buffers, in column order), held in
+    registers; or, when they do not fit CAND_TILE, from the row itself."""
+    s = tl.arange(0, COUNTS_TILE)
+    # (.cg: written by other programs of this launch.)
+    at_least = tl.load(counts_row + s, mask=s < SLICES, other=0, cache_modifier=".cg")
+    above = tl.load(counts_row + SLICES + s, mask=s < SLICES, other=0, cache_modifier=".cg")
+    total = tl.sum(at_least, 0)
+    zero = tl.full((), 0, tl.int32)
+    if total <= CAND_TILE:  # then no slice overflowed its region (REGION >= min(SLICE, CAND_TILE))
+        # Entry i of the concatenation lies in the region of the slice whose
+        # candidates it reaches: skip the unused rest of every region before.
+        idx = tl.arange(0, CAND_TILE)
+        src = idx
+        first = zero
+        for slice_id in range(SLICES):
+            count = tl.load(counts_row + slice_id, cache_modifier=".cg")
+            first += count
+            src = tl.where(idx >= first, src + (REGION - count), src)
+        valid = idx < total
+        keys = tl.load(cand_keys + src, mask=valid, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+        cols = tl.load(cand_cols + src, mask=valid, other=-1, cache_modifier=".cg")
+        threshold = tl.full((), 0, tl.uint32)
+        take_equal = zero + K
+        if total > K:
+            threshold, take_equal = _kth_largest_between(keys, valid, K, bound, top, 32 // BITS, BITS)
+        _place_tile(keys, cols, valid, threshold, take_equal, zero, zero, out_row)
+    elif tl.sum(above, 0) < K:
+        # Too many keys equal the bound, and it is the k-th largest: all keys
+        # above it, then the first K - above equal to it.
+        _place(logits_row, logits_row, zero, width, bound, K - tl.sum(above, 0), zero, zero,
+               out_row, out_row, SLICE, True, False)
+    else:
+        _select_and_place(logits_row, logits_row, width, K, tl.full((), 0, tl.uint32),
+                          tl.full((), 0xFFFFFFFF, tl.uint32), out_row, True, SLICE, BITS, False)
+
+
+@triton.jit
+def topk_ticketed_kernel(
+    logits_ptr,  # [rows, C] float32/bf16/fp16 (row stride lg_sr)
+    visible_ptr,  # [rows] int32/int64
+    state_in_ptr,  # [rows, 4 + GROUPS] int32 zeros: state_ptr's memory (JAX aliases them; read through state_ptr)
+    out_ptr,  # [rows, K] int32: selected columns, then -1
+    counts_ptr,  # [rows, 2, SLICES] int32: each slice's keys >= L, then its keys > L
+    cand_key_ptr,  # [rows, SLICES, REGION] int32: candidate order keys, a region per slice
+    cand_col_ptr,  # [rows, SLICES, REGION] int32: their columns
+    state_ptr,  # [rows, 4 + GROUPS] int32: tickets (programs started, slices folded, slices compacted, unused),
+                # then the group maxima (order keys); zero again when the row is done
+    num_columns, lg_sr,
+    K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr, GROUPS: tl.constexpr,
+    REGION: tl.constexpr, CAND_TILE: tl.constexpr, COUNTS_TILE: tl.constexpr,
+    BITS: tl.constexpr, BOUND_PASSES: tl.constexpr, PAD_TILE: tl.constexpr,
+):
+    """The whole top-k of one row by its 2 x SLICES programs (module
+    docstring, ticketed path).
+
+    A program's role is its start ticket, not its program id: the first
+    SLICES to start fold their slice into the group maxima; the others wait
+    for those, derive the bound and compact their slice's candidates; the
+    last of them to finish selects.  A program only waits for programs that
+    started before it, which therefore run: no deadlock however the GPU
+    schedules them, and Triton's interpreter (programs one after another)
+    finds every wait already met.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    tickets = state_ptr + row * (4 + GROUPS)
+    maxima = (tickets + 4).to(tl.pointer_type(tl.uint32))
+    role = tl.atomic_add(tickets, 1, sem="relaxed", scope="gpu")
+    width = _row_width(visible_ptr, row, num_columns)
+    logits_row = logits_ptr + row * lg_sr
+    if role < SLICES:
+        _ticketed_group_maxima(logits_row, maxima, role, width, num_columns, SLICE, GROUPS)
+        # Every thread's maxima before the count (one thread adds; release publishes them).
+        tl.debug_barrier()
+        tl.atomic_add(tickets + 1, 1, sem="release", scope="gpu")
+    else:
+        slice_id = role - SLICES
+        cols = slice_id * SLICE + tl.arange(0, SLICE)
+        # Loaded before the wait: the row does not depend on the other programs.
+        raw = tl.load(logits_row + cols, mask=cols < num_columns, other=0.0)
+        _wait_for(tickets + 1, SLICES)
+        # Every such program derives the same bound L <= the k-th largest key
+        # (k groups have a maximum >= L); empty groups (0) only lower it.
+        groups = tl.arange(0, GROUPS)
+        group_maxima = tl.load(maxima + groups, cache_modifier=".cg")
+        top = tl.max(group_maxima, 0)
+        bound, _remaining = _kth_largest_between(group_maxima, groups < GROUPS, K, tl.min(group_maxima, 0), top,
+                                                 BOUND_PASSES, BITS)
+        # The slice's keys >= L, in column order, into its region.
+        valid = cols < width
+        keys = tl.where(valid, _order_key(raw.to(tl.float32)), 0)
+        at_least = (valid & (keys >= bound)).to(tl.int32)
+        slot = tl.cumsum(at_least, 0) - at_least
+        keep = (at_least != 0) & (slot < REGION)
+        region = (row * SLICES + slice_id) * REGION
+        tl.store(cand_key_ptr + region + slot, keys.to(tl.int32, bitcast=True), mask=keep)
+        tl.store(cand_col_ptr + region + slot, cols, mask=keep)
+        # SLICE <= 16384: both counts fit the 16-bit halves of one sum.
+        totals = tl.sum(at_least + ((valid & (keys > bound)).to(tl.int32) << 16), 0)
+        counts_row = counts_ptr + row * (2 * SLICES)
+        tl.store(counts_row + slice_id, totals & 0xFFFF)
+        tl.store(counts_row + SLICES + slice_id, totals >> 16)
+        # Every thread's stores before the ticket; the last slice to draw sees them all.
+        tl.debug_barrier()
+        if tl.atomic_add(tickets + 2, 1, sem="acq_rel", scope="gpu") == SLICES - 1:
+            out_row = out_ptr + row * K
+            _ticketed_finish(logits_row, counts_row, cand_key_ptr + row * (SLICES * REGION),
+                             cand_col_ptr + row * (SLICES * REGION), out_row, width, bound, top,
+                             K, SLICES, SLICE, REGION, CAND_TILE, COUNTS_TILE, BITS)
+            _pad(out_row, tl.minimum(width, K), K, PAD_TILE)
+            # Every program of the row has started and is past its waits:
+            # the state is free again (select_paged_tokens' chunks reuse it).
+            tl.store(tickets + tl.arange(0, 4), tl.zeros((4,), tl.int32))
+            tl.store(maxima + groups, tl.zeros((GROUPS,), tl.uint32))
+
+
 def topk_path(rows: int, columns: int, k: int, tuning: TopkTuning) -> str:
     """``"register"`` (one program per row, the row in registers), ``"row"``
-    (one program per row, streamed) or ``"sliced"`` (rows split over
-    programs), from the static shape unless ``tuning.path`` forces one."""
+    (one program per row, streamed), ``"ticketed"`` (rows split over the
+    programs of one launch) or ``"sliced"`` (rows split over the programs of
+    four launches), from the static shape unless ``tuning.path`` forces one."""
     if tuning.path != "auto":
         if tuning.path == "register" and columns > REGISTER_MAX_TILE:
             raise ValueError(f"TopkTuning: path 'register' holds a row in registers: at most "
@@ -693,7 +843,7 @@ def topk_path(rows: int, columns: int, k: int, tuning: TopkTuning) -> str:
         return tuning.path
     if columns <= min(tuning.register_max_columns, REGISTER_MAX_TILE):
         return "register"
-    return "row" if columns <= tuning.row_max_columns or rows >= tuning.row_min_rows else "sliced"
+    return "row" if columns <= tuning.row_max_columns or rows >= tuning.row_min_rows else "ticketed"
 
 
 def topk_groups(columns: int, k: int, tuning: TopkTuning) -> int:
@@ -711,7 +861,8 @@ def topk_parts(rows: int, columns: int, k: int, logits_stride: int, row_counts,
     """
     if rows == 0 or k == 0:
         return (), ()
-    parts = dict(register=_register_parts, row=_row_parts, sliced=_sliced_parts)[topk_path(rows, columns, k, tuning)]
+    parts = dict(register=_register_parts, row=_row_parts, ticketed=_ticketed_parts,
+                 sliced=_sliced_parts)[topk_path(rows, columns, k, tuning)]
     return parts(rows, columns, k, logits_stride, row_counts, logits, visible, out, tuning)
 
 
@@ -771,6 +922,41 @@ def _row_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out
                dict(K=k, GROUPS=groups, GROUP_TILE=group_tile, TILE=tile, CAND_TILE=cand_tile,
                     BITS=tuning.radix_bits, BOUND_PASSES=tuning.bound_passes, BOUNDED=bounded,
                     PAD_TILE=min(1024, triton.next_power_of_2(k))),
+               num_warps=warps, num_stages=1)
+        for count in row_counts)
+    return buffers, launches
+
+
+def _ticketed_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out, tuning: TopkTuning):
+    """The ticketed path: one launch of 2 x slices programs per row."""
+    width = max(columns, 1)
+    slice_columns = min(tuning.ticketed_slice, max(16, triton.next_power_of_2(width)))
+    slices = triton.cdiv(width, slice_columns)
+    groups = topk_groups(columns, k, tuning)
+    # About 1.4k keys of a long row reach the bound (G = 2k groups: each
+    # has a maximum >= L with probability 1/2, so a key with 1 - 2**(-G/C)):
+    # 4k fit, or 4096 (16 warps, 8 keys a thread: registers) for k > 512.
+    cand_tile = min(4096, max(16, triton.next_power_of_2(4 * k)))
+    # A slice with more candidates than fit the tile sends the row to the fallback anyway.
+    region = min(slice_columns, cand_tile)
+    # 16 keys a thread in tiles of 2048 (4 warps), 8 in wider ones (registers).
+    widest = max(slice_columns, cand_tile, groups)
+    warps = max(tuning.ticketed_warps, widest // (32 * (16 if widest <= 2048 else 8)))
+    state = Buffer("topk_state", (rows, 4 + groups), "int32", fill=0)
+    counts, cand_key, cand_col = "topk_counts", "topk_cand_key", "topk_cand_col"
+    buffers = (
+        state,
+        Buffer(counts, (rows, 2, slices), "int32"),
+        Buffer(cand_key, (rows, slices, region), "int32"),
+        Buffer(cand_col, (rows, slices, region), "int32"),
+    )
+    launches = tuple(
+        Launch(topk_ticketed_kernel, (count, 2 * slices), (logits, visible, state.name),
+               (out, counts, cand_key, cand_col, state.name),
+               dict(num_columns=columns, lg_sr=logits_stride),
+               dict(K=k, SLICES=slices, SLICE=slice_columns, GROUPS=groups, REGION=region, CAND_TILE=cand_tile,
+                    COUNTS_TILE=triton.next_power_of_2(slices), BITS=tuning.radix_bits,
+                    BOUND_PASSES=tuning.bound_passes, PAD_TILE=min(1024, triton.next_power_of_2(k))),
                num_warps=warps, num_stages=1)
         for count in row_counts)
     return buffers, launches

@@ -198,11 +198,12 @@ class AttentionTuning:
 class TopkTuning:
     """Stage 3b (``topk_blocks``, and the top-k of ``select_paged_tokens``).
 
-    Three paths (:mod:`.topk`): the register path (one launch, one program
+    Four paths (:mod:`.topk`): the register path (one launch, one program
     per row holding the whole row in registers), the row path (one launch,
-    one program per row streaming its row) and the sliced path (four
-    launches over ``(row, slice)`` programs); ``path`` picks one or lets
-    the static shape decide.
+    one program per row streaming its row), the ticketed path (one launch
+    of several programs per row, which take their roles by ticket) and the
+    sliced path (four launches over ``(row, slice)`` programs); ``path``
+    picks one or lets the static shape decide.
     """
 
     #: Columns a sliced-path program handles per step (raised to G where needed).
@@ -259,8 +260,12 @@ class TopkTuning:
     row_many_rows: int = 264
     row_group_keys_per_thread: int = 32
     row_keys_per_thread: int = 16
-    #: Radix passes (of ``radix_bits``) of the row path's group-maximum bound.
+    #: Radix passes (of ``radix_bits``) of the row and ticketed paths' group-maximum bound.
     bound_passes: int = 2
+    #: The ticketed path's columns per slice program (held in registers), and
+    #: its programs' warps (raised where a tile needs more: 16 keys a thread).
+    ticketed_slice: int = 2048
+    ticketed_warps: int = 4
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -279,13 +284,15 @@ class TopkTuning:
             raise ValueError(f"TopkTuning: path must be one of {', '.join(map(repr, TOPK_PATHS))}, "
                              f"got {self.path!r}")
         for name in ("row_warps", "row_group_keys_per_thread", "row_keys_per_thread",
-                     "register_keys_per_thread", "register_max_warps"):
+                     "register_keys_per_thread", "register_max_warps", "ticketed_slice", "ticketed_warps"):
             value = getattr(self, name)
             if value & (value - 1):
                 raise ValueError(f"TopkTuning: {name} must be a power of two, got {value!r}")
-        for name in ("row_warps", "register_max_warps"):
+        for name in ("row_warps", "register_max_warps", "ticketed_warps"):
             if getattr(self, name) > 32:
                 raise ValueError(f"TopkTuning: {name} must be at most 32, got {getattr(self, name)!r}")
+        if not 16 <= self.ticketed_slice <= 4096:  # registers: 8 keys a thread at 16 warps
+            raise ValueError(f"TopkTuning: ticketed_slice must be from 16 to 4096, got {self.ticketed_slice!r}")
         if self.bound_passes > 32 // self.radix_bits:
             raise ValueError(f"TopkTuning: bound_passes must be at most 32 // radix_bits = "
                              f"{32 // self.radix_bits}, got {self.bound_passes!r}")
@@ -297,7 +304,7 @@ FP8_WIDEN_MODES = ("registers", "dot_operand")
 ROW_ADDRESSING_MODES = ("slot", "page")
 
 #: The values of ``TopkTuning.path``.
-TOPK_PATHS = ("auto", "register", "row", "sliced")
+TOPK_PATHS = ("auto", "register", "row", "ticketed", "sliced")
 #: The values of ``TopkTuning.register_select``.
 REGISTER_SELECTS = ("histogram", "count")
 

@@ -211,18 +211,24 @@ CASES = {
     "topk/register-prefill-2048-32k-k1-fp16-int64": _topk(2048, 1 << 13, 1, dtype=FP16, index=I64),
     "topk/register-k2048-4096-bf16": _topk(16, 4096, 2048, dtype=BF16),
     # The row path (one program per row): bounded with 16 warps, halved tiles
-    # for many rows, and the direct select of single-column groups; the
-    # sliced path past TopkTuning.row_max_columns with few rows.
-    "topk/row-decode-1-32k-k512": _topk(1, 1 << 15, 512),
+    # for many rows, and the direct select of single-column groups.
+    "topk/row-decode-1-32k-k512": _topk(1, 1 << 14, 512, path="row"),
     "topk/row-prefill-2048-8k-k512": _topk(2048, 1 << 11, 512, path="row"),
     "topk/row-decode-64-1m-k512": _topk(64, 1 << 18, 512),
     "topk/row-direct-k2048-4096": _topk(16, 4096, 2048, path="row"),
-    "topk/row-decode-1-256k-k2048": _topk(1, 1 << 16, 2048),
+    "topk/row-decode-1-256k-k2048": _topk(1, 1 << 16, 2048, path="row"),
     "topk/row-prefill-2048-8k-k1": _topk(2048, 1 << 13, 1, dtype=FP16, path="row"),
-    "topk/sliced-decode-8-512k-k512": _topk(8, 1 << 17, 512),
-    # Each path forced where the other is chosen (benchmarks/bench_topk.py
-    # times both), and the --sweep's smallest row-path configuration.
+    # The ticketed path (one launch, roles by ticket) with few long rows: 4
+    # warps at k = 512, 16 for k = 2048's candidate tile and 4096-column slices.
+    "topk/ticketed-decode-1-128k-k512": _topk(1, 1 << 15, 512),
+    "topk/ticketed-decode-8-512k-k512-bf16": _topk(8, 1 << 17, 512, dtype=BF16),
+    "topk/ticketed-decode-1-256k-k2048": _topk(1, 1 << 16, 2048),
+    "topk/ticketed-4096-slices-1-1m-k512": _topk(1, 1 << 18, 512, ticketed_slice=4096),
+    # Each path forced where another is chosen (benchmarks/bench_topk.py
+    # times them all), and the --sweep's smallest row-path configuration.
     "topk/forced-sliced-decode-256-128k-k512": _topk(256, 1 << 15, 512, path="sliced"),
+    "topk/forced-sliced-decode-8-512k-k512": _topk(8, 1 << 17, 512, path="sliced"),
+    "topk/forced-ticketed-decode-256-128k-k512": _topk(256, 1 << 15, 512, path="ticketed"),
     "topk/forced-row-decode-1-1m-k512": _topk(1, 1 << 18, 512, path="row"),
     "topk/row-8-warps-8-keys-1-bound-pass-2048-8k": _topk(2048, 1 << 13, 512, path="row", row_warps=8,
                                                            row_keys_per_thread=8, bound_passes=1),

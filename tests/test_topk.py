@@ -1,6 +1,7 @@
 """topk_blocks by path: the register path (the row in registers), the
 one-program-per-row path (its bound, candidate and fallback branches, and
-the direct select), the sliced path, and the shapes where the plan switches
+the direct select), the ticketed path (its branches, and its state reused
+by later runs), the sliced path, and the shapes where the plan switches
 between them.
 
 CPU shapes are small: the tuning is shrunk (``tuning.override``) so that
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 import qsa_jax
+import qsa_kernels.select as select_plans
 import qsa_kernels.topk as topk_plans
 import qsa_torch
 from qsa_kernels import tuning
@@ -69,10 +71,10 @@ def test_path_thresholds():
         assert kernels(plan(rows, narrow, 512)) == ["topk_register_kernel"]
         assert kernels(plan(rows, narrow + 1, 512)) == ["topk_row_kernel"]
     assert kernels(plan(1, wide, 512)) == ["topk_row_kernel"]
-    assert kernels(plan(few - 1, wide + 1, 512))[0] == "topk_group_max_kernel"
+    assert kernels(plan(few - 1, wide + 1, 512)) == ["topk_ticketed_kernel"]
     assert kernels(plan(few, wide + 1, 512)) == ["topk_row_kernel"]
     assert kernels(plan(2048, 2048, 512)) == ["topk_register_kernel"]
-    assert kernels(plan(1, 1 << 18, 512))[0] == "topk_group_max_kernel"
+    assert kernels(plan(1, 1 << 18, 512)) == ["topk_ticketed_kernel"]
     # Forced paths, as the benchmark compares them.
     assert len(plan(1, 32768, 512, TopkTuning(path="sliced")).launches) == 4
     assert kernels(plan(1, 1 << 18, 512, TopkTuning(path="row"))) == ["topk_row_kernel"]
@@ -80,8 +82,9 @@ def test_path_thresholds():
     assert kernels(plan(1, topk_plans.REGISTER_MAX_TILE, 512, TopkTuning(path="register"))) == ["topk_register_kernel"]
     with tuning.override(topk=TopkTuning(path="sliced")):
         assert len(plan(2048, 2048, 512).launches) == 4
+    assert kernels(plan(2048, 2048, 512, TopkTuning(path="ticketed"))) == ["topk_ticketed_kernel"]
     # A raised threshold stops at the widest row registers hold.
-    assert kernels(plan(1, 1 << 15, 512, TopkTuning(register_max_columns=1 << 15)))[0] == "topk_group_max_kernel"
+    assert kernels(plan(1, 1 << 15, 512, TopkTuning(register_max_columns=1 << 15))) == ["topk_ticketed_kernel"]
 
 
 def test_register_path_holds_at_most_its_tile():
@@ -241,7 +244,7 @@ def test_path_switch_shapes(small_tiles):
     logits = topk_logits(24, 4, 97, special=True)
     visible = torch.tensor([97, 96, 50, 2], dtype=torch.int32)
     with retuned(row_max_columns=96, row_min_rows=4):
-        for rows, columns, path in ((3, 96, "row"), (3, 97, "sliced"), (4, 97, "row")):
+        for rows, columns, path in ((3, 96, "row"), (3, 97, "ticketed"), (4, 97, "row")):
             assert topk_plans.topk_path(rows, columns, 6, tuning.current().topk) == path
             assert (kernels(plan(rows, columns, 6)) == ["topk_row_kernel"]) is (path == "row")
             check_topk(logits[:rows, :columns].contiguous(), visible[:rows].clamp(max=columns), 6)
@@ -254,6 +257,90 @@ def test_many_rows_switch(small_tiles):
         assert plan(4, 300, 9).launches[0].constexprs["TILE"] < plan(3, 300, 9).launches[0].constexprs["TILE"]
         check_topk(logits[:3], visible[:3], 9)
         check_topk(logits, visible, 9)
+
+
+# --------------------------------------------------------------------------
+# The ticketed path (one launch, several programs a row), at small widths
+# --------------------------------------------------------------------------
+
+def ticketed_branch(values: np.ndarray, k: int, launch) -> str:
+    """Which branch of the ticketed kernel's selection a row takes (its
+    bound recomputed here from the definition: the k-th largest of the G
+    strided group maxima, truncated)."""
+    c = launch.constexprs
+    keys = _order_keys(values)
+    maxima = np.zeros(c["GROUPS"], np.uint32)
+    np.maximum.at(maxima, np.arange(len(keys)) % c["GROUPS"], keys)
+    kth = np.sort(maxima)[::-1][k - 1] if k <= c["GROUPS"] else 0
+    bits = c["BITS"] * c["BOUND_PASSES"]
+    bound = (int(kth) >> (32 - bits)) << (32 - bits)
+    if np.sum(keys >= bound) <= c["CAND_TILE"]:
+        return "candidates in registers"
+    return "ties at the bound" if np.sum(keys > bound) < k else "whole row"
+
+
+@pytest.fixture
+def ticketed():
+    """The ticketed path forced, with slices of 16 columns: 13 slices (26
+    programs) a row of 200."""
+    with retuned(path="ticketed", ticketed_slice=16):
+        yield
+
+
+@pytest.mark.parametrize("kind, k, branch", [
+    ("sorted", 5, "candidates in registers"),   # the top keys all in the last slice
+    ("random", 5, "candidates in registers"),
+    ("periodic", 5, "candidates in registers"),  # the large keys share one group
+    ("narrow", 5, "whole row"),
+    ("ties", 5, "ties at the bound"),
+])
+def test_ticketed_path_branches(ticketed, kind, k, branch):
+    logits = branch_case(kind)
+    (launch,) = plan(3, logits.shape[1], k).launches
+    assert launch.kernel.__name__ == "topk_ticketed_kernel" and launch.grid == (3, 2 * 13)
+    assert launch.constexprs["CAND_TILE"] == 32 and launch.constexprs["REGION"] == 16
+    assert ticketed_branch(host(logits[0]), k, launch) == branch
+    check_topk(logits, torch.tensor([200, 150, 77], dtype=torch.int32), k)
+
+
+@pytest.mark.parametrize("columns, k", [(17, 8), (64, 1), (300, 20), (300, 64)])
+@pytest.mark.parametrize("special", [False, True])
+def test_ticketed_path_matches_reference(ticketed, columns, k, special):
+    """One slice and many, k = 1, k past a slice and past the candidate
+    tile; visible widths below k, zero, negative and past the row; ties,
+    -0.0, -inf and NaN."""
+    logits = topk_logits(30 + columns, 6, columns, special)
+    visible = torch.tensor([columns, k - 1, 0, -5, columns + 3, max(columns // 2, 1)], dtype=torch.int32)
+    check_topk(logits, visible, k)
+
+
+@pytest.mark.parametrize("value", [0.5, -0.0, float("-inf"), float("nan")])
+def test_ticketed_path_all_ties(ticketed, value):
+    logits = torch.full((2, 100), value)
+    logits[1, ::2] = -value if value == value else value  # +0.0 among -0.0, +inf among -inf
+    check_topk(logits, torch.tensor([100, 60], dtype=torch.int32), 7)
+
+
+def test_ticketed_state_is_reused_by_later_runs():
+    """select_paged_tokens' chunks run the top-k launch again on the same
+    state: each run must leave its tickets and maxima at zero (a stale
+    ticket would give the next run's programs the wrong roles)."""
+    from .test_select import jax_args, scoring_case
+
+    case = scoring_case(31)
+    expected = qsa_torch.select_paged_tokens(**case, token_topk=12, compress_ratio=4)
+    columns = case["page_table"].shape[1] * case["k_cache"].shape[1]
+    # Three rows' logits per chunk: three runs of the top-k launch, 4 slices a row.
+    with retuned(path="ticketed", ticketed_slice=16), \
+            tuning.override(select=tuning.SelectTuning(logits_workspace_bytes=3 * 4 * columns)):
+        infos = {name: qsa_torch._launch.info(value) for name, value in case.items()}
+        program = select_plans.plan_select_paged_tokens(**infos, token_topk=12, compress_ratio=4)
+        runs = [launch for launch in program.launches if launch.kernel is topk_plans.topk_ticketed_kernel]
+        assert len(runs) == 3 and runs[0].grid[1] == 2 * 4
+        chunked = qsa_torch.select_paged_tokens(**case, token_topk=12, compress_ratio=4)
+        jax_out = jax.jit(lambda *arrays: qsa_jax.select_paged_tokens(*arrays, 12, 4))(*jax_args(case).values())
+    assert_bitwise_equal(expected, chunked, "chunked ticketed vs default")
+    assert_bitwise_equal(expected, jax_out, "chunked ticketed jax vs torch")
 
 
 # --------------------------------------------------------------------------
@@ -296,8 +383,8 @@ def test_register_path_equals_the_other_paths(small_tiles):
     visible = torch.tensor([150, 149, 30, 1], dtype=torch.int32, device=DEVICE)
     outs = {}
     for path, select in (("register", "histogram"), ("register", "count"), ("row", "histogram"),
-                         ("sliced", "histogram")):
-        with retuned(path=path, tile=64, register_select=select):
+                         ("ticketed", "histogram"), ("sliced", "histogram")):
+        with retuned(path=path, tile=64, ticketed_slice=32, register_select=select):
             assert topk_plans.topk_path(4, 150, 9, tuning.current().topk) == path
             outs[path, select] = host(qsa_torch.topk_blocks(logits, visible, 9))
     expected = reference.topk_blocks(host(logits).astype(np.float64), host(visible), 9)
@@ -330,7 +417,7 @@ def test_tuning_reaches_the_row_plan():
     assert launch.constexprs["BITS"] == 4 and launch.scalars["capacity"] == 300
     (launch,) = plan(300, 16384, 64, TopkTuning(row_many_rows=300)).launches
     assert launch.num_warps == 8 and launch.constexprs["TILE"] == 8 * 32 * 8
-    assert kernels(plan(4, 16384, 64, TopkTuning(row_max_columns=8192)))[0] == "topk_group_max_kernel"
+    assert kernels(plan(4, 16384, 64, TopkTuning(row_max_columns=8192))) == ["topk_ticketed_kernel"]
     assert kernels(plan(4, 16384, 64, TopkTuning(row_max_columns=8192, row_min_rows=4))) == ["topk_row_kernel"]
     with tuning.override(topk=TopkTuning(path="sliced")):
         assert kernels(plan(4, 16384, 64))[0] == "topk_group_max_kernel"
@@ -363,7 +450,7 @@ def test_select_topk_tuning_reaches_the_row_path():
 
 
 def test_topk_tuning_is_checked():
-    paths = "'auto', 'register', 'row', 'sliced'"
+    paths = "'auto', 'register', 'row', 'ticketed', 'sliced'"
     for fields, message in ((dict(path="rows"), f"TopkTuning: path must be one of {paths}, got 'rows'"),
                             (dict(path=None), f"TopkTuning: path must be one of {paths}, got None"),
                             (dict(register_keys_per_thread=12),
@@ -380,7 +467,11 @@ def test_topk_tuning_is_checked():
                             (dict(row_min_rows=0), "TopkTuning: row_min_rows must be a positive int, got 0"),
                             (dict(row_max_columns=2.0), "TopkTuning: row_max_columns must be a positive int"),
                             (dict(bound_passes=5), "TopkTuning: bound_passes must be at most 32 // radix_bits = 4"),
-                            (dict(radix_bits=16), "TopkTuning: radix_bits must be at most 8, got 16")):
+                            (dict(radix_bits=16), "TopkTuning: radix_bits must be at most 8, got 16"),
+                            (dict(ticketed_slice=3000), "TopkTuning: ticketed_slice must be a power of two"),
+                            (dict(ticketed_slice=8192), "TopkTuning: ticketed_slice must be from 16 to 4096, got 8192"),
+                            (dict(ticketed_slice=8), "TopkTuning: ticketed_slice must be from 16 to 4096, got 8"),
+                            (dict(ticketed_warps=64), "TopkTuning: ticketed_warps must be at most 32, got 64")):
         with pytest.raises(ValueError) as error:
             TopkTuning(**fields)
         assert str(error.value).startswith(message), error.value
@@ -421,8 +512,9 @@ def test_sorted_reference_is_the_reference():
     (2048, 2048, 512),    # register path, prefill chunk
     (1, 8193, 512),       # row path, bounded
     (1, 32768, 512),      # row path, bounded, 16 warps
-    (1, 65536, 2048),     # row path at its width threshold
-    (8, 131072, 512),     # sliced path (few long rows)
+    (1, 65536, 2048),     # ticketed path, k = 2048 (16 warps)
+    (8, 131072, 512),     # ticketed path (few long rows)
+    (1, 1 << 20, 512),    # ticketed path, 512 slices
     (64, 262144, 512),    # row path for long rows once rows fill the GPU
     (300, 16384, 2048),   # many rows, k = 2048
 ])
@@ -449,7 +541,8 @@ def test_register_path_equals_row_path_production(rows, columns, k):
     visible = visible.to(DEVICE)
     expected = sorted_reference(host(logits), host(visible), k)
     for fields in (dict(path="register"), dict(path="register", register_select="count"),
-                   dict(path="register", register_radix_bits=4), dict(path="row"), dict(path="sliced")):
+                   dict(path="register", register_radix_bits=4), dict(path="row"), dict(path="ticketed"),
+                   dict(path="sliced")):
         with tuning.override(topk=TopkTuning(**fields)):
             assert np.array_equal(host(qsa_torch.topk_blocks(logits, visible, k)), expected), fields
 
@@ -465,3 +558,39 @@ def test_topk_paths_production_parity(rows, columns, k):
     assert np.array_equal(host(out), sorted_reference(host(logits), host(visible), k))
     jax_out = jax.jit(qsa_jax.topk_blocks, static_argnums=2)(to_jax(logits), to_jax(visible), k)
     assert_bitwise_equal(out, jax_out, "top-k torch vs jax")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, columns, k, kind", [
+    (1, 32768, 512, "increasing"),   # the top keys all in the last slices
+    (2, 32768, 512, "decreasing"),
+    (1, 32768, 2048, "ties"),        # one value: ties at the bound, placed from the row
+    (3, 8193, 512, "narrow"),        # every key shares the bound's top bits: the whole-row fallback
+    (8, 262144, 2048, "special"),
+    (5, 20000, 64, "special"),       # a partial last slice, k = 64
+])
+def test_ticketed_path_production(rows, columns, k, kind):
+    """The ticketed path forced on every branch at production widths, with
+    the programs of a row running concurrently: exact, and the same bits
+    run after run (whichever program finishes last)."""
+    if kind == "special":
+        logits = topk_logits(32, rows, columns, special=True)
+    elif kind == "ties":
+        logits = torch.full((rows, columns), 0.25)
+    elif kind == "narrow":
+        logits = 1.0 + torch.randint(0, 1000, (rows, columns), generator=torch.Generator().manual_seed(33)) * 1e-6
+    else:
+        logits = torch.arange(columns, dtype=torch.float32).repeat(rows, 1) / columns
+        if kind == "decreasing":
+            logits = logits.flip(1)
+    visible = torch.full((rows,), columns, dtype=torch.int32)
+    visible[-1] = columns - columns // 3
+    logits, visible = logits.to(DEVICE), visible.to(DEVICE)
+    expected = sorted_reference(host(logits), host(visible), k)
+    with tuning.override(topk=TopkTuning(path="ticketed")):
+        out = qsa_torch.topk_blocks(logits, visible, k)
+        assert np.array_equal(host(out), expected)
+        for _ in range(5):
+            assert torch.equal(qsa_torch.topk_blocks(logits, visible, k), out)
+        jax_out = jax.jit(qsa_jax.topk_blocks, static_argnums=2)(to_jax(logits), to_jax(visible), k)
+    assert_bitwise_equal(out, jax_out, "ticketed top-k torch vs jax")
