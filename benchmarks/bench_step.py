@@ -58,6 +58,7 @@ import warnings
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the card
 
 import common  # noqa: E402
+from qsa_kernels.tuning import TOPK_PATHS  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -389,6 +390,8 @@ def main():
     p.add_argument("--skip-compile", action="store_true", help="leave out the torch.compile columns (slow to build)")
     p.add_argument("--unfused", action="store_true",
                    help="the step's stage 2 and index-query RoPE as separate launches (StepTuning.fuse_stages off)")
+    p.add_argument("--topk-path", choices=TOPK_PATHS, default="auto",
+                   help="force the selection's top-k path (TopkTuning.path; results in step_topk-<path>.json)")
     args = p.parse_args()
     fp8 = args.cache_dtype == "fp8"
     import qsa_jax
@@ -398,12 +401,18 @@ def main():
     default = p.get_default("json")
     if fp8 and args.json == default:
         args.json = args.json.replace("step.json", "step_fp8.json")
-    if args.unfused and args.json in (default, default.replace("step.json", "step_fp8.json")):
+    defaults = (default, default.replace("step.json", "step_fp8.json"))
+    if args.unfused and args.json in defaults:
         args.json = args.json.replace(".json", "_unfused.json")
+    if args.topk_path != "auto" and args.json in defaults:
+        args.json = args.json.replace(".json", f"_topk-{args.topk_path}.json")
     from qsa_kernels import tuning
 
     # Plans (JAX's at trace time too) are made inside: every column runs the chosen launches.
-    with tuning.override(**(dict(step=tuning.StepTuning(fuse_stages=False)) if args.unfused else {})):
+    stages = dict(step=tuning.StepTuning(fuse_stages=False)) if args.unfused else {}
+    if args.topk_path != "auto":
+        stages["topk"] = tuning.TopkTuning(path=args.topk_path)
+    with tuning.override(**stages):
         run(args, fp8)
 
 
@@ -459,7 +468,8 @@ def run(args, fp8: bool) -> None:
         "one QSA attention layer's decode step (all four stages), one row per request, production geometry; "
         "every row completes a compressed group (the step's most expensive case)",
         "launches: kernel launches per step, " + ("--unfused: StepTuning.fuse_stages off" if args.unfused else
-                                                  "stage 2 and the index-query RoPE fused where StepTuning allows"),
+                                                  "stage 2 and the index-query RoPE fused where StepTuning allows")
+        + (f"; top-k path forced: {args.topk_path}" if args.topk_path != "auto" else ""),
         f"torch_graph_us: CUDA graph of {LOOP_CALLS} steps, per step; torch_eager_us: do_bench median",
         "torch_compile_us: torch.compile(fullgraph=True) of the step, Inductor default mode, do_bench median",
         f"torch_compile_graph_us: the same with mode='reduce-overhead' (caches marked static), {LOOP_CALLS} "

@@ -724,16 +724,20 @@ def _ticketed_finish(logits_row, counts_row, cand_keys, cand_cols, out_row, widt
     above = tl.load(counts_row + SLICES + s, mask=s < SLICES, other=0, cache_modifier=".cg")
     total = tl.sum(at_least, 0)
     zero = tl.full((), 0, tl.int32)
+    UNROLL: tl.constexpr = 8
     if total <= CAND_TILE:  # then no slice overflowed its region (REGION >= min(SLICE, CAND_TILE))
         # Entry i of the concatenation lies in the region of the slice whose
         # candidates it reaches: skip the unused rest of every region before.
+        # (UNROLL slices a step, unrolled: their loads do not wait for one another.
+        # Steps past the last slice move only entries >= total, never loaded.)
         idx = tl.arange(0, CAND_TILE)
         src = idx
         first = zero
-        for slice_id in range(SLICES):
-            count = tl.load(counts_row + slice_id, cache_modifier=".cg")
-            first += count
-            src = tl.where(idx >= first, src + (REGION - count), src)
+        for base in range(0, SLICES, UNROLL):
+            for j in tl.static_range(UNROLL):
+                count = tl.load(counts_row + base + j, mask=base + j < SLICES, other=0, cache_modifier=".cg")
+                first += count
+                src = tl.where(idx >= first, src + (REGION - count), src)
         valid = idx < total
         keys = tl.load(cand_keys + src, mask=valid, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
         cols = tl.load(cand_cols + src, mask=valid, other=-1, cache_modifier=".cg")
@@ -930,7 +934,10 @@ def _row_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out
 def _ticketed_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out, tuning: TopkTuning):
     """The ticketed path: one launch of 2 x slices programs per row."""
     width = max(columns, 1)
-    slice_columns = min(tuning.ticketed_slice, max(16, triton.next_power_of_2(width)))
+    # Wider slices (to 4096 columns) past ticketed_max_slices a row.
+    slice_columns = max(tuning.ticketed_slice,
+                        min(4096, triton.next_power_of_2(triton.cdiv(width, tuning.ticketed_max_slices))))
+    slice_columns = min(slice_columns, max(16, triton.next_power_of_2(width)))
     slices = triton.cdiv(width, slice_columns)
     groups = topk_groups(columns, k, tuning)
     # About 1.4k keys of a long row reach the bound (G = 2k groups: each

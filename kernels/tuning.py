@@ -244,12 +244,14 @@ class TopkTuning:
     #: makes half the passes, each with its block-wide reductions).
     register_radix_bits: int = 8
     #: One program per row for rows at most this wide, or for any width once
-    #: there are this many rows (enough programs to fill an H200 without slicing).
-    #: Measured on the H200 (benchmarks/results/topk.json, k = 512): with 1-8
-    #: rows the row path wins to 8192 columns (19.5 vs 24.1 us) and loses from
-    #: 32768 (39.5 vs 24.4 us: one program streams the whole row); from 64 rows
-    #: it wins at every width.
-    row_max_columns: int = 16384
+    #: there are this many rows (enough programs to fill an H200 without
+    #: slicing); else the ticketed path.  Measured on the H200
+    #: (benchmarks/results/topk.json, k = 512, row / ticketed us): with 1-8
+    #: rows the row path loses from 8192 columns (19.4 / 17.7) and by far from
+    #: 32768 (39.5 / 17.9: one program streams the whole row); from 64 rows it
+    #: wins at every width (64 x 32768: 41.7 / 57.4).  4096 columns, between
+    #: the measured widths, stays with the row path.
+    row_max_columns: int = 4096
     row_min_rows: int = 32
     #: A row program's warps, and the keys each of its threads handles per
     #: step: of the group maxima (a load and a max), and of the other passes
@@ -264,8 +266,16 @@ class TopkTuning:
     bound_passes: int = 2
     #: The ticketed path's columns per slice program (held in registers), and
     #: its programs' warps (raised where a tile needs more: 16 keys a thread).
+    #: Past ``ticketed_max_slices`` slices a row, slices widen (to 4096
+    #: columns at most).  Measured on the H200 (bench_topk.py
+    #: --ticketed-sweep, k = 512, us for 4 / 8 / 16 warps): 1 x 32768 with
+    #: slices of 1024 columns 20.4 / 19.9 / 19.7, 2048 20.8 / 17.9 / 18.7,
+    #: 4096 20.2 / 20.0 / 20.0; 8 x 32768: 2048 23.1 / 21.8 / 19.8, 4096
+    #: 20.6 / 20.6 / 20.8; 8 x 131072: 2048 44.8 / 40.2 / 51.2, 4096 36.6 /
+    #: 36.7 / 36.6.
     ticketed_slice: int = 2048
-    ticketed_warps: int = 4
+    ticketed_max_slices: int = 16
+    ticketed_warps: int = 8
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

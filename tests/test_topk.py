@@ -404,24 +404,33 @@ def test_register_switch_shapes():
 
 
 def test_tuning_reaches_the_row_plan():
-    """Every row-path field is read from the tuning passed (or in force), and
-    plans under different tunings are memoised apart."""
-    default = plan(4, 16384, 64)
+    """Every row-path and ticketed-path field is read from the tuning passed
+    (or in force), and plans under different tunings are memoised apart."""
+    default = plan(32, 16384, 64)
     (launch,) = default.launches
     assert launch.num_warps == 16 and launch.constexprs["BOUND_PASSES"] == 2 and launch.constexprs["BITS"] == 8
     assert launch.constexprs["TILE"] == 16 * 32 * 16 and launch.constexprs["GROUP_TILE"] == 16384
-    (launch,) = plan(4, 16384, 64, TopkTuning(row_warps=4, row_keys_per_thread=2, row_group_keys_per_thread=4,
-                                              bound_passes=3, radix_bits=4, min_candidates=300)).launches
+    (launch,) = plan(32, 16384, 64, TopkTuning(row_warps=4, row_keys_per_thread=2, row_group_keys_per_thread=4,
+                                               bound_passes=3, radix_bits=4, min_candidates=300)).launches
     assert launch.num_warps == 4 and launch.constexprs["TILE"] == 2 * 32 * 4
     assert launch.constexprs["GROUP_TILE"] == 4 * 32 * 4 and launch.constexprs["BOUND_PASSES"] == 3
     assert launch.constexprs["BITS"] == 4 and launch.scalars["capacity"] == 300
     (launch,) = plan(300, 16384, 64, TopkTuning(row_many_rows=300)).launches
     assert launch.num_warps == 8 and launch.constexprs["TILE"] == 8 * 32 * 8
-    assert kernels(plan(4, 16384, 64, TopkTuning(row_max_columns=8192))) == ["topk_ticketed_kernel"]
-    assert kernels(plan(4, 16384, 64, TopkTuning(row_max_columns=8192, row_min_rows=4))) == ["topk_row_kernel"]
+    # Few rows: the ticketed path past row_max_columns.
+    assert kernels(plan(4, 16384, 64)) == ["topk_ticketed_kernel"]
+    assert kernels(plan(4, 16384, 64, TopkTuning(row_max_columns=16384))) == ["topk_row_kernel"]
+    assert kernels(plan(4, 16384, 64, TopkTuning(row_min_rows=4))) == ["topk_row_kernel"]
+    (launch,) = plan(4, 16384, 64).launches
+    assert launch.grid == (4, 2 * 8) and launch.num_warps == 8 and launch.constexprs["SLICE"] == 2048
+    (launch,) = plan(4, 16384, 64, TopkTuning(ticketed_slice=1024, ticketed_warps=4, bound_passes=1)).launches
+    assert launch.grid == (4, 2 * 16) and launch.num_warps == 4 and launch.constexprs["BOUND_PASSES"] == 1
+    # Past ticketed_max_slices a row, slices widen (to 4096 columns).
+    (launch,) = plan(4, 16384, 64, TopkTuning(ticketed_max_slices=2)).launches
+    assert launch.constexprs["SLICE"] == 4096 and launch.grid == (4, 2 * 4)
     with tuning.override(topk=TopkTuning(path="sliced")):
-        assert kernels(plan(4, 16384, 64))[0] == "topk_group_max_kernel"
-    assert plan(4, 16384, 64) is default
+        assert kernels(plan(32, 16384, 64))[0] == "topk_group_max_kernel"
+    assert plan(32, 16384, 64) is default
 
 
 def test_select_topk_tuning_reaches_the_row_path():
