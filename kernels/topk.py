@@ -151,6 +151,15 @@ def _choose_digit_exact(histogram, prefix, remaining, PASS: tl.constexpr, BITS: 
     exactly what remains to take (then every key matching the prefix is
     taken: the prefix, with ``remaining`` equal keys, is a final answer)."""
     SHIFT: tl.constexpr = 32 - (PASS + 1) * BITS
+    digit, above, exact = _digit_of_kth(histogram, remaining, BITS)
+    return prefix | (digit.to(tl.uint32) << SHIFT), remaining - above, exact
+
+
+@triton.jit
+def _digit_of_kth(histogram, remaining, BITS: tl.constexpr):
+    """(The digit holding the ``remaining``-th largest key, how many keys
+    have larger digits, whether the digit's keys are exactly what remains
+    to take) from a histogram of the digits."""
     at_or_above = tl.cumsum(histogram, 0, reverse=True)
     # at_or_above never increases with the digit: the chosen digit is the
     # last one with at_or_above >= remaining, and the keys above it are
@@ -163,8 +172,7 @@ def _choose_digit_exact(histogram, prefix, remaining, PASS: tl.constexpr, BITS: 
     beyond = tl.where((at_or_above < remaining) & (tl.arange(0, 1 << BITS) > 0), histogram, 0)
     packed = tl.sum(reaching.to(tl.int64) + (exact.to(tl.int64) << 16) + (beyond.to(tl.int64) << 32), 0)
     digit = tl.maximum((packed & 0xFFFF).to(tl.int32) - 1, 0)
-    above = (packed >> 32).to(tl.int32)
-    return prefix | (digit.to(tl.uint32) << SHIFT), remaining - above, ((packed >> 16) & 0xFFFF) != 0
+    return digit, (packed >> 32).to(tl.int32), ((packed >> 16) & 0xFFFF) != 0
 
 
 @triton.jit
@@ -687,6 +695,36 @@ def topk_register_kernel(
 # --------------------------------------------------------------------------
 
 @triton.jit
+def _scaled_lower_bound(keys, k, lo, hi, PASSES: tl.constexpr, BITS: tl.constexpr):
+    """A lower bound of the k-th largest of keys lying in ``[lo, hi]`` (at
+    least k of them), by digits of ``key - lo`` fitted to the range: each
+    pass histograms the BITS bits below the top bit of the range's span and
+    narrows the range to the chosen digit's, whose lowest key value is the
+    bound.  One pass over keys spanning 24 bits resolves what two 8-bit
+    passes from the top bit do (the first holds the bits all keys share)."""
+    remaining = tl.full((), 0, tl.int32) + k
+    done = (lo == hi).to(tl.int32)
+    for p in tl.static_range(PASSES):
+        if done == 0:
+            # Bit length of the span from its float32 exponent (rounded up at
+            # worst: a digit a bit coarser, never wrong).
+            span = hi - lo
+            length = ((span.to(tl.float32).to(tl.uint32, bitcast=True) >> 23) - 126).to(tl.int32)
+            shift = tl.maximum(length - BITS, 0).to(tl.uint32)
+            match = (keys >= lo) & (keys <= hi)
+            digits = ((keys - lo) >> shift).to(tl.int32)
+            digit, above, exact = _digit_of_kth(tl.histogram(digits, 1 << BITS, mask=match), remaining, BITS)
+            lo = lo + (digit.to(tl.uint32) << shift)  # <= the digit's keys <= hi: no overflow
+            # The digit's keys lie below lo + 2**shift (when that fits 32 bits) and at most hi.
+            last = lo + ((tl.full((), 1, tl.uint32) << shift) - 1)
+            hi = tl.where(last >= lo, tl.minimum(hi, last), hi)
+            remaining -= above
+            # Exact: the k-th largest is the digit's lowest key, lo or above.
+            done = (exact | (lo == hi)).to(tl.int32)
+    return lo
+
+
+@triton.jit
 def _ticketed_group_maxima(logits_row, maxima, slice_id, width, num_columns,
                            SLICE: tl.constexpr, GROUPS: tl.constexpr):
     """Folds the slice's keys into the row's G strided group maxima (column
@@ -770,7 +808,7 @@ def topk_ticketed_kernel(
     num_columns, lg_sr,
     K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr, GROUPS: tl.constexpr,
     REGION: tl.constexpr, CAND_TILE: tl.constexpr, COUNTS_TILE: tl.constexpr,
-    BITS: tl.constexpr, BOUND_PASSES: tl.constexpr, PAD_TILE: tl.constexpr,
+    BITS: tl.constexpr, BOUND_PASSES: tl.constexpr, SCALED: tl.constexpr, PAD_TILE: tl.constexpr,
 ):
     """The whole top-k of one row by its 2 x SLICES programs (module
     docstring, ticketed path).
@@ -805,8 +843,12 @@ def topk_ticketed_kernel(
         groups = tl.arange(0, GROUPS)
         group_maxima = tl.load(maxima + groups, cache_modifier=".cg")
         top = tl.max(group_maxima, 0)
-        bound, _remaining = _kth_largest_between(group_maxima, groups < GROUPS, K, tl.min(group_maxima, 0), top,
-                                                 BOUND_PASSES, BITS)
+        if SCALED:
+            # (Empty groups, 0, widen the span: a looser bound, never a wrong one.)
+            bound = _scaled_lower_bound(group_maxima, K, tl.min(group_maxima, 0), top, BOUND_PASSES, BITS)
+        else:
+            bound, _remaining = _kth_largest_between(group_maxima, groups < GROUPS, K, tl.min(group_maxima, 0),
+                                                     top, BOUND_PASSES, BITS)
         # The slice's keys >= L, in column order, into its region.
         valid = cols < width
         keys = tl.where(valid, _order_key(raw.to(tl.float32)), 0)
@@ -949,6 +991,7 @@ def _ticketed_parts(rows, columns, k, logits_stride, row_counts, logits, visible
     # 16 keys a thread in tiles of 2048 (4 warps), 8 in wider ones (registers).
     widest = max(slice_columns, cand_tile, groups)
     warps = max(tuning.ticketed_warps, widest // (32 * (16 if widest <= 2048 else 8)))
+    scaled = tuning.ticketed_bound == "scaled"
     state = Buffer("topk_state", (rows, 4 + groups), "int32", fill=0)
     counts, cand_key, cand_col = "topk_counts", "topk_cand_key", "topk_cand_col"
     buffers = (
@@ -963,7 +1006,8 @@ def _ticketed_parts(rows, columns, k, logits_stride, row_counts, logits, visible
                dict(num_columns=columns, lg_sr=logits_stride),
                dict(K=k, SLICES=slices, SLICE=slice_columns, GROUPS=groups, REGION=region, CAND_TILE=cand_tile,
                     COUNTS_TILE=triton.next_power_of_2(slices), BITS=tuning.radix_bits,
-                    BOUND_PASSES=tuning.bound_passes, PAD_TILE=min(1024, triton.next_power_of_2(k))),
+                    BOUND_PASSES=tuning.ticketed_bound_passes if scaled else tuning.bound_passes, SCALED=scaled,
+                    PAD_TILE=min(1024, triton.next_power_of_2(k))),
                num_warps=warps, num_stages=1)
         for count in row_counts)
     return buffers, launches

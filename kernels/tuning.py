@@ -276,10 +276,17 @@ class TopkTuning:
     ticketed_slice: int = 2048
     ticketed_max_slices: int = 16
     ticketed_warps: int = 8
+    #: The ticketed path's group-maximum bound: "fixed" (``bound_passes``
+    #: radix passes from the top bit, truncated, as the row path) or
+    #: "scaled" (``ticketed_bound_passes`` passes of digits fitted to the
+    #: maxima's span: ``topk._scaled_lower_bound``; one resolves about what
+    #: two fixed ones do).
+    ticketed_bound: str = "scaled"
+    ticketed_bound_passes: int = 1
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
-            if field.name not in ("path", "register_select"):
+            if field.name not in ("path", "register_select", "ticketed_bound"):
                 _positive_int("TopkTuning", field.name, getattr(self, field.name))
         for name in ("radix_bits", "register_radix_bits"):
             value = getattr(self, name)
@@ -290,6 +297,9 @@ class TopkTuning:
         if not isinstance(self.register_select, str) or self.register_select not in REGISTER_SELECTS:
             raise ValueError(f"TopkTuning: register_select must be one of "
                              f"{', '.join(map(repr, REGISTER_SELECTS))}, got {self.register_select!r}")
+        if not isinstance(self.ticketed_bound, str) or self.ticketed_bound not in TICKETED_BOUNDS:
+            raise ValueError(f"TopkTuning: ticketed_bound must be one of "
+                             f"{', '.join(map(repr, TICKETED_BOUNDS))}, got {self.ticketed_bound!r}")
         if not isinstance(self.path, str) or self.path not in TOPK_PATHS:
             raise ValueError(f"TopkTuning: path must be one of {', '.join(map(repr, TOPK_PATHS))}, "
                              f"got {self.path!r}")
@@ -303,6 +313,9 @@ class TopkTuning:
                 raise ValueError(f"TopkTuning: {name} must be at most 32, got {getattr(self, name)!r}")
         if not 16 <= self.ticketed_slice <= 4096:  # registers: 8 keys a thread at 16 warps
             raise ValueError(f"TopkTuning: ticketed_slice must be from 16 to 4096, got {self.ticketed_slice!r}")
+        if self.ticketed_bound_passes > 32 // self.radix_bits:
+            raise ValueError(f"TopkTuning: ticketed_bound_passes must be at most 32 // radix_bits = "
+                             f"{32 // self.radix_bits}, got {self.ticketed_bound_passes!r}")
         if self.bound_passes > 32 // self.radix_bits:
             raise ValueError(f"TopkTuning: bound_passes must be at most 32 // radix_bits = "
                              f"{32 // self.radix_bits}, got {self.bound_passes!r}")
@@ -317,6 +330,8 @@ ROW_ADDRESSING_MODES = ("slot", "page")
 TOPK_PATHS = ("auto", "register", "row", "ticketed", "sliced")
 #: The values of ``TopkTuning.register_select``.
 REGISTER_SELECTS = ("histogram", "count")
+#: The values of ``TopkTuning.ticketed_bound``.
+TICKETED_BOUNDS = ("scaled", "fixed")
 
 
 @_tuning_value

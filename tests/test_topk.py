@@ -167,6 +167,10 @@ def branch_case(kind, columns=200):
         logits = torch.rand(3, columns, generator=g)
         logits[:, ::16] += 2 + torch.rand(3, len(range(0, columns, 16)), generator=g)
         return logits
+    if kind == "clustered":  # the large keys fill 4 of 16 groups: many keys reach a low bound
+        logits = torch.rand(3, columns, generator=g)
+        logits[:, torch.arange(columns) % 16 < 4] += 2.0
+        return logits
     if kind == "narrow":  # every key shares the bound's top 16 bits
         return 1.0 + torch.randint(0, 1000, (3, columns), generator=g).float() * 1e-6
     if kind == "ties":  # zeros, two larger keys: T is the bound and overflows
@@ -271,12 +275,36 @@ def ticketed_branch(values: np.ndarray, k: int, launch) -> str:
     keys = _order_keys(values)
     maxima = np.zeros(c["GROUPS"], np.uint32)
     np.maximum.at(maxima, np.arange(len(keys)) % c["GROUPS"], keys)
-    kth = np.sort(maxima)[::-1][k - 1] if k <= c["GROUPS"] else 0
-    bits = c["BITS"] * c["BOUND_PASSES"]
-    bound = (int(kth) >> (32 - bits)) << (32 - bits)
+    kth = int(np.sort(maxima)[::-1][k - 1]) if k <= c["GROUPS"] else 0
+    if c["SCALED"]:
+        bound = scaled_bound(maxima, k, kth, c["BOUND_PASSES"], c["BITS"])
+    else:
+        bits = c["BITS"] * c["BOUND_PASSES"]
+        bound = (kth >> (32 - bits)) << (32 - bits)
     if np.sum(keys >= bound) <= c["CAND_TILE"]:
         return "candidates in registers"
     return "ties at the bound" if np.sum(keys > bound) < k else "whole row"
+
+
+def scaled_bound(maxima: np.ndarray, k: int, kth: int, passes: int, bits: int) -> int:
+    """The lower end of the range that ``passes`` scaled digits (of ``key -
+    lo``, the span's top ``bits`` bits; the span's bit length read from its
+    float32 exponent) narrow to around the k-th largest group maximum,
+    stopping early when a range holds exactly the maxima left to take."""
+    lo, hi, remaining = int(maxima.min()), int(maxima.max()), k
+    for _ in range(passes):
+        if lo == hi:
+            break
+        length = int(np.frexp(np.float32(hi - lo))[1])  # 2**(length - 1) <= float32(span) < 2**length
+        shift = max(length - bits, 0)
+        new_lo = lo + (((kth - lo) >> shift) << shift)
+        new_hi = min(hi, new_lo + (1 << shift) - 1)
+        remaining -= int(np.sum((maxima > new_hi) & (maxima <= hi)))
+        in_range = int(np.sum((maxima >= new_lo) & (maxima <= new_hi)))
+        lo, hi = new_lo, new_hi
+        if in_range == remaining:
+            break
+    return lo
 
 
 @pytest.fixture
@@ -291,7 +319,8 @@ def ticketed():
     ("sorted", 5, "candidates in registers"),   # the top keys all in the last slice
     ("random", 5, "candidates in registers"),
     ("periodic", 5, "candidates in registers"),  # the large keys share one group
-    ("narrow", 5, "whole row"),
+    ("narrow", 5, "candidates in registers"),    # the scaled bound: as tight as the keys
+    ("clustered", 5, "whole row"),
     ("ties", 5, "ties at the bound"),
 ])
 def test_ticketed_path_branches(ticketed, kind, k, branch):
@@ -301,6 +330,18 @@ def test_ticketed_path_branches(ticketed, kind, k, branch):
     assert launch.constexprs["CAND_TILE"] == 32 and launch.constexprs["REGION"] == 16
     assert ticketed_branch(host(logits[0]), k, launch) == branch
     check_topk(logits, torch.tensor([200, 150, 77], dtype=torch.int32), k)
+
+
+@pytest.mark.parametrize("kind, branch", [("narrow", "whole row"), ("clustered", "whole row"),
+                                          ("random", "candidates in registers")])
+def test_ticketed_fixed_bound(kind, branch):
+    """The ticketed path with the row path's bound (two fixed radix passes, truncated)."""
+    with retuned(path="ticketed", ticketed_slice=16, ticketed_bound="fixed"):
+        logits = branch_case(kind)
+        (launch,) = plan(3, logits.shape[1], 5).launches
+        assert not launch.constexprs["SCALED"] and launch.constexprs["BOUND_PASSES"] == 2
+        assert ticketed_branch(host(logits[0]), 5, launch) == branch
+        check_topk(logits, torch.tensor([200, 150, 77], dtype=torch.int32), 5)
 
 
 @pytest.mark.parametrize("columns, k", [(17, 8), (64, 1), (300, 20), (300, 64)])
@@ -423,8 +464,11 @@ def test_tuning_reaches_the_row_plan():
     assert kernels(plan(4, 16384, 64, TopkTuning(row_min_rows=4))) == ["topk_row_kernel"]
     (launch,) = plan(4, 16384, 64).launches
     assert launch.grid == (4, 2 * 8) and launch.num_warps == 8 and launch.constexprs["SLICE"] == 2048
-    (launch,) = plan(4, 16384, 64, TopkTuning(ticketed_slice=1024, ticketed_warps=4, bound_passes=1)).launches
-    assert launch.grid == (4, 2 * 16) and launch.num_warps == 4 and launch.constexprs["BOUND_PASSES"] == 1
+    (launch,) = plan(4, 16384, 64, TopkTuning(ticketed_slice=1024, ticketed_warps=4, ticketed_bound_passes=2)).launches
+    assert launch.grid == (4, 2 * 16) and launch.num_warps == 4 and launch.constexprs["BOUND_PASSES"] == 2
+    assert launch.constexprs["SCALED"]
+    (launch,) = plan(4, 16384, 64, TopkTuning(ticketed_bound="fixed", bound_passes=3)).launches
+    assert not launch.constexprs["SCALED"] and launch.constexprs["BOUND_PASSES"] == 3
     # Past ticketed_max_slices a row, slices widen (to 4096 columns).
     (launch,) = plan(4, 16384, 64, TopkTuning(ticketed_max_slices=2)).launches
     assert launch.constexprs["SLICE"] == 4096 and launch.grid == (4, 2 * 4)
@@ -480,7 +524,12 @@ def test_topk_tuning_is_checked():
                             (dict(ticketed_slice=3000), "TopkTuning: ticketed_slice must be a power of two"),
                             (dict(ticketed_slice=8192), "TopkTuning: ticketed_slice must be from 16 to 4096, got 8192"),
                             (dict(ticketed_slice=8), "TopkTuning: ticketed_slice must be from 16 to 4096, got 8"),
-                            (dict(ticketed_warps=64), "TopkTuning: ticketed_warps must be at most 32, got 64")):
+                            (dict(ticketed_warps=64), "TopkTuning: ticketed_warps must be at most 32, got 64"),
+                            (dict(ticketed_bound="float"), "TopkTuning: ticketed_bound must be one of "
+                                                           "'scaled', 'fixed', got 'float'"),
+                            (dict(ticketed_bound_passes=0), "TopkTuning: ticketed_bound_passes must be a positive"),
+                            (dict(ticketed_bound_passes=5), "TopkTuning: ticketed_bound_passes must be at most 32 "
+                                                            "// radix_bits = 4, got 5")):
         with pytest.raises(ValueError) as error:
             TopkTuning(**fields)
         assert str(error.value).startswith(message), error.value
