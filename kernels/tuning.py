@@ -275,6 +275,12 @@ class TopkTuning:
     #: 36.7 / 36.6.
     ticketed_slice: int = 2048
     ticketed_max_slices: int = 16
+    #: Few rows wider than this take the sliced path: measured (bench_topk.py,
+    #: ticketed / sliced us) 1 x 131072 19.5 / 26.6, 8 x 131072 32.6 / 35.3,
+    #: but 1 x 262144 30.0 / 28.1, 8 x 262144 60.5 / 48.8 (64 slices of 4096
+    #: columns a row: the atomic group maxima and the selection's gather grow
+    #: with the slices).
+    ticketed_max_columns: int = 131072
     ticketed_warps: int = 8
     #: The ticketed path's group-maximum bound: "fixed" (``bound_passes``
     #: radix passes from the top bit, truncated, as the row path) or

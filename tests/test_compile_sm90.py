@@ -198,7 +198,7 @@ CASES = {
     "scores/fp8-decode-256-128k-8-warps": _scores(256, 256, 1 << 17, k=FP8, tuning=dict(fp8_row_warps=8)),
     "scores/fp8-decode-256-128k-256-columns": _scores(256, 256, 1 << 17, k=FP8, tuning=dict(fp8_row_columns=256)),
     # Stage 3: top-k (a top-k set takes ~20 s of compiling: few shapes).
-    "topk/decode-1-1m-k512": _topk(1, 1 << 18, 512),
+    "topk/decode-1-1m-k512": _topk(1, 1 << 18, 512),  # the sliced path past ticketed_max_columns
     "topk/decode-256-128k-k512": _topk(256, 1 << 15, 512),
     "topk/prefill-2048-128k-k2048-bf16": _topk(2048, 1 << 15, 2048, dtype=BF16),
     "topk/short-rows-k-past-row-end-fp16-int64": _topk(8, 100, 128, dtype=FP16, index=I64),
@@ -223,11 +223,13 @@ CASES = {
     "topk/ticketed-decode-1-128k-k512": _topk(1, 1 << 15, 512),
     "topk/ticketed-decode-8-512k-k512-bf16": _topk(8, 1 << 17, 512, dtype=BF16),
     "topk/ticketed-decode-1-256k-k2048": _topk(1, 1 << 16, 2048),
-    "topk/ticketed-4096-slices-1-1m-k512": _topk(1, 1 << 18, 512, ticketed_slice=4096),
+    "topk/ticketed-4096-slices-1-1m-k512": _topk(1, 1 << 18, 512, path="ticketed", ticketed_slice=4096),
+    "topk/ticketed-fixed-bound-1-128k-k512": _topk(1, 1 << 15, 512, ticketed_bound="fixed"),
     # Each path forced where another is chosen (benchmarks/bench_topk.py
     # times them all), and the --sweep's smallest row-path configuration.
     "topk/forced-sliced-decode-256-128k-k512": _topk(256, 1 << 15, 512, path="sliced"),
     "topk/forced-sliced-decode-8-512k-k512": _topk(8, 1 << 17, 512, path="sliced"),
+    "topk/sliced-decode-8-1m-k512": _topk(8, 1 << 18, 512),
     "topk/forced-ticketed-decode-256-128k-k512": _topk(256, 1 << 15, 512, path="ticketed"),
     "topk/forced-row-decode-1-1m-k512": _topk(1, 1 << 18, 512, path="row"),
     "topk/row-8-warps-8-keys-1-bound-pass-2048-8k": _topk(2048, 1 << 13, 512, path="row", row_warps=8,

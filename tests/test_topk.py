@@ -74,7 +74,9 @@ def test_path_thresholds():
     assert kernels(plan(few - 1, wide + 1, 512)) == ["topk_ticketed_kernel"]
     assert kernels(plan(few, wide + 1, 512)) == ["topk_row_kernel"]
     assert kernels(plan(2048, 2048, 512)) == ["topk_register_kernel"]
-    assert kernels(plan(1, 1 << 18, 512)) == ["topk_ticketed_kernel"]
+    assert kernels(plan(1, TopkTuning().ticketed_max_columns, 512)) == ["topk_ticketed_kernel"]
+    assert kernels(plan(1, TopkTuning().ticketed_max_columns + 1, 512))[0] == "topk_group_max_kernel"
+    assert kernels(plan(1, 1 << 18, 512))[0] == "topk_group_max_kernel"
     # Forced paths, as the benchmark compares them.
     assert len(plan(1, 32768, 512, TopkTuning(path="sliced")).launches) == 4
     assert kernels(plan(1, 1 << 18, 512, TopkTuning(path="row"))) == ["topk_row_kernel"]
@@ -85,6 +87,7 @@ def test_path_thresholds():
     assert kernels(plan(2048, 2048, 512, TopkTuning(path="ticketed"))) == ["topk_ticketed_kernel"]
     # A raised threshold stops at the widest row registers hold.
     assert kernels(plan(1, 1 << 15, 512, TopkTuning(register_max_columns=1 << 15))) == ["topk_ticketed_kernel"]
+    assert kernels(plan(1, 1 << 18, 512, TopkTuning(ticketed_max_columns=1 << 18))) == ["topk_ticketed_kernel"]
 
 
 def test_register_path_holds_at_most_its_tile():
@@ -243,12 +246,14 @@ def test_k_past_visible_and_k_past_columns(one_program_a_row):
 
 
 def test_path_switch_shapes(small_tiles):
-    """Just below and above the row-width threshold, and at the row count
-    that takes wide rows back to the row path; same result on both paths."""
+    """Just below and above the row-width and ticketed-width thresholds, and
+    at the row count that takes wide rows back to the row path; the same
+    result on every path."""
     logits = topk_logits(24, 4, 97, special=True)
     visible = torch.tensor([97, 96, 50, 2], dtype=torch.int32)
-    with retuned(row_max_columns=96, row_min_rows=4):
-        for rows, columns, path in ((3, 96, "row"), (3, 97, "ticketed"), (4, 97, "row")):
+    with retuned(row_max_columns=80, row_min_rows=4, ticketed_max_columns=96, ticketed_slice=16):
+        for rows, columns, path in ((3, 80, "row"), (3, 81, "ticketed"), (3, 96, "ticketed"), (3, 97, "sliced"),
+                                    (4, 97, "row")):
             assert topk_plans.topk_path(rows, columns, 6, tuning.current().topk) == path
             assert (kernels(plan(rows, columns, 6)) == ["topk_row_kernel"]) is (path == "row")
             check_topk(logits[:rows, :columns].contiguous(), visible[:rows].clamp(max=columns), 6)
@@ -572,7 +577,7 @@ def test_sorted_reference_is_the_reference():
     (1, 32768, 512),      # row path, bounded, 16 warps
     (1, 65536, 2048),     # ticketed path, k = 2048 (16 warps)
     (8, 131072, 512),     # ticketed path (few long rows)
-    (1, 1 << 20, 512),    # ticketed path, 512 slices
+    (1, 1 << 18, 512),    # sliced path past TopkTuning.ticketed_max_columns
     (64, 262144, 512),    # row path for long rows once rows fill the GPU
     (300, 16384, 2048),   # many rows, k = 2048
 ])
