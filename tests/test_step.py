@@ -781,7 +781,7 @@ def _production_decode_plan(context: int, fuse: bool = True):
 
 def test_decode_step_launch_count():
     """A 1-request decode step at production geometry, 32K context (8192 compressed columns: the
-    row top-k, one launch).
+    ticketed top-k, one launch).
 
     Unfused: RoPE + KV (1), compress_groups, the ring store, the pooled keys'
     RoPE, their store, the index queries' RoPE (5), score + top-k + expand
@@ -794,7 +794,7 @@ def test_decode_step_launch_count():
     unfused = [kernel_name(launch.kernel) for launch in _production_decode_plan(32768, fuse=False).runnable_launches]
     attention = [name for name in unfused if name.startswith(("sparse_attention", "merge_splits"))]
     assert 1 <= len(attention) <= 2 and unfused[-len(attention):] == attention
-    selection = ["scores_kernel", "topk_row_kernel", "expand_kernel"]
+    selection = ["scores_kernel", "topk_ticketed_kernel", "expand_kernel"]
     assert unfused == ["rope_cache_kernel", *UNFUSED_KERNELS, *selection, *attention]
     assert fused == ["rope_cache_kernel", FUSED_KERNEL, *selection, *attention]
     assert len(fused) == 5 + len(attention) and len(unfused) == 9 + len(attention)
