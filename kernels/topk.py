@@ -1020,7 +1020,8 @@ def _ticketed_parts(rows, columns, k, logits_stride, row_counts, logits, visible
     # 16 keys a thread in tiles of 2048 (4 warps), 8 in wider ones (registers).
     widest = max(slice_columns, cand_tile, groups)
     warps = max(tuning.ticketed_warps, widest // (32 * (16 if widest <= 2048 else 8)))
-    scaled = tuning.ticketed_bound == "scaled"
+    # The scaled bound needs k maxima (fewer: the fixed radix's bound is 0, as it must be).
+    scaled = tuning.ticketed_bound == "scaled" and groups >= k
     state = Buffer("topk_state", (rows, 4 + groups), "int32", fill=0)
     counts, cand_key, cand_col = "topk_counts", "topk_cand_key", "topk_cand_col"
     buffers = (

@@ -360,6 +360,18 @@ def test_ticketed_path_matches_reference(ticketed, columns, k, special):
     check_topk(logits, visible, k)
 
 
+def test_ticketed_path_with_fewer_groups_than_k():
+    """``max_groups`` below k: fewer group maxima than k, so no bound (0)
+    but the fixed radix's; exact still (distinct keys: the 4 maxima are
+    among the row's top 8, so any bound above 0 would lose keys)."""
+    with retuned(path="ticketed", ticketed_slice=16, max_groups=4):
+        (launch,) = plan(3, 300, 8).launches
+        assert launch.constexprs["GROUPS"] == 4 and not launch.constexprs["SCALED"]
+        logits = torch.stack([torch.randperm(300, generator=torch.Generator().manual_seed(row)).float()
+                              for row in range(3)])
+        check_topk(logits, torch.tensor([300, 299, 7], dtype=torch.int32), 8)
+
+
 @pytest.mark.parametrize("value", [0.5, -0.0, float("-inf"), float("nan")])
 def test_ticketed_path_all_ties(ticketed, value):
     logits = torch.full((2, 100), value)
