@@ -217,8 +217,8 @@ class TopkTuning:
     #: Bits per radix pass (a divisor of 32, at most 8).
     radix_bits: int = 8
     #: Top-k path: "auto" (by shape, see ``topk.topk_path``), "register",
-    #: "row" or "sliced" (forced; benchmarks compare them; "register" holds
-    #: at most ``topk.REGISTER_MAX_TILE`` columns).
+    #: "row", "ticketed" or "sliced" (forced; benchmarks compare them;
+    #: "register" holds at most ``topk.REGISTER_MAX_TILE`` columns).
     path: str = "auto"
     #: The register path for rows at most this wide, whatever the rows.  Its
     #: cost is the radix passes over every key of the row, about 75
@@ -275,13 +275,13 @@ class TopkTuning:
     #: 36.7 / 36.6.
     ticketed_slice: int = 2048
     ticketed_max_slices: int = 16
+    ticketed_warps: int = 8
     #: Few rows wider than this take the sliced path: measured (bench_topk.py,
     #: ticketed / sliced us) 1 x 131072 19.5 / 26.6, 8 x 131072 32.6 / 35.3,
     #: but 1 x 262144 30.0 / 28.1, 8 x 262144 60.5 / 48.8 (64 slices of 4096
     #: columns a row: the atomic group maxima and the selection's gather grow
     #: with the slices).
     ticketed_max_columns: int = 131072
-    ticketed_warps: int = 8
     #: The ticketed path's group-maximum bound: "fixed" (``bound_passes``
     #: radix passes from the top bit, truncated, as the row path) or
     #: "scaled" (``ticketed_bound_passes`` passes of digits fitted to the
@@ -292,7 +292,7 @@ class TopkTuning:
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
-            if field.name not in ("path", "register_select", "ticketed_bound"):
+            if field.name not in ("path", "register_select", "ticketed_bound"):  # the choices, below
                 _positive_int("TopkTuning", field.name, getattr(self, field.name))
         for name in ("radix_bits", "register_radix_bits"):
             value = getattr(self, name)
@@ -300,15 +300,12 @@ class TopkTuning:
                 raise ValueError(f"TopkTuning: {name} must divide 32, got {value!r}")
             if value > 8:  # a digit's counts (up to 2**bits) are packed in 16 bits
                 raise ValueError(f"TopkTuning: {name} must be at most 8, got {value!r}")
-        if not isinstance(self.register_select, str) or self.register_select not in REGISTER_SELECTS:
-            raise ValueError(f"TopkTuning: register_select must be one of "
-                             f"{', '.join(map(repr, REGISTER_SELECTS))}, got {self.register_select!r}")
-        if not isinstance(self.ticketed_bound, str) or self.ticketed_bound not in TICKETED_BOUNDS:
-            raise ValueError(f"TopkTuning: ticketed_bound must be one of "
-                             f"{', '.join(map(repr, TICKETED_BOUNDS))}, got {self.ticketed_bound!r}")
-        if not isinstance(self.path, str) or self.path not in TOPK_PATHS:
-            raise ValueError(f"TopkTuning: path must be one of {', '.join(map(repr, TOPK_PATHS))}, "
-                             f"got {self.path!r}")
+        for name, choices in (("register_select", REGISTER_SELECTS), ("ticketed_bound", TICKETED_BOUNDS),
+                              ("path", TOPK_PATHS)):
+            value = getattr(self, name)
+            if not isinstance(value, str) or value not in choices:
+                raise ValueError(f"TopkTuning: {name} must be one of {', '.join(map(repr, choices))}, "
+                                 f"got {value!r}")
         for name in ("row_warps", "row_group_keys_per_thread", "row_keys_per_thread",
                      "register_keys_per_thread", "register_max_warps", "ticketed_slice", "ticketed_warps"):
             value = getattr(self, name)
@@ -319,12 +316,10 @@ class TopkTuning:
                 raise ValueError(f"TopkTuning: {name} must be at most 32, got {getattr(self, name)!r}")
         if not 16 <= self.ticketed_slice <= 4096:  # registers: 8 keys a thread at 16 warps
             raise ValueError(f"TopkTuning: ticketed_slice must be from 16 to 4096, got {self.ticketed_slice!r}")
-        if self.ticketed_bound_passes > 32 // self.radix_bits:
-            raise ValueError(f"TopkTuning: ticketed_bound_passes must be at most 32 // radix_bits = "
-                             f"{32 // self.radix_bits}, got {self.ticketed_bound_passes!r}")
-        if self.bound_passes > 32 // self.radix_bits:
-            raise ValueError(f"TopkTuning: bound_passes must be at most 32 // radix_bits = "
-                             f"{32 // self.radix_bits}, got {self.bound_passes!r}")
+        for name in ("bound_passes", "ticketed_bound_passes"):
+            if getattr(self, name) > 32 // self.radix_bits:
+                raise ValueError(f"TopkTuning: {name} must be at most 32 // radix_bits = "
+                                 f"{32 // self.radix_bits}, got {getattr(self, name)!r}")
 
 
 #: The values of ``AttentionTuning.fp8_widen``.
