@@ -15,7 +15,10 @@ Per shape:
   the logits written, which dominate.
 - top-k (``topk_blocks``, k = 512) against ``torch.topk(sorted=False)`` on the
   same logits, and ``jax.lax.top_k`` on a subset of shapes;
-- ``select_paged_tokens`` end to end (torch; JAX on a subset).
+- ``select_paged_tokens`` end to end (torch; JAX on a subset), its launches
+  per call (observed) and, where the fused selection runs (decode rows whose
+  top-k is ticketed), the three launches it replaces (``SelectTuning(fused=
+  False)``) timed in the same run, and whether both give the same bits.
 ``--fp8``: on decode 1/8/64/256 at 32K/128K and the 2048-row prefill, the
 scorer and the selection also read an fp8 e4m3 copy of the key pool (one
 per-tensor scale, pool amax / 448), side by side: ``fp8_*`` columns,
@@ -112,6 +115,15 @@ def block_agreement(torch, a, b, columns):
         return hot.scatter_(1, torch.where(blocks < 0, columns, blocks).long(), True)[:, :columns]
     both = (chosen(a) & chosen(b)).sum(1).float() / (a >= 0).sum(1).clamp(min=1).float()
     return float(both.mean()), float(both.min())
+
+
+def select_launches(select) -> tuple[int, bool]:
+    """(kernel launches of one call, observed; whether the fused selection ran)."""
+    from qsa_kernels.launch import observe_launches
+
+    with observe_launches() as events:
+        select()
+    return len(events), any(event.kernel == "select_fused_kernel" for event in events)
 
 
 def graph_us(fn, smoke, estimate_us=None):
@@ -235,6 +247,15 @@ def main():
         select = lambda: qsa_torch.select_paged_tokens(**arrays, token_topk=g["TOKEN_TOPK"],  # noqa: E731
                                                        compress_ratio=RATIO)
         row["select_graph_us"] = graph_us(select, args.smoke)
+        row["select_launches"], row["select_fused"] = select_launches(select)
+        if row["select_fused"]:
+            # The same selection as three launches (score, top-k, expand), in the same process.
+            with tuning.override(select=SelectTuning(fused=False)):
+                row["select_unfused_graph_us"] = graph_us(select, args.smoke)
+                unfused = select()
+            row["select_fused_equal"] = bool(torch.equal(select(), unfused))
+            if row["select_graph_us"] and row["select_unfused_graph_us"]:
+                row["select_fused_speedup"] = row["select_unfused_graph_us"] / row["select_graph_us"]
         shape = (mode, rows, context)
         if not args.smoke:
             for key, table in (("seed_scorer_us", SEED_SCORER_US), ("seed_topk_us", SEED_TOPK_US)):
@@ -291,7 +312,8 @@ def main():
     common.print_table(rows_out, [
         "mode", "rows", "context", "scorer_us", "scorer_graph_us", "scorer_graph_pct_peak", "seed_scorer_us",
         "topk_graph_us", "torch_topk_graph_us", "topk_speedup_vs_torch", "lax_topk_loop_us", "jax_topk_loop_us",
-        "select_graph_us", "jax_select_wall_us", "jax_select_loop_us"]
+        "select_graph_us", "select_launches", "select_unfused_graph_us", "select_fused_speedup",
+        "select_fused_equal", "jax_select_wall_us", "jax_select_loop_us"]
         + (["fp8_scorer_graph_us", "fp8_scorer_graph_pct_peak", "fp8_scorer_vs_bf16", "fp8_select_graph_us",
             "fp8_select_vs_bf16", "fp8_block_agreement_mean", "fp8_block_agreement_min"] if args.fp8 else []))
     common.write_json(args.json, "selection (mqa_paged_scores, topk_blocks, select_paged_tokens)", rows_out, notes)

@@ -40,6 +40,8 @@ comes from a bf16 run's JSON (``--dense-json``, default results/step.json)
 where it has the shape, with the goal: at 128K, the fp8 QSA layer at least
 25x faster than the dense bf16 layer at 64 and 256 requests.
 ``launches``: kernel launches per step (observed on one eager step).
+``--unfused-selection``: the selection as score, top-k and expand launches
+(``SelectTuning(fused=False)``).
 ``--unfused``: the step's stage 2 and index-query RoPE as separate launches
 (``StepTuning(fuse_stages=False)``; results in step_unfused.json by default),
 to compare with the fused default.
@@ -390,6 +392,9 @@ def main():
     p.add_argument("--skip-compile", action="store_true", help="leave out the torch.compile columns (slow to build)")
     p.add_argument("--unfused", action="store_true",
                    help="the step's stage 2 and index-query RoPE as separate launches (StepTuning.fuse_stages off)")
+    p.add_argument("--unfused-selection", action="store_true",
+                   help="the selection as its three launches (SelectTuning.fused off; results in "
+                        "step_unfused-selection.json)")
     p.add_argument("--topk-path", choices=TOPK_PATHS, default="auto",
                    help="force the selection's top-k path (TopkTuning.path; results in step_topk-<path>.json)")
     args = p.parse_args()
@@ -404,6 +409,8 @@ def main():
     defaults = (default, default.replace("step.json", "step_fp8.json"))
     if args.unfused and args.json in defaults:
         args.json = args.json.replace(".json", "_unfused.json")
+    if args.unfused_selection and args.json in defaults:
+        args.json = args.json.replace(".json", "_unfused-selection.json")
     if args.topk_path != "auto" and args.json in defaults:
         args.json = args.json.replace(".json", f"_topk-{args.topk_path}.json")
     from qsa_kernels import tuning
@@ -412,6 +419,8 @@ def main():
     stages = dict(step=tuning.StepTuning(fuse_stages=False)) if args.unfused else {}
     if args.topk_path != "auto":
         stages["topk"] = tuning.TopkTuning(path=args.topk_path)
+    if args.unfused_selection:
+        stages["select"] = tuning.SelectTuning(fused=False)
     with tuning.override(**stages):
         run(args, fp8)
 
@@ -469,6 +478,8 @@ def run(args, fp8: bool) -> None:
         "every row completes a compressed group (the step's most expensive case)",
         "launches: kernel launches per step, " + ("--unfused: StepTuning.fuse_stages off" if args.unfused else
                                                   "stage 2 and the index-query RoPE fused where StepTuning allows")
+        + ("; the selection as three launches (--unfused-selection)" if args.unfused_selection else
+           "; the selection fused where SelectTuning allows")
         + (f"; top-k path forced: {args.topk_path}" if args.topk_path != "auto" else ""),
         f"torch_graph_us: CUDA graph of {LOOP_CALLS} steps, per step; torch_eager_us: do_bench median",
         "torch_compile_us: torch.compile(fullgraph=True) of the step, Inductor default mode, do_bench median",

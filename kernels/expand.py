@@ -42,6 +42,28 @@ Returns:
 
 
 @triton.jit
+def expand_row_tile(block_row, position, length, out_row, cols,
+                    BLOCK_TOPK: tl.constexpr, RATIO: tl.constexpr, WIDTH: tl.constexpr):
+    """``out_row[cols]`` of one row from its selected blocks ``block_row``
+    (the fused selection expands its rows with this too)."""
+    expanded = tl.minimum(count_visible_blocks(position, length, RATIO), BLOCK_TOPK) * RATIO
+    # The open group: the tail_count positions up to and including the query.
+    # (Written so that nothing wraps, even at INT64_MAX.)
+    tail_count = tl.where(position < 0, 0, (position % RATIO + 1) % RATIO)
+    in_blocks = cols < expanded
+    in_tail = ~in_blocks & (cols - expanded < tail_count)
+    block = tl.load(block_row + cols // RATIO, mask=in_blocks, other=-1).to(tl.int64)
+    # A block past the sequence is skipped before block * RATIO can wrap.
+    block_ok = (block >= 0) & (block <= (length - 1) // RATIO)
+    block_token = tl.where(block_ok, block, 0) * RATIO + cols % RATIO
+    tail_token = position - tl.where(in_tail, tail_count - 1 - (cols - expanded), 0)
+    token = tl.where(in_blocks, block_token, tail_token)
+    # The output is int32: a token past it is dropped, never wrapped into a valid-looking one.
+    keep = ((in_blocks & block_ok) | in_tail) & (token >= 0) & (token < length) & (token <= 2147483647)
+    tl.store(out_row + cols, tl.where(keep, token, -1).to(tl.int32), mask=cols < WIDTH)
+
+
+@triton.jit
 def expand_kernel(
     block_indices_ptr,  # [rows of this launch, BLOCK_TOPK] int32/int64 (row stride bi_sr)
     query_positions_ptr,  # [R] int32/int64
@@ -58,21 +80,8 @@ def expand_kernel(
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     _request, _request_ok, length = row_request(token_to_req_ptr, sequence_lengths_ptr, row, True, num_requests)
     position = tl.load(query_positions_ptr + row).to(tl.int64)
-    expanded = tl.minimum(count_visible_blocks(position, length, RATIO), BLOCK_TOPK) * RATIO
-    # The open group: the tail_count positions up to and including the query.
-    # (Written so that nothing wraps, even at INT64_MAX.)
-    tail_count = tl.where(position < 0, 0, (position % RATIO + 1) % RATIO)
-    in_blocks = cols < expanded
-    in_tail = ~in_blocks & (cols - expanded < tail_count)
-    block = tl.load(block_indices_ptr + local * bi_sr + cols // RATIO, mask=in_blocks, other=-1).to(tl.int64)
-    # A block past the sequence is skipped before block * RATIO can wrap.
-    block_ok = (block >= 0) & (block <= (length - 1) // RATIO)
-    block_token = tl.where(block_ok, block, 0) * RATIO + cols % RATIO
-    tail_token = position - tl.where(in_tail, tail_count - 1 - (cols - expanded), 0)
-    token = tl.where(in_blocks, block_token, tail_token)
-    # The output is int32: a token past it is dropped, never wrapped into a valid-looking one.
-    keep = ((in_blocks & block_ok) | in_tail) & (token >= 0) & (token < length) & (token <= 2147483647)
-    tl.store(out_ptr + row * out_sr + cols, tl.where(keep, token, -1).to(tl.int32), mask=cols < WIDTH)
+    expand_row_tile(block_indices_ptr + local * bi_sr, position, length, out_ptr + row * out_sr, cols,
+                    BLOCK_TOPK, RATIO, WIDTH)
 
 
 def check_token_topk(check: Checker, token_topk: int, compress_ratio: int) -> None:
@@ -81,10 +90,15 @@ def check_token_topk(check: Checker, token_topk: int, compress_ratio: int) -> No
         check.fail("token_topk", f"must be a multiple of compress_ratio = {compress_ratio}", token_topk)
 
 
+def expand_tiling(block_topk: int, compress_ratio: int) -> tuple[int, int]:
+    """(tokens of a row, tokens a program's tile writes)."""
+    width = block_topk * compress_ratio + compress_ratio - 1
+    return width, min(1024, triton.next_power_of_2(max(width, 1)))
+
+
 def expand_launches(block_topk: int, compress_ratio: int, block_stride: int, out_stride: int,
                     requests: int, row_ranges, block_indices: str):
-    width = block_topk * compress_ratio + compress_ratio - 1
-    block_w = min(1024, triton.next_power_of_2(max(width, 1)))
+    width, block_w = expand_tiling(block_topk, compress_ratio)
     # With no blocks to expand, any input stands in for the (unread) indices.
     block_indices = block_indices if block_topk else "token_to_req"
     launches = []

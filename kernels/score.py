@@ -99,15 +99,15 @@ def _gather_keys(k_cache_ptr, page_table_ptr, request, request_ok, cols, limit,
 
 
 @triton.jit
-def _score_row(q_ptr, k_cache_ptr, page_table_ptr, token_to_req_ptr, query_positions_ptr,
-               sequence_lengths_ptr, logits_ptr, local_row, col_start,
-               row_begin, num_columns, num_pages, num_requests, table_width,
-               q_sr, q_sh, kc_sb, kc_sp, pt_sr, lg_sr, score_divisor,
-               HEADS: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-               PAGE: tl.constexpr, RATIO: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-               FP8_KEYS: tl.constexpr, BIT_TRICK: tl.constexpr, IN_REGISTERS: tl.constexpr):
-    """One row against a column tile: its heads padded to a dot of HEADS_P >= 16 rows."""
-    row = row_begin + local_row.to(tl.int64)
+def score_row_tile(q_ptr, k_cache_ptr, page_table_ptr, token_to_req_ptr, query_positions_ptr,
+                   sequence_lengths_ptr, row, col_start, num_pages, num_requests, table_width,
+                   q_sr, q_sh, kc_sb, kc_sp, pt_sr, score_divisor,
+                   HEADS: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                   PAGE: tl.constexpr, RATIO: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+                   FP8_KEYS: tl.constexpr, BIT_TRICK: tl.constexpr, IN_REGISTERS: tl.constexpr):
+    """``(scores [BLOCK_N], cols, visible)`` of one row against the columns
+    from ``col_start``: its heads padded to a dot of HEADS_P >= 16 rows.
+    (The fused selection scores with this too: the same bits as the scorer.)"""
     request, request_ok, length = row_request(token_to_req_ptr, sequence_lengths_ptr, row, True, num_requests)
     visible = count_visible_blocks(tl.load(query_positions_ptr + row).to(tl.int64), length, RATIO)
     cols = col_start + tl.arange(0, BLOCK_N)
@@ -124,6 +124,23 @@ def _score_row(q_ptr, k_cache_ptr, page_table_ptr, token_to_req_ptr, query_posit
         # Padded heads are zero rows: relu(0) adds nothing.
         total = tl.sum(tl.maximum(_dot(q, tl.trans(keys), UPCAST), 0.0), axis=0)
         scores = tl.where(present, total / score_divisor, float("-inf"))
+    return scores, cols, visible
+
+
+@triton.jit
+def _score_row(q_ptr, k_cache_ptr, page_table_ptr, token_to_req_ptr, query_positions_ptr,
+               sequence_lengths_ptr, logits_ptr, local_row, col_start,
+               row_begin, num_columns, num_pages, num_requests, table_width,
+               q_sr, q_sh, kc_sb, kc_sp, pt_sr, lg_sr, score_divisor,
+               HEADS: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+               PAGE: tl.constexpr, RATIO: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+               FP8_KEYS: tl.constexpr, BIT_TRICK: tl.constexpr, IN_REGISTERS: tl.constexpr):
+    """One row against a column tile, stored into its logits row."""
+    scores, cols, _visible = score_row_tile(
+        q_ptr, k_cache_ptr, page_table_ptr, token_to_req_ptr, query_positions_ptr, sequence_lengths_ptr,
+        row_begin + local_row.to(tl.int64), col_start, num_pages, num_requests, table_width,
+        q_sr, q_sh, kc_sb, kc_sp, pt_sr, score_divisor,
+        HEADS, HEADS_P, D, BLOCK_D, PAGE, RATIO, BLOCK_N, UPCAST, FP8_KEYS, BIT_TRICK, IN_REGISTERS)
     tl.store(logits_ptr + local_row.to(tl.int64) * lg_sr + cols, scores, mask=cols < num_columns)
 
 
@@ -238,6 +255,12 @@ def check_key_scale(check: Checker, k_cache: ArrayInfo, k_scale: ArrayInfo | Non
     return fp8
 
 
+def exact_dot(q: ArrayInfo, k_cache: ArrayInfo) -> bool:
+    """Whether the scorer takes the exact fp32 dot (fp32 or mixed operands), not tensor cores."""
+    # fp8 keys are widened exactly to q's dtype: not a mixed-precision dot.
+    return (q.dtype != k_cache.dtype and k_cache.dtype != FP8_DTYPE) or q.dtype == "float32"
+
+
 def score_tiling(q: ArrayInfo, k_cache: ArrayInfo, page_table: ArrayInfo, num_columns: int,
                  tuning: SelectTuning | None = None):
     """(rows per tile, columns per tile, upcast operands) of the scorer.
@@ -251,8 +274,7 @@ def score_tiling(q: ArrayInfo, k_cache: ArrayInfo, page_table: ArrayInfo, num_co
     """
     tuning = tuning or SelectTuning()
     rows, dim = q.shape[0], q.shape[2]
-    # fp8 keys are widened exactly to q's dtype: not a mixed-precision dot.
-    exact = (q.dtype != k_cache.dtype and k_cache.dtype != FP8_DTYPE) or q.dtype == "float32"
+    exact = exact_dot(q, k_cache)
     if exact or rows <= page_table.shape[0]:
         block_r = 1
     else:
@@ -266,15 +288,31 @@ def score_tiling(q: ArrayInfo, k_cache: ArrayInfo, page_table: ArrayInfo, num_co
     return block_r, block_n, exact or runtime.INTERPRETED
 
 
+def scorer_arguments(q, k_cache, page_table, compress_ratio, num_columns, score_divisor, fp8_keys=False,
+                     tuning: SelectTuning | None = None):
+    """``(block_r, block_n, scalars, constexprs, warps)`` of the scorer's launches
+    (the fused selection's scoring too): scalars but the rows' and logits stride."""
+    tuning = tuning or SelectTuning()
+    heads, dim = q.shape[1], q.shape[2]
+    block_r, block_n, upcast = score_tiling(q, k_cache, page_table, num_columns, tuning)
+    scalars = dict(num_columns=num_columns, num_pages=k_cache.shape[0], num_requests=page_table.shape[0],
+                   table_width=page_table.shape[1], q_sr=q.strides[0], q_sh=q.strides[1],
+                   kc_sb=k_cache.strides[0], kc_sp=k_cache.strides[1], pt_sr=page_table.strides[0],
+                   score_divisor=float(score_divisor))
+    constexprs = dict(HEADS=heads, HEADS_P=max(16, triton.next_power_of_2(heads)), D=dim,
+                      BLOCK_D=max(16, triton.next_power_of_2(dim)), PAGE=k_cache.shape[1], RATIO=compress_ratio,
+                      BLOCK_N=block_n, UPCAST=upcast, FP8_KEYS=fp8_keys, BIT_TRICK=bit_trick(fp8_keys, q.dtype),
+                      IN_REGISTERS=in_registers(fp8_keys, tuning.fp8_widen))
+    upcast_exact = q.dtype == "float32"  # fp32 queries: the exact fp32 dot (8 warps)
+    warps = tuning.fp8_row_warps if fp8_keys and block_r == 1 and not upcast_exact else 8
+    return block_r, block_n, scalars, constexprs, warps
+
+
 def score_launches(q, k_cache, page_table, compress_ratio, num_columns, score_divisor,
                    row_ranges, logits_stride, fp8_keys=False, tuning: SelectTuning | None = None):
     """Scorer launches over ``row_ranges`` [(first row, rows)], writing local logits/visible rows."""
-    tuning = tuning or SelectTuning()
-    heads, dim = q.shape[1], q.shape[2]
-    pages, page = k_cache.shape[0], k_cache.shape[1]
-    requests, table_width = page_table.shape
-    block_r, block_n, upcast = score_tiling(q, k_cache, page_table, num_columns, tuning)
-    upcast_exact = q.dtype == "float32"  # fp32 queries: the exact fp32 dot (8 warps)
+    block_r, block_n, scalars, constexprs, warps = scorer_arguments(
+        q, k_cache, page_table, compress_ratio, num_columns, score_divisor, fp8_keys, tuning)
     return [Launch(
         kernel=scores_kernel,
         grid=(triton.cdiv(count, block_r), max(1, triton.cdiv(num_columns, block_n))),
@@ -282,17 +320,9 @@ def score_launches(q, k_cache, page_table, compress_ratio, num_columns, score_di
                 # Without fp8 keys: a stand-in pointer FP8_KEYS never reads.
                 "k_scale" if fp8_keys else "q"),
         outputs=("logits", "visible_blocks"),
-        scalars=dict(row_begin=first, num_rows=count, num_columns=num_columns, num_pages=pages,
-                     num_requests=requests, table_width=table_width,
-                     q_sr=q.strides[0], q_sh=q.strides[1], kc_sb=k_cache.strides[0],
-                     kc_sp=k_cache.strides[1], pt_sr=page_table.strides[0], lg_sr=logits_stride,
-                     score_divisor=float(score_divisor)),
-        constexprs=dict(HEADS=heads, HEADS_P=max(16, triton.next_power_of_2(heads)), D=dim,
-                        BLOCK_D=max(16, triton.next_power_of_2(dim)), PAGE=page, RATIO=compress_ratio,
-                        BLOCK_R=block_r, BLOCK_N=block_n, UPCAST=upcast, FP8_KEYS=fp8_keys,
-                        BIT_TRICK=bit_trick(fp8_keys, q.dtype),
-                        IN_REGISTERS=in_registers(fp8_keys, tuning.fp8_widen)),
-        num_warps=tuning.fp8_row_warps if fp8_keys and block_r == 1 and not upcast_exact else 8,
+        scalars=dict(row_begin=first, num_rows=count, **scalars, lg_sr=logits_stride),
+        constexprs=dict(constexprs, BLOCK_R=block_r),
+        num_warps=warps,
         num_stages=1,
     ) for first, count in row_ranges]
 

@@ -768,7 +768,7 @@ def _ticketed_group_maxima(logits_row, maxima, slice_id, width, num_columns,
 
 
 @triton.jit
-def _wait_for(counter, target):
+def wait_for(counter, target):
     """Spins until ``*counter >= target`` (acquire: what was published before
     each increment is visible after)."""
     arrived = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
@@ -822,6 +822,63 @@ def _ticketed_finish(logits_row, counts_row, cand_keys, cand_cols, out_row, widt
 
 
 @triton.jit
+def ticketed_publish(counter):
+    """Counts this program done (release): every thread's stores before the
+    count (one thread adds) are visible to a program that acquires it."""
+    tl.debug_barrier()
+    tl.atomic_add(counter, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def ticketed_compact_and_select(logits_row, raw, cols, tickets, maxima, counts_row, cand_keys, cand_cols, out_row,
+                                width, slice_id,
+                                K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr, GROUPS: tl.constexpr,
+                                REGION: tl.constexpr, CAND_TILE: tl.constexpr, COUNTS_TILE: tl.constexpr,
+                                BITS: tl.constexpr, BOUND_PASSES: tl.constexpr, SCALED: tl.constexpr,
+                                PAD_TILE: tl.constexpr):
+    """Steps 2 and 3 of the ticketed path for slice ``slice_id`` (its keys
+    ``raw`` at columns ``cols``), once the group maxima are all folded.
+    Returns whether this program was the row's last: it selected into
+    ``out_row``, padded it, and put the row's state back to zero."""
+    # Every such program derives the same bound L <= the k-th largest key
+    # (k groups have a maximum >= L); empty groups (0) only lower it.
+    groups = tl.arange(0, GROUPS)
+    group_maxima = tl.load(maxima + groups, cache_modifier=".cg")
+    top = tl.max(group_maxima, 0)
+    if SCALED:
+        # (Empty groups, 0, widen the span: a looser bound, never a wrong one.)
+        bound = _scaled_lower_bound(group_maxima, K, tl.min(group_maxima, 0), top, BOUND_PASSES, BITS)
+    else:
+        bound, _remaining = _kth_largest_between(group_maxima, groups < GROUPS, K, tl.min(group_maxima, 0),
+                                                 top, BOUND_PASSES, BITS)
+    # The slice's keys >= L, in column order, into its region.
+    valid = cols < width
+    keys = tl.where(valid, _order_key(raw.to(tl.float32)), 0)
+    at_least = (valid & (keys >= bound)).to(tl.int32)
+    slot = tl.cumsum(at_least, 0) - at_least
+    keep = (at_least != 0) & (slot < REGION)
+    region = slice_id * REGION
+    tl.store(cand_keys + region + slot, keys.to(tl.int32, bitcast=True), mask=keep)
+    tl.store(cand_cols + region + slot, cols, mask=keep)
+    # SLICE <= 16384: both counts fit the 16-bit halves of one sum.
+    totals = tl.sum(at_least + ((valid & (keys > bound)).to(tl.int32) << 16), 0)
+    tl.store(counts_row + slice_id, totals & 0xFFFF)
+    tl.store(counts_row + SLICES + slice_id, totals >> 16)
+    # Every thread's stores before the ticket; the last slice to draw sees them all.
+    tl.debug_barrier()
+    last = tl.atomic_add(tickets + 2, 1, sem="acq_rel", scope="gpu") == SLICES - 1
+    if last:
+        _ticketed_finish(logits_row, counts_row, cand_keys, cand_cols, out_row, width, bound, top,
+                         K, SLICES, SLICE, REGION, CAND_TILE, COUNTS_TILE, BITS)
+        _pad(out_row, tl.minimum(width, K), K, PAD_TILE)
+        # Every program of the row has started and is past its waits:
+        # the state is free again (select_paged_tokens' chunks reuse it).
+        tl.store(tickets + tl.arange(0, 4), tl.zeros((4,), tl.int32))
+        tl.store(maxima + groups, tl.zeros((GROUPS,), tl.uint32))
+    return last
+
+
+@triton.jit
 def topk_ticketed_kernel(
     logits_ptr,  # [rows, C] float32/bf16/fp16 (row stride lg_sr)
     visible_ptr,  # [rows] int32/int64
@@ -830,7 +887,7 @@ def topk_ticketed_kernel(
     counts_ptr,  # [rows, 2, SLICES] int32: each slice's keys >= L, then its keys > L
     cand_key_ptr,  # [rows, SLICES, REGION] int32: candidate order keys, a region per slice
     cand_col_ptr,  # [rows, SLICES, REGION] int32: their columns
-    state_ptr,  # [rows, 4 + GROUPS] int32: tickets (programs started, slices folded, slices compacted, unused),
+    state_ptr,  # [rows, 4 + GROUPS] int32: tickets (programs started, maxima folded, slices compacted, unused),
                 # then the group maxima (order keys); zero again when the row is done
     num_columns, lg_sr,
     K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr, GROUPS: tl.constexpr,
@@ -856,52 +913,17 @@ def topk_ticketed_kernel(
     logits_row = logits_ptr + row * lg_sr
     if role < SLICES:
         _ticketed_group_maxima(logits_row, maxima, role, width, num_columns, SLICE, GROUPS)
-        # Every thread's maxima before the count (one thread adds; release publishes them).
-        tl.debug_barrier()
-        tl.atomic_add(tickets + 1, 1, sem="release", scope="gpu")
+        ticketed_publish(tickets + 1)
     else:
         slice_id = role - SLICES
         cols = slice_id * SLICE + tl.arange(0, SLICE)
         # Loaded before the wait: the row does not depend on the other programs.
         raw = tl.load(logits_row + cols, mask=cols < num_columns, other=0.0)
-        _wait_for(tickets + 1, SLICES)
-        # Every such program derives the same bound L <= the k-th largest key
-        # (k groups have a maximum >= L); empty groups (0) only lower it.
-        groups = tl.arange(0, GROUPS)
-        group_maxima = tl.load(maxima + groups, cache_modifier=".cg")
-        top = tl.max(group_maxima, 0)
-        if SCALED:
-            # (Empty groups, 0, widen the span: a looser bound, never a wrong one.)
-            bound = _scaled_lower_bound(group_maxima, K, tl.min(group_maxima, 0), top, BOUND_PASSES, BITS)
-        else:
-            bound, _remaining = _kth_largest_between(group_maxima, groups < GROUPS, K, tl.min(group_maxima, 0),
-                                                     top, BOUND_PASSES, BITS)
-        # The slice's keys >= L, in column order, into its region.
-        valid = cols < width
-        keys = tl.where(valid, _order_key(raw.to(tl.float32)), 0)
-        at_least = (valid & (keys >= bound)).to(tl.int32)
-        slot = tl.cumsum(at_least, 0) - at_least
-        keep = (at_least != 0) & (slot < REGION)
-        region = (row * SLICES + slice_id) * REGION
-        tl.store(cand_key_ptr + region + slot, keys.to(tl.int32, bitcast=True), mask=keep)
-        tl.store(cand_col_ptr + region + slot, cols, mask=keep)
-        # SLICE <= 16384: both counts fit the 16-bit halves of one sum.
-        totals = tl.sum(at_least + ((valid & (keys > bound)).to(tl.int32) << 16), 0)
-        counts_row = counts_ptr + row * (2 * SLICES)
-        tl.store(counts_row + slice_id, totals & 0xFFFF)
-        tl.store(counts_row + SLICES + slice_id, totals >> 16)
-        # Every thread's stores before the ticket; the last slice to draw sees them all.
-        tl.debug_barrier()
-        if tl.atomic_add(tickets + 2, 1, sem="acq_rel", scope="gpu") == SLICES - 1:
-            out_row = out_ptr + row * K
-            _ticketed_finish(logits_row, counts_row, cand_key_ptr + row * (SLICES * REGION),
-                             cand_col_ptr + row * (SLICES * REGION), out_row, width, bound, top,
-                             K, SLICES, SLICE, REGION, CAND_TILE, COUNTS_TILE, BITS)
-            _pad(out_row, tl.minimum(width, K), K, PAD_TILE)
-            # Every program of the row has started and is past its waits:
-            # the state is free again (select_paged_tokens' chunks reuse it).
-            tl.store(tickets + tl.arange(0, 4), tl.zeros((4,), tl.int32))
-            tl.store(maxima + groups, tl.zeros((GROUPS,), tl.uint32))
+        wait_for(tickets + 1, SLICES)
+        ticketed_compact_and_select(logits_row, raw, cols, tickets, maxima, counts_ptr + row * (2 * SLICES),
+                                    cand_key_ptr + row * (SLICES * REGION), cand_col_ptr + row * (SLICES * REGION),
+                                    out_ptr + row * K, width, slice_id, K, SLICES, SLICE, GROUPS, REGION,
+                                    CAND_TILE, COUNTS_TILE, BITS, BOUND_PASSES, SCALED, PAD_TILE)
 
 
 def topk_path(rows: int, columns: int, k: int, tuning: TopkTuning) -> str:
@@ -1002,12 +1024,14 @@ def _row_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out
     return buffers, launches
 
 
-def _ticketed_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out, tuning: TopkTuning):
-    """The ticketed path: one launch of 2 x slices programs per row."""
+def ticketed_layout(columns: int, k: int, tuning: TopkTuning, widest_slice: int = 4096) -> tuple[dict, int]:
+    """(constexprs, least warps its registers need) of the ticketed path's
+    selection of a row of ``columns`` (the fused selection's too, with
+    slices to ``widest_slice`` columns)."""
     width = max(columns, 1)
-    # Wider slices (to 4096 columns) past ticketed_max_slices a row.
+    # Wider slices (to widest_slice columns) past ticketed_max_slices a row.
     slice_columns = max(tuning.ticketed_slice,
-                        min(4096, triton.next_power_of_2(triton.cdiv(width, tuning.ticketed_max_slices))))
+                        min(widest_slice, triton.next_power_of_2(triton.cdiv(width, tuning.ticketed_max_slices))))
     slice_columns = min(slice_columns, max(16, triton.next_power_of_2(width)))
     slices = triton.cdiv(width, slice_columns)
     groups = topk_groups(columns, k, tuning)
@@ -1019,26 +1043,34 @@ def _ticketed_parts(rows, columns, k, logits_stride, row_counts, logits, visible
     region = min(slice_columns, cand_tile)
     # 16 keys a thread in tiles of 2048 (4 warps), 8 in wider ones (registers).
     widest = max(slice_columns, cand_tile, groups)
-    warps = max(tuning.ticketed_warps, widest // (32 * (16 if widest <= 2048 else 8)))
+    least_warps = max(1, widest // (32 * (16 if widest <= 2048 else 8)))
     # The scaled bound needs k maxima (fewer: the fixed radix's bound is 0, as it must be).
     scaled = tuning.ticketed_bound == "scaled" and groups >= k
-    state = Buffer("topk_state", (rows, 4 + groups), "int32", fill=0)
-    counts, cand_key, cand_col = "topk_counts", "topk_cand_key", "topk_cand_col"
-    buffers = (
-        state,
-        Buffer(counts, (rows, 2, slices), "int32"),
-        Buffer(cand_key, (rows, slices, region), "int32"),
-        Buffer(cand_col, (rows, slices, region), "int32"),
-    )
+    constexprs = dict(K=k, SLICES=slices, SLICE=slice_columns, GROUPS=groups, REGION=region, CAND_TILE=cand_tile,
+                      COUNTS_TILE=triton.next_power_of_2(slices), BITS=tuning.radix_bits,
+                      BOUND_PASSES=tuning.ticketed_bound_passes if scaled else tuning.bound_passes, SCALED=scaled,
+                      PAD_TILE=min(1024, triton.next_power_of_2(k)))
+    return constexprs, least_warps
+
+
+def ticketed_buffers(rows: int, layout: dict) -> tuple[Buffer, ...]:
+    """The ticketed path's state (zeros, left at zero) and workspaces for ``rows`` rows."""
+    slices, region = layout["SLICES"], layout["REGION"]
+    return (Buffer("topk_state", (rows, 4 + layout["GROUPS"]), "int32", fill=0),
+            Buffer("topk_counts", (rows, 2, slices), "int32"),
+            Buffer("topk_cand_key", (rows, slices, region), "int32"),
+            Buffer("topk_cand_col", (rows, slices, region), "int32"))
+
+
+def _ticketed_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out, tuning: TopkTuning):
+    """The ticketed path: one launch of 2 x slices programs per row."""
+    layout, least_warps = ticketed_layout(columns, k, tuning)
+    buffers = ticketed_buffers(rows, layout)
+    state, workspaces = buffers[0].name, tuple(buffer.name for buffer in buffers[1:])
     launches = tuple(
-        Launch(topk_ticketed_kernel, (count, 2 * slices), (logits, visible, state.name),
-               (out, counts, cand_key, cand_col, state.name),
-               dict(num_columns=columns, lg_sr=logits_stride),
-               dict(K=k, SLICES=slices, SLICE=slice_columns, GROUPS=groups, REGION=region, CAND_TILE=cand_tile,
-                    COUNTS_TILE=triton.next_power_of_2(slices), BITS=tuning.radix_bits,
-                    BOUND_PASSES=tuning.ticketed_bound_passes if scaled else tuning.bound_passes, SCALED=scaled,
-                    PAD_TILE=min(1024, triton.next_power_of_2(k))),
-               num_warps=warps, num_stages=1)
+        Launch(topk_ticketed_kernel, (count, 2 * layout["SLICES"]), (logits, visible, state),
+               (out, *workspaces, state), dict(num_columns=columns, lg_sr=logits_stride), layout,
+               num_warps=max(tuning.ticketed_warps, least_warps), num_stages=1)
         for count in row_counts)
     return buffers, launches
 

@@ -355,11 +355,21 @@ class SelectTuning:
     fp8_widen: str = "registers"
     fp8_row_columns: int = 128
     fp8_row_warps: int = 4
+    #: Decode rows whose top-k takes the ticketed path are scored, ranked and
+    #: expanded by one launch (``select.select_fused_kernel``): bit for bit
+    #: the three launches.  Off: the three launches (tests compare the two).
+    fused: bool = True
+    #: The fused launch's warps.  Compiled for sm_90 offline (1 x 128K, k =
+    #: 512): 8 warps reach ptxas's 128-register cap and spill 18; 16 take
+    #: 103 registers, no spill; 4 take 210.
+    fused_warps: int = 16
 
     def __post_init__(self):
+        object.__setattr__(self, "fused", BOOL.canonical("SelectTuning", "fused", self.fused))
         _positive_int("SelectTuning", "logits_workspace_bytes", self.logits_workspace_bytes)
         _positive_int("SelectTuning", "fp8_row_columns", self.fp8_row_columns)
         _positive_int("SelectTuning", "fp8_row_warps", self.fp8_row_warps)
+        _positive_int("SelectTuning", "fused_warps", self.fused_warps)
         if self.fp8_widen not in FP8_WIDEN_MODES:
             raise ValueError(f"SelectTuning: fp8_widen must be one of {', '.join(map(repr, FP8_WIDEN_MODES))}, "
                              f"got {self.fp8_widen!r}")

@@ -248,6 +248,12 @@ CASES = {
     "select/decode-256-fp32-int64": _select(256, 256, 1 << 17, q=FP32, k=FP32, index=I64),
     "select/prefill-2048-1m-chunked": _select(2048, 1, 1 << 20),
     "select/fp8-decode-256-128k": _select(256, 256, 1 << 17, k=FP8),
+    # The fused selection (one launch: decode rows whose top-k is ticketed).
+    "select/fused-decode-1-128k": _select(1, 1, 1 << 17),
+    "select/fused-decode-8-512k-int64": _select(8, 8, 1 << 19, index=I64),
+    "select/fused-fp8-decode-1-128k": _select(1, 1, 1 << 17, k=FP8),
+    "select/fused-fp16-16-heads-decode-3-32k-topk1024": _select(3, 3, 1 << 15, token_topk=1024, q=FP16, k=FP16,
+                                                               heads=16),
     # Stage 4: sparse_paged_attention (split-K where programs are few, merged
     # in its launch; the merge launch kept for comparison).
     "attention/decode-1": _attention(1),

@@ -17,6 +17,7 @@ import qsa_kernels.select as select_plans
 import qsa_kernels.topk as topk_plans
 import qsa_torch
 from qsa_kernels import tuning
+from qsa_kernels.launch import kernel_name
 
 from . import reference
 from .util import DEVICE, assert_bitwise_equal, f64, host, to_jax, tolerance
@@ -279,6 +280,156 @@ def test_select_without_blocks_keeps_the_tail():
     assert np.array_equal(host(out), expected)
     jax_out = jax.jit(qsa_jax.select_paged_tokens, static_argnums=(6, 7))(*jax_args(case).values(), 0, 4)
     assert_bitwise_equal(out, jax_out, "select torch vs jax")
+
+
+# --------------------------------------------------------------------------
+# The fused selection (select_fused_kernel): one launch for decode rows
+# whose top-k takes the ticketed path
+# --------------------------------------------------------------------------
+
+def long_decode_case(seed, *, columns, page=64, heads=2, dim=16, dtype=torch.bfloat16, integer=False):
+    """Decode rows over ``columns``-wide compressed contexts (ratio 4): two long requests (one
+    to the last column, one a third as long) and idle ones, a missing and an out-of-range page,
+    and rows of every kind (an early position, a negative one, no request, an out-of-range
+    request)."""
+    g = torch.Generator().manual_seed(seed)
+    width = columns // page
+    pages = 2 * width + 1
+    # Idle requests too: as many requests as rows, so rows are scored alone (decode).
+    requests = 6
+    page_table = torch.full((requests, width), -1, dtype=torch.int32)
+    page_table[:2] = torch.randperm(pages, generator=g)[:2 * width].reshape(2, width).int()
+    page_table[0, 1] = -1
+    page_table[1, 0] = pages + 3
+    lengths = [columns * 4, columns * 4 // 3 + 5] + [0] * (requests - 2)
+    requests_of_rows = [0, 1, 0, 0, -1, requests]
+    positions = [lengths[0] - 1, lengths[1] - 1, 97, -9, 40, 40]
+    assert len(positions) == requests
+    shape_q, shape_k = (len(positions), heads, dim), (pages, page, 1, dim)
+    if integer:  # exact scores: many ties, relu zeros; the float64 reference ranks the same
+        q, k_cache = torch.randint(-2, 3, shape_q, generator=g).float(), torch.randint(-2, 3, shape_k, generator=g).float()
+    else:
+        q, k_cache = torch.randn(shape_q, generator=g), torch.randn(shape_k, generator=g)
+    return dict(q=q.to(dtype).to(DEVICE), k_cache=k_cache.to(dtype).to(DEVICE), page_table=page_table.to(DEVICE),
+                token_to_req=torch.tensor(requests_of_rows, dtype=torch.int32, device=DEVICE),
+                query_positions=torch.tensor(positions, dtype=torch.int64, device=DEVICE),
+                sequence_lengths=torch.tensor(lengths, dtype=torch.int32, device=DEVICE))
+
+
+FUSED = "select_fused_kernel"
+
+
+def select_kernels(case, token_topk, ratio, **options):
+    infos = {name: qsa_torch._launch.info(value) for name, value in case.items()}
+    program = select_plans.plan_select_paged_tokens(
+        **infos, token_topk=token_topk, compress_ratio=ratio,
+        **{name: qsa_torch._launch.info(value) for name, value in options.items()})
+    return [kernel_name(launch.kernel) for launch in program.launches]
+
+
+def assert_fused_equals_three_launches(case, token_topk, ratio=4, chunks=1, topk=None, workspace=None,
+                                       reference_too=False, **options):
+    """The fused launch (one a chunk) against the scorer, top-k and expansion launches: the same
+    bits, in torch and JAX; with exact (integer) scores, against the float64 reference too."""
+    selected = {}
+    for fused in (True, False):
+        select = tuning.SelectTuning(fused=fused, **({} if workspace is None else
+                                                      dict(logits_workspace_bytes=workspace)))
+        with tuning.override(select=select, **({} if topk is None else dict(topk=topk))):
+            kernels = select_kernels(case, token_topk, ratio, **options)
+            if fused:
+                assert kernels == [FUSED] * chunks, kernels
+            else:
+                assert FUSED not in kernels and len(kernels) >= 3 * chunks
+            selected[fused] = qsa_torch.select_paged_tokens(**case, token_topk=token_topk, compress_ratio=ratio,
+                                                            **options)
+            # A fresh function, so that JAX plans under this tuning.
+            arrays = {name: to_jax(value) for name, value in options.items()}
+            jax_out = jax.jit(lambda *a, o: qsa_jax.select_paged_tokens(*a, token_topk, ratio, **o))(
+                *jax_args(case).values(), o=arrays)
+        assert_bitwise_equal(selected[fused], jax_out, f"fused={fused}: torch vs jax")
+    assert_bitwise_equal(selected[True], selected[False], "fused vs three launches")
+    if reference_too:
+        expected = reference.select_paged_tokens(**numpy_args(case), token_topk=token_topk, compress_ratio=ratio)
+        assert np.array_equal(host(selected[True]), expected)
+    tokens = host(selected[True])
+    assert (tokens >= 0).sum() > token_topk, "too few selected tokens: the case tests little"
+    return tokens
+
+
+@pytest.mark.parametrize("integer, token_topk", [(False, 1152), (True, 256)])
+def test_fused_selection_default_tuning(integer, token_topk):
+    """4480 compressed columns (35 scorer tiles, 3 slices of 2048): past the row top-k's
+    4096, so the default plan fuses; k = 288 blocks (rows of 1155 tokens: expanded in three
+    tiles) and 64, and k past a short row's visible blocks."""
+    case = long_decode_case(20 + integer, columns=4480, integer=integer)
+    assert_fused_equals_three_launches(case, token_topk=token_topk, reference_too=integer)
+
+
+@pytest.mark.parametrize("name, topk, token_topk", [
+    # 8 slices of 64 columns, 4 scorer tiles of 128; candidates in registers, ties at the bound.
+    ("slices", tuning.TopkTuning(path="ticketed", ticketed_slice=64), 64),
+    # k = 1, and the fixed radix's bound.
+    ("k1_fixed_bound", tuning.TopkTuning(path="ticketed", ticketed_slice=128, ticketed_bound="fixed"), 4),
+    # Fewer group maxima than k (the fixed bound, 0), so candidates overflow: the whole-row fallback.
+    ("few_groups", tuning.TopkTuning(path="ticketed", ticketed_slice=32, max_groups=16), 160),
+])
+@pytest.mark.parametrize("integer", [False, True])
+def test_fused_selection_branches(name, topk, token_topk, integer):
+    case = long_decode_case(30 + integer, columns=512, integer=integer)
+    assert_fused_equals_three_launches(case, token_topk, topk=topk, reference_too=integer)
+
+
+def test_fused_selection_chunks_reuse_the_state():
+    """Two rows a chunk (three chunks): each chunk's launch finds the tickets and maxima the last
+    left at zero, and writes its rows of out in place."""
+    case = long_decode_case(40, columns=512)
+    assert_fused_equals_three_launches(case, 64, chunks=3, workspace=2 * 4 * 512,
+                                       topk=tuning.TopkTuning(path="ticketed", ticketed_slice=64))
+
+
+def test_fused_selection_fp8_keys():
+    """fp8 keys (k_scale): the scorer's fp8 tiles and warps in the fused launch."""
+    case = long_decode_case(41, columns=512, dim=32)
+    scale = 0.05
+    case["k_cache"] = (case["k_cache"].float() / scale).to(torch.float8_e4m3fn)
+    assert_fused_equals_three_launches(case, 64, topk=tuning.TopkTuning(path="ticketed", ticketed_slice=64),
+                                       k_scale=torch.tensor(scale, dtype=torch.float32, device=DEVICE))
+
+
+def test_fused_selection_not_where_it_does_not_apply():
+    """Prefill tiles (several rows of one request), no blocks to keep, the row top-k's widths,
+    the exact fp32 dot and more than 16 heads (score bits that may depend on the warps) keep
+    the three launches."""
+    case = long_decode_case(42, columns=512)
+    assert FUSED not in select_kernels(case, 64, 4)  # 512 columns: the register top-k
+    with tuning.override(topk=tuning.TopkTuning(path="ticketed")):
+        assert select_kernels(case, 64, 4) == [FUSED]
+        assert select_kernels(dict(case, q=case["q"].to(torch.float16), k_cache=case["k_cache"].to(torch.float16)),
+                              64, 4) == [FUSED]
+        assert select_kernels(case, 0, 4) == ["scores_kernel", "expand_kernel"]
+        assert FUSED not in select_kernels(scoring_case(8, prefill=True), 12, 4)
+        assert FUSED not in select_kernels(dict(case, q=case["q"].float()), 64, 4)
+        assert FUSED not in select_kernels(dict(case, q=case["q"].float(), k_cache=case["k_cache"].float()), 64, 4)
+        assert FUSED not in select_kernels(dict(case, q=case["q"].repeat(1, 9, 1)), 64, 4)  # 18 heads
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("columns, fp8, integer", [(32768, False, False), (32768, False, True),
+                                                   (131072, False, False), (32768, True, False)])
+def test_fused_selection_production(columns, fp8, integer):
+    """Production indexer geometry (4 heads x d128, pages of 64, top-512 blocks) at 128K and
+    512K contexts (64 slices a row), bf16 or fp8 keys: the fused launch equals the three
+    launches bit for bit, in torch and JAX, and gives the same bits over repeated runs."""
+    case = long_decode_case(50 + integer, columns=columns, heads=4, dim=128, integer=integer)
+    options = {}
+    if fp8:
+        case["k_cache"] = (case["k_cache"].float() / 0.05).to(torch.float8_e4m3fn)
+        options["k_scale"] = torch.tensor(0.05, dtype=torch.float32, device=DEVICE)
+    tokens = assert_fused_equals_three_launches(case, 2048, reference_too=integer, **options)
+    for _ in range(4):
+        again = qsa_torch.select_paged_tokens(**case, token_topk=2048, compress_ratio=4, **options)
+        assert np.array_equal(host(again), tokens), "the fused selection differs between runs"
 
 
 # --------------------------------------------------------------------------

@@ -757,7 +757,8 @@ def test_fused_compression_reads_the_ring_before_overwriting_it():
 
 
 def _production_decode_plan(context: int, fuse: bool = True):
-    """The plan of a 1-request decode step at production geometry (DESIGN.md), ``context`` tokens."""
+    """The plan of a 1-request decode step at production geometry (DESIGN.md), ``context`` tokens;
+    ``fuse``: StepTuning's fused compression and SelectTuning's fused selection (else neither)."""
     from qsa_kernels import tuning
     from qsa_kernels.launch import ArrayInfo
     from qsa_kernels.step import plan_qsa_attention_step
@@ -766,8 +767,7 @@ def _production_decode_plan(context: int, fuse: bool = True):
     g = CacheGeometry(page_size=64, num_pages=-(-context // 64), compress_ratio=4, compressed_page_size=64,
                       num_compressed_pages=-(-(context // 4) // 64), max_context=context, max_requests=1)
     shapes = g.state_shapes(2, 256, 128)
-    step_tuning = tuning.StepTuning(fuse_stages=fuse)
-    with tuning.override(step=step_tuning):
+    with tuning.override(step=tuning.StepTuning(fuse_stages=fuse), select=tuning.SelectTuning(fused=fuse)):
         return plan_qsa_attention_step(
             q=a((1, 24, 256), bf16), k=a((1, 2, 256), bf16), v=a((1, 2, 256), bf16), index_q=a((1, 4, 128), bf16),
             index_k=a((1, 1, 128), bf16), **{name: a(shape, bf16) for name, shape in shapes.items()},
@@ -786,7 +786,7 @@ def test_decode_step_launch_count():
     Unfused: RoPE + KV (1), compress_groups, the ring store, the pooled keys'
     RoPE, their store, the index queries' RoPE (5), score + top-k + expand
     (3), attention (2: partial + split merge; 1 with AttentionTuning's
-    fused_merge) = 11.  Fused: 1 + 1 + 3 + attention = 7.
+    fused_merge) = 11.  Fused: 1 + 1 + the fused selection (1) + attention = 5.
     """
     from qsa_kernels.launch import kernel_name
 
@@ -796,8 +796,8 @@ def test_decode_step_launch_count():
     assert 1 <= len(attention) <= 2 and unfused[-len(attention):] == attention
     selection = ["scores_kernel", "topk_ticketed_kernel", "expand_kernel"]
     assert unfused == ["rope_cache_kernel", *UNFUSED_KERNELS, *selection, *attention]
-    assert fused == ["rope_cache_kernel", FUSED_KERNEL, *selection, *attention]
-    assert len(fused) == 5 + len(attention) and len(unfused) == 9 + len(attention)
+    assert fused == ["rope_cache_kernel", FUSED_KERNEL, "select_fused_kernel", *attention]
+    assert len(fused) == 3 + len(attention) and len(unfused) == 9 + len(attention)
 
 
 @pytest.mark.parametrize("case", ["step_fused_compression", pytest.param("step_fused_compression_fp8_gptj",

@@ -389,8 +389,9 @@ def test_ticketed_state_is_reused_by_later_runs():
     expected = qsa_torch.select_paged_tokens(**case, token_topk=12, compress_ratio=4)
     columns = case["page_table"].shape[1] * case["k_cache"].shape[1]
     # Three rows' logits per chunk: three runs of the top-k launch, 4 slices a row.
+    # (Not the fused selection, which runs the ticketed top-k's steps in its own launch.)
     with retuned(path="ticketed", ticketed_slice=16), \
-            tuning.override(select=tuning.SelectTuning(logits_workspace_bytes=3 * 4 * columns)):
+            tuning.override(select=tuning.SelectTuning(logits_workspace_bytes=3 * 4 * columns, fused=False)):
         infos = {name: qsa_torch._launch.info(value) for name, value in case.items()}
         program = select_plans.plan_select_paged_tokens(**infos, token_topk=12, compress_ratio=4)
         runs = [launch for launch in program.launches if launch.kernel is topk_plans.topk_ticketed_kernel]
