@@ -64,6 +64,9 @@ FP8_SHAPES = {(mode, rows, context) for mode, rows in (("decode", 1), ("decode",
                                                       ("decode", 256), ("prefill", 2048))
               for context in (32768, 131072)}
 FP8_EXTRA_S = 60.0  # --fp8: added to DEADLINE_S and HARD_STOP_S
+#: --fused-sweep: the fused selection's (fused_score_columns, fused_warps) variants.
+FUSED_SWEEP = [(columns, warps) for warps in (8, 16) for columns in (128, 256, 512, 1024)]
+FUSED_SWEEP_EXTRA_S = 150.0  # --fused-sweep: added to the deadlines
 #: --fp8: the scorer also under these SelectTuning variants (fp8_scorer_<name>_* columns).
 FP8_SCORER_VARIANTS = {
     "first_release": dict(fp8_widen="dot_operand", fp8_row_columns=256, fp8_row_warps=8),
@@ -175,6 +178,9 @@ def jax_select_us(jax, qsa_jax, arrays, topk, smoke):
 
 def main():
     parser = common.parser(__doc__, "select.json")
+    parser.add_argument("--fused-sweep", action="store_true",
+                        help="where the selection is fused: also time it under every FUSED_SWEEP variant "
+                             "(fused_<columns>c_<warps>w_graph_us, _equal: the three launches' bits)")
     parser.add_argument("--fp8", action="store_true",
                         help="also score an fp8 e4m3 key pool (per-tensor scale) on FP8_SHAPES, side by side")
     args = parser.parse_args()
@@ -195,7 +201,8 @@ def main():
     page_bytes = g["PAGE"] * D * 2
     pool_pages = max(g["POOL_BYTES"] // page_bytes, max(g["CONTEXTS"]) // RATIO // g["PAGE"])
     pool = torch.empty(pool_pages, g["PAGE"], 1, D, device=device, dtype=torch.bfloat16).normal_()
-    deadline_s, hard_stop_s = (DEADLINE_S + FP8_EXTRA_S, HARD_STOP_S + FP8_EXTRA_S) if args.fp8 else (DEADLINE_S, HARD_STOP_S)
+    extra_s = (FP8_EXTRA_S if args.fp8 else 0.0) + (FUSED_SWEEP_EXTRA_S if args.fused_sweep else 0.0)
+    deadline_s, hard_stop_s = DEADLINE_S + extra_s, HARD_STOP_S + extra_s
     if args.fp8:
         pool8, k_scale = fp8_pool(torch, pool)
     k = g["TOKEN_TOPK"] // RATIO
@@ -254,6 +261,11 @@ def main():
                 row["select_unfused_graph_us"] = graph_us(select, args.smoke)
                 unfused = select()
             row["select_fused_equal"] = bool(torch.equal(select(), unfused))
+            for columns, warps in FUSED_SWEEP if args.fused_sweep else ():
+                with tuning.override(select=SelectTuning(fused_score_columns=columns, fused_warps=warps)):
+                    name = f"fused_{columns}c_{warps}w"
+                    row[f"{name}_graph_us"] = graph_us(select, args.smoke)
+                    row[f"{name}_equal"] = bool(torch.equal(select(), unfused))
             if row["select_graph_us"] and row["select_unfused_graph_us"]:
                 row["select_fused_speedup"] = row["select_unfused_graph_us"] / row["select_graph_us"]
         shape = (mode, rows, context)

@@ -110,10 +110,11 @@ def select_fused_kernel(
     maxima = (tickets + 4).to(tl.pointer_type(tl.uint32))
     role = tl.atomic_add(tickets, 1, sem="relaxed", scope="gpu")
     logits_row = logits_ptr + local * lg_sr
+    if FP8_KEYS:
+        # keys = stored * k_scale > 0, and relu(k_scale * x) = k_scale * relu(x).  (Not inside
+        # the roles' branch: JAX passes score_divisor as a constant, which a branch cannot retype.)
+        score_divisor = score_divisor / tl.load(k_scale_ptr).to(tl.float32)
     if role < SCORERS:
-        if FP8_KEYS:
-            # keys = stored * k_scale > 0, and relu(k_scale * x) = k_scale * relu(x).
-            score_divisor = score_divisor / tl.load(k_scale_ptr).to(tl.float32)
         scores, tile_cols, visible = score_row_tile(
             q_ptr, k_cache_ptr, page_table_ptr, token_to_req_ptr, query_positions_ptr, sequence_lengths_ptr,
             row, role * BLOCK_N, num_pages, num_requests, table_width, q_sr, q_sh, kc_sb, kc_sp, pt_sr,
@@ -231,6 +232,8 @@ def _fused_program(q, k_cache, page_table, compress_ratio, columns, block_topk, 
     blocks = Buffer("blocks", (chunk, block_topk), "int32")
     topk_buffers = ticketed_buffers(chunk, layout)
     state, workspaces = topk_buffers[0].name, tuple(buffer.name for buffer in topk_buffers[1:])
+    # Wider tiles than the scorer's (same bits: a tile's columns are scored independently).
+    block_n = max(block_n, min(tuning.fused_score_columns, triton.next_power_of_2(columns)))
     scorers = triton.cdiv(columns, block_n)
     launches = tuple(Launch(
         kernel=select_fused_kernel,
@@ -240,7 +243,8 @@ def _fused_program(q, k_cache, page_table, compress_ratio, columns, block_topk, 
                 "k_scale" if fp8_keys else "q", state, "out" if i else "q"),
         outputs=("out", "logits", "blocks", *workspaces, state),
         scalars=dict(scalars, row_begin=first, lg_sr=logits.info.strides[0], out_sr=out.info.strides[0]),
-        constexprs=dict(score_constexprs, SCORERS=scorers, **layout, WIDTH=width, BLOCK_W=block_w),
+        constexprs=dict(score_constexprs, BLOCK_N=block_n, SCORERS=scorers, **layout, WIDTH=width,
+                        BLOCK_W=block_w),
         num_warps=tuning.fused_warps,
         num_stages=1,
     ) for i, (first, count) in enumerate(ranges))

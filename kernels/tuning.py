@@ -363,6 +363,11 @@ class SelectTuning:
     #: 512): 8 warps reach ptxas's 128-register cap and spill 18; 16 take
     #: 103 registers, no spill; 4 take 210.
     fused_warps: int = 16
+    #: Columns a scoring program of the fused launch scores (a power of two;
+    #: at least the scorer's tile, whose bits it keeps).  At 16 warps and 103
+    #: registers one program fits an SM, so its tile must hold more loads in
+    #: flight than the scorer's (four programs of 128 columns an SM).
+    fused_score_columns: int = 512
 
     def __post_init__(self):
         object.__setattr__(self, "fused", BOOL.canonical("SelectTuning", "fused", self.fused))
@@ -370,12 +375,14 @@ class SelectTuning:
         _positive_int("SelectTuning", "fp8_row_columns", self.fp8_row_columns)
         _positive_int("SelectTuning", "fp8_row_warps", self.fp8_row_warps)
         _positive_int("SelectTuning", "fused_warps", self.fused_warps)
+        _positive_int("SelectTuning", "fused_score_columns", self.fused_score_columns)
+        for name in ("fp8_row_columns", "fused_score_columns"):
+            value = getattr(self, name)
+            if value < 128 or value & (value - 1):
+                raise ValueError(f"SelectTuning: {name} must be a power of two >= 128, got {value!r}")
         if self.fp8_widen not in FP8_WIDEN_MODES:
             raise ValueError(f"SelectTuning: fp8_widen must be one of {', '.join(map(repr, FP8_WIDEN_MODES))}, "
                              f"got {self.fp8_widen!r}")
-        if self.fp8_row_columns < 128 or self.fp8_row_columns & (self.fp8_row_columns - 1):
-            raise ValueError(f"SelectTuning: fp8_row_columns must be a power of two >= 128, "
-                             f"got {self.fp8_row_columns!r}")
 
 
 @_tuning_value

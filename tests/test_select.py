@@ -328,13 +328,14 @@ def select_kernels(case, token_topk, ratio, **options):
 
 
 def assert_fused_equals_three_launches(case, token_topk, ratio=4, chunks=1, topk=None, workspace=None,
-                                       reference_too=False, **options):
-    """The fused launch (one a chunk) against the scorer, top-k and expansion launches: the same
-    bits, in torch and JAX; with exact (integer) scores, against the float64 reference too."""
+                                       reference_too=False, score_columns=128, **options):
+    """The fused launch (one a chunk; scoring programs of ``score_columns``) against the scorer,
+    top-k and expansion launches: the same bits, in torch and JAX; with exact (integer) scores,
+    against the float64 reference too."""
     selected = {}
     for fused in (True, False):
-        select = tuning.SelectTuning(fused=fused, **({} if workspace is None else
-                                                      dict(logits_workspace_bytes=workspace)))
+        select = tuning.SelectTuning(fused=fused, fused_score_columns=score_columns,
+                                     **({} if workspace is None else dict(logits_workspace_bytes=workspace)))
         with tuning.override(select=select, **({} if topk is None else dict(topk=topk))):
             kernels = select_kernels(case, token_topk, ratio, **options)
             if fused:
@@ -359,11 +360,12 @@ def assert_fused_equals_three_launches(case, token_topk, ratio=4, chunks=1, topk
 
 @pytest.mark.parametrize("integer, token_topk", [(False, 1152), (True, 256)])
 def test_fused_selection_default_tuning(integer, token_topk):
-    """4480 compressed columns (35 scorer tiles, 3 slices of 2048): past the row top-k's
+    """4480 compressed columns (3 slices of 2048): past the row top-k's
     4096, so the default plan fuses; k = 288 blocks (rows of 1155 tokens: expanded in three
     tiles) and 64, and k past a short row's visible blocks."""
     case = long_decode_case(20 + integer, columns=4480, integer=integer)
-    assert_fused_equals_three_launches(case, token_topk=token_topk, reference_too=integer)
+    columns = tuning.SelectTuning().fused_score_columns  # the default's 9 scoring programs
+    assert_fused_equals_three_launches(case, token_topk=token_topk, reference_too=integer, score_columns=columns)
 
 
 @pytest.mark.parametrize("name, topk, token_topk", [
@@ -426,7 +428,8 @@ def test_fused_selection_production(columns, fp8, integer):
     if fp8:
         case["k_cache"] = (case["k_cache"].float() / 0.05).to(torch.float8_e4m3fn)
         options["k_scale"] = torch.tensor(0.05, dtype=torch.float32, device=DEVICE)
-    tokens = assert_fused_equals_three_launches(case, 2048, reference_too=integer, **options)
+    tokens = assert_fused_equals_three_launches(case, 2048, reference_too=integer,
+                                                score_columns=tuning.SelectTuning().fused_score_columns, **options)
     for _ in range(4):
         again = qsa_torch.select_paged_tokens(**case, token_topk=2048, compress_ratio=4, **options)
         assert np.array_equal(host(again), tokens), "the fused selection differs between runs"
