@@ -207,13 +207,16 @@ def _fuses_selection(q, k_cache, page_table, chunk, columns, block_topk, tuning:
                      topk_tuning: TopkTuning) -> bool:
     """Whether :func:`select_fused_kernel` does a chunk's three launches.
 
-    Rows scored alone (decode) whose top-k takes the ticketed path, with
+    Up to ``tuning.fused_max_rows`` rows of at most ``fused_max_columns``
+    (where it was measured faster), scored alone (decode), whose top-k takes
+    the ticketed path, with
     tensor-core scores of at most 16 heads: a row's heads are then the 16
     rows of one MMA tile, which no warp count splits, so the fused launch's
     scores (at ``tuning.fused_warps``) have the scorer's bits (at its own
     warps); the exact fp32 dot's layout, or more heads', may split them.
     """
-    if not tuning.fused or block_topk == 0 or columns == 0:
+    if not tuning.fused or block_topk == 0 or columns == 0 or columns > tuning.fused_max_columns \
+            or chunk > tuning.fused_max_rows:
         return False
     tile_rows, _, _ = score_tiling(q, k_cache, page_table, columns, tuning)
     if exact_dot(q, k_cache) or q.shape[1] > 16 or tile_rows != 1 or topk_path(chunk, columns, block_topk, topk_tuning) != "ticketed":

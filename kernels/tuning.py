@@ -358,23 +358,32 @@ class SelectTuning:
     #: Decode rows whose top-k takes the ticketed path are scored, ranked and
     #: expanded by one launch (``select.select_fused_kernel``): bit for bit
     #: the three launches.  Off: the three launches (tests compare the two).
+    #: Up to ``fused_max_rows`` rows of at most ``fused_max_columns``
+    #: compressed blocks; ``fused_warps`` warps, each scoring program
+    #: ``fused_score_columns`` columns (a power of two, at least the scorer's
+    #: tile).  Measured on the H200 (bench_select.py --fused-sweep, CUDA
+    #: graphs, us, rows x columns: fused at 8 warps and 256 columns / the
+    #: three launches, same run): 1 x 8192 20.4 / 21.7, 8 x 8192 26.2 /
+    #: 25.1, 1 x 32768 22.1 / 23.5, 2 x 32768 25.5 / 27.6, 4 x 32768 31.5 /
+    #: 32.7, 8 x 32768 47.2 / 49.2, 16 x 32768 71.7 / 71.6, 1 x 131072 38.7 /
+    #: 37.3, 8 x 131072 124.7 / 116.2 (the selection's registers leave room
+    #: for 2 programs an SM where the scorer runs 4: fewer loads in flight).
+    #: 16 warps (103 registers, no spill; 8 warps spill 18 at ptxas's 128):
+    #: the best 16-warp variant is slower than the best 8-warp one at every
+    #: shape.
     fused: bool = True
-    #: The fused launch's warps.  Compiled for sm_90 offline (1 x 128K, k =
-    #: 512): 8 warps reach ptxas's 128-register cap and spill 18; 16 take
-    #: 103 registers, no spill; 4 take 210.
-    fused_warps: int = 16
-    #: Columns a scoring program of the fused launch scores (a power of two;
-    #: at least the scorer's tile, whose bits it keeps).  At 16 warps and 103
-    #: registers one program fits an SM, so its tile must hold more loads in
-    #: flight than the scorer's (four programs of 128 columns an SM).
-    fused_score_columns: int = 512
+    fused_max_rows: int = 8
+    fused_max_columns: int = 32768
+    fused_warps: int = 8
+    fused_score_columns: int = 256
 
     def __post_init__(self):
         object.__setattr__(self, "fused", BOOL.canonical("SelectTuning", "fused", self.fused))
         _positive_int("SelectTuning", "logits_workspace_bytes", self.logits_workspace_bytes)
         _positive_int("SelectTuning", "fp8_row_columns", self.fp8_row_columns)
         _positive_int("SelectTuning", "fp8_row_warps", self.fp8_row_warps)
-        _positive_int("SelectTuning", "fused_warps", self.fused_warps)
+        for name in ("fused_max_rows", "fused_max_columns", "fused_warps"):
+            _positive_int("SelectTuning", name, getattr(self, name))
         _positive_int("SelectTuning", "fused_score_columns", self.fused_score_columns)
         for name in ("fp8_row_columns", "fused_score_columns"):
             value = getattr(self, name)

@@ -250,7 +250,7 @@ CASES = {
     "select/fp8-decode-256-128k": _select(256, 256, 1 << 17, k=FP8),
     # The fused selection (one launch: decode rows whose top-k is ticketed).
     "select/fused-decode-1-128k": _select(1, 1, 1 << 17),
-    "select/fused-decode-8-512k-int64": _select(8, 8, 1 << 19, index=I64),
+    "select/fused-decode-8-128k-int64": _select(8, 8, 1 << 17, index=I64),
     "select/fused-fp8-decode-1-128k": _select(1, 1, 1 << 17, k=FP8),
     "select/fused-fp16-16-heads-decode-3-32k-topk1024": _select(3, 3, 1 << 15, token_topk=1024, q=FP16, k=FP16,
                                                                heads=16),
@@ -286,7 +286,11 @@ CASES = {
 TUNED_TRITON = "3.6."
 #: Cases whose launches may spill registers on sm_90: label -> why.  Any
 #: other spilling launch fails its case.
-SPILLS_ALLOWED: dict[str, str] = {}
+_FUSED_SPILL = ("the fused selection at 8 warps: ptxas holds the scorer's and the ticketed top-k's code to 128 "
+                "registers and spills a few; measured faster than 16 warps (103 registers, no spill) at every "
+                "shape (SelectTuning.fused_warps)")
+SPILLS_ALLOWED: dict[str, str] = {label: _FUSED_SPILL for label in (
+    "select/fused-decode-1-128k", "select/fused-fp8-decode-1-128k", "select/fused-fp16-16-heads-decode-3-32k-topk1024")}
 #: Cases known not to compile: label -> the error (xfail).
 COMPILE_FAILURES: dict[str, str] = {}
 

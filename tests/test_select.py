@@ -414,6 +414,10 @@ def test_fused_selection_not_where_it_does_not_apply():
         assert FUSED not in select_kernels(dict(case, q=case["q"].float()), 64, 4)
         assert FUSED not in select_kernels(dict(case, q=case["q"].float(), k_cache=case["k_cache"].float()), 64, 4)
         assert FUSED not in select_kernels(dict(case, q=case["q"].repeat(1, 9, 1)), 64, 4)  # 18 heads
+    # Past the rows and columns where it was measured faster (6 rows of 512 columns here).
+    for bounds in (dict(fused_max_rows=5), dict(fused_max_columns=511)):
+        with tuning.override(topk=tuning.TopkTuning(path="ticketed"), select=tuning.SelectTuning(**bounds)):
+            assert FUSED not in select_kernels(case, 64, 4), bounds
 
 
 @pytest.mark.gpu

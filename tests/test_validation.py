@@ -377,7 +377,11 @@ def test_override_and_tuning_values_are_checked():
                           (lambda: tuning.AttentionTuning(fused_merge_chunk_elements=0), "AttentionTuning: fused_merge_chunk_elements must be a positive int, got 0"),
                           (lambda: tuning.TopkTuning(radix_bits=5), "TopkTuning: radix_bits must divide 32, got 5"),
                           (lambda: tuning.RopeCacheTuning(num_warps=2.0), "RopeCacheTuning: num_warps must be a positive int, got 2.0"),
-                          (lambda: tuning.AttentionTuning(launch_table=((8, 1024, 4, 2),)), "AttentionTuning: launch_table must end with a row whose bound is None")):
+                          (lambda: tuning.AttentionTuning(launch_table=((8, 1024, 4, 2),)), "AttentionTuning: launch_table must end with a row whose bound is None"),
+                          (lambda: tuning.SelectTuning(fused="yes"), "SelectTuning: fused must be a bool, got 'yes'"),
+                          (lambda: tuning.SelectTuning(fused_max_rows=0), "SelectTuning: fused_max_rows must be a positive int, got 0"),
+                          (lambda: tuning.SelectTuning(fused_score_columns=384), "SelectTuning: fused_score_columns must be a power of two >= 128, got 384"),
+                          (lambda: tuning.SelectTuning(fp8_row_columns=64), "SelectTuning: fp8_row_columns must be a power of two >= 128, got 64")):
         with pytest.raises(ValueError) as error:
             make()
         assert str(error.value).startswith(message), error.value
