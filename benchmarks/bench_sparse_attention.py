@@ -21,7 +21,8 @@ neighbours selected (L2 serves them), so its "% of peak" may pass 100.
 
 ``--sweep`` (a separate tuning run, a few minutes): CUDA-graph µs of launch
 configurations around the plan's table (BLOCK_N x warps x stages, and half /
-double the split count) on a few shapes, written to sparse_attention_sweep.json.
+double the split count) on a few shapes, written to sparse_attention_sweep.json
+(``--splits 4,8``: those split counts crossed with SPLIT_CANDIDATES instead).
 
 ``--fp8``: the same shapes (decode 1/8/64/256 at 32K/128K and the 2048-row
 prefill) also read fp8 e4m3 copies of the pools (per-tensor scales, pool amax
@@ -85,6 +86,8 @@ SWEEP_BLOCK_N, SWEEP_WARPS, SWEEP_STAGES = (16, 32, 64), (2, 4, 8), (2, 3)
 SWEEP_QUICK = ((16, 2, 2), (16, 2, 3), (32, 2, 2), (32, 4, 2), (32, 4, 3), (64, 2, 2), (64, 4, 2), (64, 8, 2), (64, 8, 3))
 # fp8: these also with AttentionTuning.fp8_late_values (less shared memory: 64-token tiles on
 # 2 warps fit 3 programs per SM instead of 2).
+# --sweep --splits: (BLOCK_N, warps, stages) candidates crossed with the split counts given.
+SPLIT_CANDIDATES = ((16, 2, 3), (32, 2, 3), (32, 4, 3), (64, 4, 2), (64, 8, 3))
 SWEEP_QUICK_FP8_LATE = ((32, 2, 3), (32, 4, 2), (64, 2, 2), (64, 4, 2))
 
 # Tiny shapes for the CPU interpreter (still split: 67 indices are 3 tiles of 32).
@@ -207,7 +210,7 @@ def seed_us(mode, rows, context):
     return SEED_DECODE_US.get(rows) if mode == "decode" else SEED_PREFILL_US.get((rows, context))
 
 
-def sweep(qsa_torch, attention, arrays, smoke, quick=False):
+def sweep(qsa_torch, attention, arrays, smoke, quick=False, split_counts=()):
     """CUDA-graph µs of configurations around the table's (partial kernel's warps/stages overridden).
 
     Every configuration takes AttentionTuning's default variants (fp8: widened in registers,
@@ -229,7 +232,11 @@ def sweep(qsa_torch, attention, arrays, smoke, quick=False):
         # The first release's fp8 code as a whole: widened in the dot-operand layout, by page.
         variants += [dict(fp8_widen="dot_operand", fp8_row_addressing="page")]
     configs = [(None, None, None, None, variant) for variant in variants]
-    if quick:  # fp8: the launch-table candidates; 16-bit: the variants only
+    if split_counts:  # --splits: those split counts crossed with SPLIT_CANDIDATES, instead
+        configs = [(None, None, None, None, {})] + [
+            (block_n, splits, warps, stages, {}) for splits in split_counts
+            for block_n, warps, stages in SPLIT_CANDIDATES]
+    elif quick:  # fp8: the launch-table candidates; 16-bit: the variants only
         if fp8:
             configs += [(block_n, None, warps, stages, {}) for block_n, warps, stages in SWEEP_QUICK]
             configs += [(block_n, None, warps, stages, dict(fp8_late_values=True))
@@ -267,6 +274,8 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="tune: sweep launch configurations instead")
     parser.add_argument("--quick", action="store_true",
                         help="with --sweep: the variants, and with --fp8 the SWEEP_QUICK candidates, only")
+    parser.add_argument("--splits", type=lambda text: [int(n) for n in text.split(",")], default=[],
+                        help="with --sweep: these split counts (e.g. 4,8,16) crossed with SPLIT_CANDIDATES")
     parser.add_argument("--fp8", action="store_true",
                         help="also read fp8 e4m3 caches (per-tensor scales) on FP8_SHAPES, side by side")
     parser.add_argument("--merge", choices=("default", "fused", "unfused", "both"), default="default",
@@ -343,7 +352,7 @@ def main():
                 arrays.update(fp8_arrays)
                 nbytes = moved_bytes(g, rows, width, cache_bytes=1)
             table = plan_choice(qsa_torch, attention, arrays)
-            for result in sweep(qsa_torch, attention, arrays, args.smoke, args.quick):
+            for result in sweep(qsa_torch, attention, arrays, args.smoke, args.quick, args.splits):
                 is_table = all(result[k] == table[k] for k in ("block_n", "splits", "warps", "stages")) and (
                 result["variant"] == "default")
                 rows_out.append(dict(mode=mode, rows=rows, context=context, table=is_table, bytes=nbytes, **result,

@@ -328,14 +328,16 @@ def select_kernels(case, token_topk, ratio, **options):
 
 
 def assert_fused_equals_three_launches(case, token_topk, ratio=4, chunks=1, topk=None, workspace=None,
-                                       reference_too=False, score_columns=128, **options):
-    """The fused launch (one a chunk; scoring programs of ``score_columns``) against the scorer,
+                                       reference_too=False, score_columns=128, max_columns=None, **options):
+    """The fused launch (one a chunk; scoring programs of ``score_columns``; ``max_columns``:
+    fused past the default's bound) against the scorer,
     top-k and expansion launches: the same bits, in torch and JAX; with exact (integer) scores,
     against the float64 reference too."""
     selected = {}
     for fused in (True, False):
         select = tuning.SelectTuning(fused=fused, fused_score_columns=score_columns,
-                                     **({} if workspace is None else dict(logits_workspace_bytes=workspace)))
+                                     **({} if workspace is None else dict(logits_workspace_bytes=workspace)),
+                                     **({} if max_columns is None else dict(fused_max_columns=max_columns)))
         with tuning.override(select=select, **({} if topk is None else dict(topk=topk))):
             kernels = select_kernels(case, token_topk, ratio, **options)
             if fused:
@@ -425,17 +427,20 @@ def test_fused_selection_not_where_it_does_not_apply():
                                                    (131072, False, False), (32768, True, False)])
 def test_fused_selection_production(columns, fp8, integer):
     """Production indexer geometry (4 heads x d128, pages of 64, top-512 blocks) at 128K and
-    512K contexts (64 slices a row), bf16 or fp8 keys: the fused launch equals the three
-    launches bit for bit, in torch and JAX, and gives the same bits over repeated runs."""
+    512K contexts (64 slices a row; fused past SelectTuning's default bound), bf16 or fp8
+    keys: the fused launch equals the three launches bit for bit, in torch and JAX, and gives
+    the same bits over repeated runs."""
     case = long_decode_case(50 + integer, columns=columns, heads=4, dim=128, integer=integer)
     options = {}
     if fp8:
         case["k_cache"] = (case["k_cache"].float() / 0.05).to(torch.float8_e4m3fn)
         options["k_scale"] = torch.tensor(0.05, dtype=torch.float32, device=DEVICE)
-    tokens = assert_fused_equals_three_launches(case, 2048, reference_too=integer,
-                                                score_columns=tuning.SelectTuning().fused_score_columns, **options)
+    select = tuning.SelectTuning(fused_max_columns=columns)
+    tokens = assert_fused_equals_three_launches(case, 2048, reference_too=integer, max_columns=columns,
+                                                score_columns=select.fused_score_columns, **options)
     for _ in range(4):
-        again = qsa_torch.select_paged_tokens(**case, token_topk=2048, compress_ratio=4, **options)
+        with tuning.override(select=select):
+            again = qsa_torch.select_paged_tokens(**case, token_topk=2048, compress_ratio=4, **options)
         assert np.array_equal(host(again), tokens), "the fused selection differs between runs"
 
 
