@@ -416,7 +416,8 @@ def _check_cache_dtypes(check: Checker, q, k_cache, v_cache, k_scale, v_scale) -
 def _launch_config(rows: int, kv_heads: int, width: int, d: int, tuning: AttentionTuning, fp8: bool = False):
     """``(BLOCK_N, tiles per split, splits, warps, stages)`` from the tuning's table."""
     programs = rows * kv_heads
-    for most, tile_bytes, num_warps, num_stages in tuning.fp8_launch_table if fp8 else tuning.launch_table:
+    for most, tile_bytes, num_warps, num_stages, target_programs in (
+            tuning.fp8_launch_table if fp8 else tuning.launch_table):
         if most is None or programs <= most:
             break
     if tuning.tile_bytes is not None:
@@ -426,7 +427,7 @@ def _launch_config(rows: int, kv_heads: int, width: int, d: int, tuning: Attenti
     tiles = max(1, triton.cdiv(width, block_n))
     num_splits = tuning.num_splits
     if num_splits is None:
-        wanted = max(1, tuning.target_programs // max(1, rows * kv_heads))
+        wanted = max(1, target_programs // max(1, programs))
         num_splits = 1 << (wanted.bit_length() - 1)
     tiles_per_split = triton.cdiv(tiles, min(num_splits, tiles))
     # Re-derive the count so that no split is empty.

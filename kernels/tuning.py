@@ -59,36 +59,42 @@ def _positive_int(owner: str, name: str, value, optional: bool = False) -> None:
 class AttentionTuning:
     """Stage 4 (``sparse_paged_attention``) launch configuration.
 
-    Programs = R x KH (rows x KV heads).  Splits: ``target_programs //
-    programs``, a power of two capped at the number of tiles, so that a
-    decode batch too small to fill the H200's 132 SMs still puts ~2 programs
-    on each; no split (and no merge pass) once programs > 132.
+    Programs = R x KH (rows x KV heads).  ``launch_table`` rows are ``(most
+    programs or None, K/V tile bytes, warps, stages, target programs)``; the
+    first row whose bound holds applies.  Splits: ``target programs //
+    programs``, a power of two capped at the number of tiles (and re-derived
+    so that no split is empty), so that a decode batch too small to fill the
+    H200's 132 SMs still fills it; no split (and no merge pass) once
+    programs > 132 (their rows' targets are below twice their programs).
+    Swept on the H200 (CUDA-graph replay, 24 Q / 2 KV heads x d256, bf16, W
+    = 2051; ``benchmarks/bench_sparse_attention.py --sweep``, best of 18
+    configurations per shape; ``--sweep --splits``, the split counts
+    crossed with 5 configurations, for 8 and 64 rows):
 
-    ``launch_table`` rows are ``(most programs or None, K/V tile bytes,
-    warps, stages)``; the first row whose bound holds applies.  Swept on the
-    H200 (CUDA-graph replay, 24 Q / 2 KV heads x d256, bf16, W = 2051;
-    ``benchmarks/bench_sparse_attention.py --sweep``), best of 18
-    configurations per shape:
-
-    | programs  | K/V tile | warps | stages | measured on         | us (table before) |
-    |-----------|----------|-------|--------|---------------------|-------------------|
-    | <= 132    | 32 KB    | 8     | 3      | decode 1 / 64 rows  | 9.5 / 93 (10.9 / 101)  |
-    | 133-4095  | 16 KB    | 2     | 3      | decode 256 rows     | 285 (386)         |
-    | >= 4096   | 32 KB    | 2     | 2      | prefill 2048 rows   | 1206 (2193)       |
+    | programs | K/V tile | warps | stages | target | measured on | us (table before) |
+    |----------|----------|-------|--------|--------|-------------|-------------------|
+    | <= 4     | 32 KB    | 8     | 3      | 264    | decode 1 row (33 splits) | 9.5 (10.9) |
+    | 5-32     | 16 KB    | 4     | 3      | 512    | decode 8 rows (22 splits) | 18.1 (21.4) |
+    | 33-132   | 16 KB    | 2     | 3      | 512    | decode 64 rows (4 splits) | 93.0 (100.0) |
+    | 133-4095 | 16 KB    | 2     | 3      | 264    | decode 256 rows     | 285 (386)         |
+    | >= 4096  | 32 KB    | 2     | 2      | 264    | prefill 2048 rows   | 1206 (2193)       |
 
     (32 KB of K or V is BLOCK_N = 64 tokens at D = 256.)  Many small
     programs favour 2 warps: more of them fit on an SM, so more gathers are
-    in flight.
+    in flight.  (The 8- and 64-row rows come from one run, which timed the
+    table before at 21.4 and 100.0 us; 16 and 32 rows fall in them
+    unmeasured.)
 
     ``tile_bytes`` forces the tile of every row (sweeps); ``num_splits``
     forces the split count (tests), capped so that no split is empty.
     """
 
-    target_programs: int = 264
     launch_table: tuple = (
-        (132, 32 * 1024, 8, 3),
-        (4095, 16 * 1024, 2, 3),
-        (None, 32 * 1024, 2, 2),
+        (4, 32 * 1024, 8, 3, 264),
+        (32, 16 * 1024, 4, 3, 512),
+        (132, 16 * 1024, 2, 3, 512),
+        (4095, 16 * 1024, 2, 3, 264),
+        (None, 32 * 1024, 2, 2, 264),
     )
     tile_bytes: int | None = None
     num_splits: int | None = None
@@ -127,9 +133,9 @@ class AttentionTuning:
     #: the second row is the fastest of the candidates once fp8_late_values
     #: is on (279 us; 389.5 without it; 64-token tiles 306-309; bf16 294).
     fp8_launch_table: tuple = (
-        (132, 32 * 1024, 4, 2),
-        (4095, 16 * 1024, 2, 3),
-        (None, 16 * 1024, 2, 2),
+        (132, 32 * 1024, 4, 2, 264),
+        (4095, 16 * 1024, 2, 3, 264),
+        (None, 16 * 1024, 2, 2, 264),
     )
     #: fp8 caches: where K/V tiles are widened to q's dtype.  "registers": right
     #: after the load, in its layout; the dots then read 16-bit tiles from
@@ -173,7 +179,6 @@ class AttentionTuning:
     fp8_late_values: bool = True
 
     def __post_init__(self):
-        _positive_int("AttentionTuning", "target_programs", self.target_programs)
         _positive_int("AttentionTuning", "tile_bytes", self.tile_bytes, optional=True)
         _positive_int("AttentionTuning", "num_splits", self.num_splits, optional=True)
         _positive_int("AttentionTuning", "merge_chunk_elements", self.merge_chunk_elements)
@@ -189,6 +194,9 @@ class AttentionTuning:
         for name in ("launch_table", "fp8_launch_table"):
             table = tuple(tuple(row) for row in getattr(self, name))
             object.__setattr__(self, name, table)
+            if any(len(row) != 5 for row in table):
+                raise ValueError(f"AttentionTuning: {name} rows must be (most programs or None, tile bytes, "
+                                 f"warps, stages, target programs), got {table!r}")
             if not table or table[-1][0] is not None:
                 raise ValueError(f"AttentionTuning: {name} must end with a row whose bound is None, "
                                  f"got {table!r}")

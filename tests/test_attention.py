@@ -269,7 +269,13 @@ def test_launch_table():
     tickets = decode_one.buffer("tickets")  # one per (row, KV head), zero-filled by the executor
     assert (tickets.shape, tickets.dtype, tickets.fill) == ((1, 2), "int32", 0)
     assert "tickets" in decode_one.filled_buffers and "tickets" in fused.inputs and "tickets" in fused.outputs
-    assert plan(64, fused_merge=True).launches[0].grid == (64, 2, 2) and len(plan(64, fused_merge=True).launches) == 1
+    assert plan(64, fused_merge=True).launches[0].grid == (64, 4, 2) and len(plan(64, fused_merge=True).launches) == 1
+    # 8 rows (16 programs): 32-token tiles on 4 warps, 512 programs' worth of splits (65 tiles: 22
+    # splits of 3); 64 rows (128 programs): on 2 warps, 4 splits.
+    for rows, splits, warps in ((8, 22, 4), (64, 4, 2)):
+        partial, merge = plan(rows).launches
+        assert partial.grid == (rows, splits, 2) and merge.kernel is attention.merge_splits_kernel
+        assert partial.constexprs["BLOCK_N"] == 32 and (partial.num_warps, partial.num_stages) == (warps, 3)
     for fused_merge in (True, False):
         decode_256 = plan(256, fused_merge=fused_merge)
         assert [launch.grid for launch in decode_256.launches] == [(256, 1, 2)]  # no split, no merge, no tickets

@@ -257,7 +257,7 @@ CASES = {
     # Stage 4: sparse_paged_attention (split-K where programs are few, merged
     # in its launch; the merge launch kept for comparison).
     "attention/decode-1": _attention(1),
-    "attention/decode-8-11-splits": _attention(8),  # 3 chunks of 4 splits' merge minus one: a tail
+    "attention/decode-8-22-splits": _attention(8),  # merge chunks of 16 (launch) and 4 (fused), with tails
     "attention/decode-1-merge-launch": _attention(1, fused_merge=False),
     "attention/fp8-decode-64": _attention(64, cache=FP8),
     "attention/fp8-decode-64-merge-launch": _attention(64, cache=FP8, fused_merge=False),
