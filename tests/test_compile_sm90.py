@@ -261,6 +261,8 @@ CASES = {
     "attention/decode-1-merge-launch": _attention(1, fused_merge=False),
     "attention/fp8-decode-64": _attention(64, cache=FP8),
     "attention/fp8-decode-64-merge-launch": _attention(64, cache=FP8, fused_merge=False),
+    "attention/decode-16": _attention(16),
+    "attention/decode-32": _attention(32),
     "attention/decode-64": _attention(64),
     "attention/decode-256": _attention(256),
     "attention/prefill-2048": _attention(2048),
