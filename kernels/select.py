@@ -32,7 +32,7 @@ from .memo import cached_plan
 from .rows import count_visible_blocks, row_request
 from .score import (SCALE_DOC, SCORES_DOC_ARGS, SCORING_OPTIONS, check_key_scale, check_scoring, exact_dot,
                     score_launches, score_row_tile, score_tiling, scorer_arguments)
-from .topk import (_order_key, ticketed_buffers, ticketed_compact_and_select, ticketed_layout, ticketed_publish,
+from .topk import (order_key, ticketed_buffers, ticketed_compact_and_select, ticketed_layout, ticketed_publish,
                    topk_parts, topk_path, wait_for)
 from .tuning import SelectTuning, TopkTuning
 from .validate import Checker
@@ -44,7 +44,8 @@ Score, select the top blocks and expand them to tokens, in one call.
 token_topk // compress_ratio), ...)`` with the default score divisor, rows
 processed in chunks whose logits fit a fixed workspace (128 MiB; see
 ``qsa_kernels.tuning.SelectTuning``), with no host
-synchronisation.
+synchronisation.  A decode batch of a few long rows runs as one launch
+(``SelectTuning.fused``), bit for bit the three stages' result.
 
 Args:
 {SCORES_DOC_ARGS}
@@ -58,8 +59,8 @@ Returns:
 
 
 @triton.jit
-def _row_width(token_to_req_ptr, query_positions_ptr, sequence_lengths_ptr, row, num_columns, num_requests,
-               RATIO: tl.constexpr):
+def _visible_width(token_to_req_ptr, query_positions_ptr, sequence_lengths_ptr, row, num_columns, num_requests,
+                   RATIO: tl.constexpr):
     """The columns of the row's top-k: its visible blocks, at most num_columns."""
     _request, _request_ok, length = row_request(token_to_req_ptr, sequence_lengths_ptr, row, True, num_requests)
     position = tl.load(query_positions_ptr + row).to(tl.int64)
@@ -123,12 +124,12 @@ def select_fused_kernel(
         in_row = tile_cols < num_columns
         tl.store(logits_row + tile_cols, scores, mask=in_row)
         # Group maxima as the ticketed top-k folds them (invisible columns key 0).
-        keys = tl.where(tile_cols < tl.minimum(visible, num_columns), _order_key(scores), 0)
+        keys = tl.where(tile_cols < tl.minimum(visible, num_columns), order_key(scores), 0)
         tl.atomic_max(maxima + tile_cols % GROUPS, keys, mask=in_row, sem="relaxed", scope="gpu")
         ticketed_publish(tickets + 1)
     else:
-        width = _row_width(token_to_req_ptr, query_positions_ptr, sequence_lengths_ptr, row, num_columns,
-                           num_requests, RATIO)
+        width = _visible_width(token_to_req_ptr, query_positions_ptr, sequence_lengths_ptr, row, num_columns,
+                               num_requests, RATIO)
         slice_id = role - SCORERS
         cols = slice_id * SLICE + tl.arange(0, SLICE)
         wait_for(tickets + 1, SCORERS)

@@ -126,7 +126,7 @@ Returns:
 
 
 @triton.jit
-def _order_key(x):
+def order_key(x):
     """float32 -> uint32 whose unsigned order is the ranking (NaN lowest, -0.0 == +0.0)."""
     x = tl.where(x == 0.0, 0.0, x)
     bits = x.to(tl.uint32, bitcast=True)
@@ -143,11 +143,11 @@ def _source(key_ptr, col_ptr, idx, n, FROM_LOGITS: tl.constexpr, GATHER: tl.cons
     if FROM_LOGITS:
         # Entries outside the source get key 0, the lowest: they can only
         # lower a group maximum, never raise it.
-        keys = tl.where(valid, _order_key(tl.load(key_ptr + idx, mask=valid, other=0.0).to(tl.float32)), 0)
+        keys = tl.where(valid, order_key(tl.load(key_ptr + idx, mask=valid, other=0.0).to(tl.float32)), 0)
         cols = idx
     elif GATHER:
         cols = tl.load(col_ptr + idx, mask=valid, other=0)
-        keys = tl.where(valid, _order_key(tl.load(key_ptr + cols, mask=valid, other=0.0).to(tl.float32)), 0)
+        keys = tl.where(valid, order_key(tl.load(key_ptr + cols, mask=valid, other=0.0).to(tl.float32)), 0)
     else:
         keys = tl.load(key_ptr + idx, mask=valid, other=0).to(tl.uint32, bitcast=True)
         cols = tl.load(col_ptr + idx, mask=valid, other=-1)
@@ -512,7 +512,7 @@ def _group_max_bound(logits_row, width, num_columns, k, GROUPS: tl.constexpr, TI
     while start < width:
         # Two tiles in flight: the next one is loaded before this one is reduced.
         idx = start + offsets
-        keys = tl.where(idx < width, _order_key(raw.to(tl.float32)), 0)
+        keys = tl.where(idx < width, order_key(raw.to(tl.float32)), 0)
         raw = tl.load(logits_row + TILE + idx, mask=TILE + idx < width, other=0.0)
         maxima = tl.maximum(maxima, tl.max(keys, 0))
         start += TILE
@@ -545,7 +545,7 @@ def _compact_at_least(logits_row, width, bound, cand_ptr, capacity, TILE: tl.con
     while start < width:
         cols = start + tl.arange(0, TILE)
         valid = cols < width
-        keys = tl.where(valid, _order_key(raw.to(tl.float32)), 0)
+        keys = tl.where(valid, order_key(raw.to(tl.float32)), 0)
         raw = _prefetch(logits_row, start + TILE, width, TILE)
         at_least = (valid & (keys >= bound)).to(tl.int32)
         beyond = (valid & (keys > bound)).to(tl.int32)
@@ -614,7 +614,7 @@ def topk_row_kernel(
         cols = tl.arange(0, TILE)
         raw = tl.load(logits_row + cols, mask=cols < num_columns, other=0.0)
         valid = cols < width
-        keys = tl.where(valid, _order_key(raw.to(tl.float32)), 0)
+        keys = tl.where(valid, order_key(raw.to(tl.float32)), 0)
         threshold, take_equal = _kth_largest_between(keys, valid, K, lowest, highest, 32 // BITS, BITS)
         zero = tl.full((), 0, tl.int32)
         _place_tile(keys, cols, valid, threshold, take_equal, zero, zero, out_row)
@@ -699,7 +699,7 @@ def topk_register_kernel(
     width = _row_width(visible_ptr, row, num_columns)
     out_row = out_ptr + row * K
     valid = cols < width
-    keys = tl.where(valid, _order_key(raw.to(tl.float32)), 0)
+    keys = tl.where(valid, order_key(raw.to(tl.float32)), 0)
     # Every key lies in [lowest, highest]: the radix passes of the digits
     # they share are skipped.  A row of at most K keys takes them all.
     zero = tl.full((), 0, tl.int32)
@@ -763,7 +763,7 @@ def _ticketed_group_maxima(logits_row, maxima, slice_id, width, num_columns,
     span = tl.arange(0, SPAN)
     offsets = first + tl.arange(0, SLICE // SPAN)[:, None] * SPAN + span[None, :]
     raw = tl.load(logits_row + offsets, mask=offsets < num_columns, other=0.0)
-    keys = tl.where(offsets < width, _order_key(raw.to(tl.float32)), 0)
+    keys = tl.where(offsets < width, order_key(raw.to(tl.float32)), 0)
     tl.atomic_max(maxima + (first + span) % GROUPS, tl.max(keys, 0), sem="relaxed", scope="gpu")
 
 
@@ -853,7 +853,7 @@ def ticketed_compact_and_select(logits_row, raw, cols, tickets, maxima, counts_r
                                                  top, BOUND_PASSES, BITS)
     # The slice's keys >= L, in column order, into its region.
     valid = cols < width
-    keys = tl.where(valid, _order_key(raw.to(tl.float32)), 0)
+    keys = tl.where(valid, order_key(raw.to(tl.float32)), 0)
     at_least = (valid & (keys >= bound)).to(tl.int32)
     slot = tl.cumsum(at_least, 0) - at_least
     keep = (at_least != 0) & (slot < REGION)
