@@ -210,17 +210,19 @@ def _fuses_selection(q, k_cache, page_table, chunk, columns, block_topk, tuning:
 
     Up to ``tuning.fused_max_rows`` rows of at most ``fused_max_columns``
     (where it was measured faster), scored alone (decode), whose top-k takes
-    the ticketed path, with
-    tensor-core scores of at most 16 heads: a row's heads are then the 16
-    rows of one MMA tile, which no warp count splits, so the fused launch's
-    scores (at ``tuning.fused_warps``) have the scorer's bits (at its own
-    warps); the exact fp32 dot's layout, or more heads', may split them.
+    the ticketed path, with tensor-core scores of at most 16 heads: a row's
+    heads are then the 16 rows of one MMA tile, which no warp count or tile
+    width splits, so the fused launch's scores (at ``tuning.fused_warps``)
+    have the scorer's bits (at its own warps); the exact fp32 dot's layout,
+    or more heads', may split them.
     """
     if not tuning.fused or block_topk == 0 or columns == 0 or columns > tuning.fused_max_columns \
             or chunk > tuning.fused_max_rows:
         return False
     tile_rows, _, _ = score_tiling(q, k_cache, page_table, columns, tuning)
-    if exact_dot(q, k_cache) or q.shape[1] > 16 or tile_rows != 1 or topk_path(chunk, columns, block_topk, topk_tuning) != "ticketed":
+    if exact_dot(q, k_cache) or q.shape[1] > 16 or tile_rows != 1:
+        return False
+    if topk_path(chunk, columns, block_topk, topk_tuning) != "ticketed":
         return False
     return ticketed_layout(columns, block_topk, topk_tuning, FUSED_WIDEST_SLICE)[1] <= tuning.fused_warps
 
@@ -236,7 +238,7 @@ def _fused_program(q, k_cache, page_table, compress_ratio, columns, block_topk, 
     blocks = Buffer("blocks", (chunk, block_topk), "int32")
     topk_buffers = ticketed_buffers(chunk, layout)
     state, workspaces = topk_buffers[0].name, tuple(buffer.name for buffer in topk_buffers[1:])
-    # Wider tiles than the scorer's (same bits: a tile's columns are scored independently).
+    # Tiles at least the scorer's, wider where tuned: the same bits (_fuses_selection, docs/design.md).
     block_n = max(block_n, min(tuning.fused_score_columns, triton.next_power_of_2(columns)))
     scorers = triton.cdiv(columns, block_n)
     launches = tuple(Launch(

@@ -391,12 +391,9 @@ class SelectTuning:
 
     def __post_init__(self):
         object.__setattr__(self, "fused", BOOL.canonical("SelectTuning", "fused", self.fused))
-        _positive_int("SelectTuning", "logits_workspace_bytes", self.logits_workspace_bytes)
-        _positive_int("SelectTuning", "fp8_row_columns", self.fp8_row_columns)
-        _positive_int("SelectTuning", "fp8_row_warps", self.fp8_row_warps)
-        for name in ("fused_max_rows", "fused_max_columns", "fused_warps"):
+        for name in ("logits_workspace_bytes", "fp8_row_columns", "fp8_row_warps", "fused_max_rows",
+                     "fused_max_columns", "fused_warps", "fused_score_columns"):
             _positive_int("SelectTuning", name, getattr(self, name))
-        _positive_int("SelectTuning", "fused_score_columns", self.fused_score_columns)
         for name in ("fp8_row_columns", "fused_score_columns"):
             value = getattr(self, name)
             if value < 128 or value & (value - 1):
