@@ -23,7 +23,6 @@ numbers, not host costs.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import os
 import statistics
@@ -35,7 +34,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FUNCTIONS = ("rope_reshape_and_cache", "compress_groups", "store_cache_rows", "mqa_paged_scores", "topk_blocks",
              "expand_block_indices", "select_paged_tokens", "sparse_paged_attention", "qsa_attention_step")
 # Modules that may hold a function's plan (qsa_kernels.<module>.plan_<function>), across layouts.
-PLAN_MODULES = ("step", "rope_cache", "compress", "score", "topk", "expand", "select", "attention")
 STEPPED = ("rope_reshape_and_cache", "compress_groups", "store_cache_rows", "select_paged_tokens",
            "sparse_paged_attention")
 
@@ -157,32 +155,27 @@ def step_programs(step_arguments) -> list:
 
 
 def plan_of(function: str):
-    """``qsa_kernels.<module>.plan_<function>``, wherever this checkout keeps it."""
-    for name in PLAN_MODULES:
-        try:
-            module = importlib.import_module(f"qsa_kernels.{name}")
-        except ImportError:
-            continue
-        if hasattr(module, f"plan_{function}"):
-            return getattr(module, f"plan_{function}")
-    raise LookupError(f"no plan_{function} in qsa_kernels")
+    """The declared stage (called as its plan) of ``function``."""
+    import qsa_kernels.api  # noqa: F401  (imports every stage's declaration)
+    from qsa_kernels.stage import stage_named
+
+    return stage_named(function)
 
 
 def program_of(function: str, arguments: dict):
     """The Program the adapter runs for ``function(**arguments)``, and its arrays by name (buffers allocated)."""
     import torch
 
-    from qsa_kernels.launch import ArrayInfo, split_arguments
+    from qsa_kernels.launch import ArrayInfo
 
     names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
              torch.float64: "float64", torch.float8_e4m3fn: "float8_e4m3fn", torch.int32: "int32",
              torch.int64: "int64", torch.uint8: "uint8"}
     dtypes = {v: k for k, v in names.items()}
-    plan = plan_of(function)
-    arguments = {**{name: None for name in plan.array_arguments}, **arguments}  # absent optional arrays
-    arrays, options = split_arguments(plan, arguments)
+    stage = plan_of(function)  # a qsa_kernels.stage.Stage: called as its plan
+    arrays, options = stage.split(arguments)
     infos = {k: None if v is None else ArrayInfo(tuple(v.shape), names[v.dtype], v.stride()) for k, v in arrays.items()}
-    program = plan(**infos, **options)
+    program = stage(**infos, **options)
     device = next(v.device for v in arrays.values() if v is not None)
     env = {k: v for k, v in arrays.items() if v is not None}
     for buffer in program.buffers:

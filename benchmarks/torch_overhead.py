@@ -63,9 +63,7 @@ def main() -> None:
         tensors = {n: (None if a is None else runner.put(a)) for n, a in arrays.items()}
         fn = getattr(qsa_torch, function)
         fn(**tensors, **static)
-        plan = getattr(sys.modules[fn.__module__], "plan_" + function)
-        arrays_only, options = _launch.split_arguments(plan, dict(tensors, **static))
-        launches = len(plan(**_launch.metadata(function, arrays_only), **options).runnable_launches)
+        launches = len(fn.plan(**tensors, **static).runnable_launches)
         columns = []
         for stub in (False, True):
             if stub and not hasattr(_launch, "launch_kernel"):

@@ -53,7 +53,7 @@ import triton.language as tl
 from . import runtime
 from .fp8 import bit_trick, in_registers, widen_e4m3
 from .launch import ArrayInfo, Buffer, Launch, Program
-from .memo import cached_plan
+from .stage import stage
 from .tuning import AttentionTuning
 from .validate import FINITE_NUMBER, FP8_DTYPE, Checker
 
@@ -434,7 +434,11 @@ def _launch_config(rows: int, kv_heads: int, width: int, d: int, tuning: Attenti
     return block_n, tiles_per_split, triton.cdiv(tiles, tiles_per_split), num_warps, num_stages
 
 
-@cached_plan(options=dict(softmax_scale=FINITE_NUMBER.or_none()))
+@stage(
+    arrays=("q", "k_cache", "v_cache", "token_indices", "block_table", "token_to_req", "k_scale",
+            "v_scale"),
+    options=dict(softmax_scale=FINITE_NUMBER.or_none()),
+    doc=DOC, returns="Array", tuning=dict(tuning="attention"))
 def plan_sparse_paged_attention(
     q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, token_indices: ArrayInfo,
     block_table: ArrayInfo, token_to_req: ArrayInfo, softmax_scale: float | None = None,
@@ -553,3 +557,4 @@ def plan_sparse_paged_attention(
             num_stages=1,
         ),)
     return Program(FUNCTION, buffers, launches, ("out",))
+

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .launch import ArrayInfo, Buffer, Launch, Program
-from .memo import cached_plan
+from .stage import stage
 from .rope_cache import _rope_cos_sin, _rope_pairs, _rope_query_heads, _rotate
 from .tuning import CompressTuning, RopeCacheTuning
 from .validate import BOOL, FLOAT_DTYPES, FP8_DTYPE, INDEX_DTYPES, POSITIVE_INT, Checker
@@ -348,7 +348,12 @@ def compress_rotate_store_kernel(
                               q_sr, q_sh, qo_sr, qo_sh, IH, BLOCK_H, False)
 
 
-@cached_plan(options=dict(compress_ratio=POSITIVE_INT))
+@stage(
+    arrays=("raw_keys", "raw_positions", "compressor_state_cache", "compressor_state_block_table",
+            "token_to_req", "query_start_loc", "logical_positions", "compressed_slots", "rope_cache"),
+    options=dict(compress_ratio=POSITIVE_INT),
+    doc=COMPRESS_GROUPS_DOC, returns="tuple[Array, Array]", updates=("rope_cache",),
+    tuning=dict(tuning="compress"))
 def plan_compress_groups(
     raw_keys: ArrayInfo, raw_positions: ArrayInfo,
     compressor_state_cache: ArrayInfo, compressor_state_block_table: ArrayInfo,
@@ -424,7 +429,11 @@ def plan_compress_groups(
     return Program("compress_groups", (pooled, first_positions), (launch,), ("pooled", "first_positions"))
 
 
-@cached_plan
+
+@stage(
+    arrays=("cache", "slot_mapping", "rows", "scale"),
+    options={},
+    doc=STORE_CACHE_ROWS_DOC, returns="Array", updates=("cache",), tuning=dict(tuning="compress"))
 def plan_store_cache_rows(cache: ArrayInfo, slot_mapping: ArrayInfo, rows: ArrayInfo, *,
                           tuning: CompressTuning | None = None, scale: ArrayInfo | None = None) -> Program:
     """Validate ``store_cache_rows`` arguments and describe its launch (see docs/api.md)."""
@@ -469,7 +478,13 @@ def plan_store_cache_rows(cache: ArrayInfo, slot_mapping: ArrayInfo, rows: Array
     return Program("store_cache_rows", (), (launch,), ("cache",))
 
 
-@cached_plan(options=dict(compress_ratio=POSITIVE_INT, is_neox=BOOL))
+
+@stage(
+    arrays=("raw_keys", "raw_positions", "compressor_state_cache", "compressor_state_block_table",
+            "token_to_req", "query_start_loc", "logical_positions", "compressed_slots",
+            "compressor_state_slots", "compressed_key_cache", "cos_sin", "index_q", "scale"),
+    options=dict(compress_ratio=POSITIVE_INT, is_neox=BOOL),
+    updates=("compressor_state_cache", "compressed_key_cache"), tuning=dict(tuning="rope_cache"))
 def plan_compress_rotate_store(
     raw_keys: ArrayInfo, raw_positions: ArrayInfo,
     compressor_state_cache: ArrayInfo, compressor_state_block_table: ArrayInfo,
@@ -530,3 +545,4 @@ def plan_compress_rotate_store(
     )
     return Program("compress_rotate_store", (index_q_out,), (launch,),
                    ("compressor_state_cache", "compressed_key_cache", "index_q_out"))
+

@@ -15,6 +15,11 @@ def _select(doc: str, framework: str) -> str:
     return _MARK.sub(lambda m: m.group(2) if m.group(1) == framework else "", doc)
 
 
+def framework_doc(doc: str, framework: str) -> str:
+    """``doc`` as ``framework``'s (``"torch"`` or ``"jax"``) docstring."""
+    return _select(doc, framework)
+
+
 def torch_doc(doc: str) -> str:
     return _select(doc, "torch")
 

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from .launch import ArrayInfo, Buffer, Launch, Program
-from .memo import cached_plan
+from .stage import stage
 from .rows import count_visible_blocks, row_request
 from .validate import NONNEGATIVE_INT, POSITIVE_INT, Checker
 
@@ -119,7 +119,10 @@ def expand_launches(block_topk: int, compress_ratio: int, block_stride: int, out
     return launches
 
 
-@cached_plan(options=EXPAND_OPTIONS)
+@stage(
+    arrays=("block_indices", "query_positions", "sequence_lengths", "token_to_req"),
+    options=EXPAND_OPTIONS,
+    doc=EXPAND_DOC, returns="Array")
 def plan_expand_block_indices(block_indices: ArrayInfo, query_positions: ArrayInfo,
                               sequence_lengths: ArrayInfo, token_to_req: ArrayInfo,
                               compress_ratio: int, token_topk: int) -> Program:
@@ -139,3 +142,4 @@ def plan_expand_block_indices(block_indices: ArrayInfo, query_positions: ArrayIn
     launches = expand_launches(block_topk, compress_ratio, block_indices.strides[0], out.shape[1],
                                sequence_lengths.shape[0], [(0, rows)], "block_indices")
     return Program("expand_block_indices", (out,), tuple(launches), ("out",))
+

@@ -34,9 +34,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
-__all__ = ["ArrayInfo", "Buffer", "Launch", "LaunchEvent", "Program", "cached_plan", "clear_plan_caches",
-           "contiguous_strides", "execute", "kernel_name", "labelled", "observe_launches", "split_arguments",
-           "triton_launch"]
+__all__ = ["ArrayInfo", "Buffer", "Launch", "LaunchEvent", "Program", "contiguous_strides", "execute",
+           "kernel_name", "observe_launches", "triton_launch"]
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -325,27 +324,3 @@ def execute(program: Program, arrays: Mapping[str, Any], *, adapter: str,
                 for name, value in zip(step.outputs, outputs):
                     env[name] = value
     return tuple(env[name] for name in program.results)
-
-
-def labelled(plan, arrays: Mapping[str, Any]) -> tuple[dict, Callable[[Mapping], dict]]:
-    """``arrays`` keyed by the names the plan's errors use, and the map back.
-
-    A plan may label its arguments (``plan.labels``: the step's
-    ``key_cache`` is ``"state.key_cache"``), so that an adapter's type and
-    device errors name them as the caller wrote them.
-    """
-    labels = getattr(plan, "labels", None)
-    if not labels:  # every stage's plan: nothing to rename (the torch hot path)
-        return arrays, lambda by_label: by_label
-    named = {labels.get(name, name): value for name, value in arrays.items()}
-    return named, lambda by_label: {name: by_label[labels.get(name, name)] for name in arrays}
-
-
-def split_arguments(plan, arguments: Mapping[str, Any]) -> tuple[dict, dict]:
-    """A public call's arguments, by name, as ``(arrays, options)`` for ``plan``."""
-    arrays = {name: arguments.get(name) for name in plan.array_arguments}  # absent: None (optional arrays)
-    options = {name: value for name, value in arguments.items() if name not in arrays}
-    return arrays, options
-
-
-from .memo import cached_plan, clear_plan_caches  # noqa: E402,F401  (moved to memo.py; imports keep working)

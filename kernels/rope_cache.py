@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .launch import ArrayInfo, Buffer, Launch, Program
-from .memo import cached_plan
+from .stage import stage
 from .tuning import RopeCacheTuning
 from .validate import BOOL, FLOAT_DTYPES, FP8_DTYPE, Checker
 
@@ -334,7 +334,12 @@ def _cache_geometry(check: Checker, key: ArrayInfo, value: ArrayInfo, kh: int, d
     return layout, page, pages, key_terms, value_terms
 
 
-@cached_plan(options=dict(is_neox=BOOL, return_zeros=BOOL))
+@stage(
+    arrays=("q", "k", "v", "key_cache", "value_cache", "slot_mapping", "positions", "cos_sin",
+            "k_scale", "v_scale", "offsets", "swa_slot_mapping"),
+    options=dict(is_neox=BOOL, return_zeros=BOOL),
+    doc=DOC, returns="tuple[Array, ...]", updates=("key_cache", "value_cache"),
+    tuning=dict(tuning="rope_cache"))
 def plan_rope_reshape_and_cache(
     q: ArrayInfo, k: ArrayInfo, v: ArrayInfo,
     key_cache: ArrayInfo, value_cache: ArrayInfo,
@@ -434,3 +439,4 @@ def plan_rope_reshape_and_cache(
     )
     results = ("q_out", "k_out", "key_cache", "value_cache") + (("zeros",) if return_zeros else ())
     return Program(FUNCTION, (q_out, k_out, zeros), (launch,), results)
+

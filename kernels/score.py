@@ -19,7 +19,7 @@ import triton.language as tl
 from . import runtime
 from .fp8 import bit_trick, in_registers, widen_e4m3
 from .launch import ArrayInfo, Buffer, Launch, Program
-from .memo import cached_plan
+from .stage import stage
 from .rows import count_visible_blocks, row_request
 from .tuning import SelectTuning
 from .validate import FINITE_POSITIVE_NUMBER, FLOAT_DTYPES, FP8_DTYPE, NONNEGATIVE_INT, POSITIVE_INT, Checker
@@ -327,8 +327,12 @@ def score_launches(q, k_cache, page_table, compress_ratio, num_columns, score_di
     ) for first, count in row_ranges]
 
 
-@cached_plan(options=dict(SCORING_OPTIONS, num_columns=NONNEGATIVE_INT.or_none(),
-                          score_divisor=FINITE_POSITIVE_NUMBER.or_none()))
+@stage(
+    arrays=("q", "k_cache", "page_table", "token_to_req", "query_positions", "sequence_lengths",
+            "k_scale"),
+    options=dict(SCORING_OPTIONS, num_columns=NONNEGATIVE_INT.or_none(),
+                          score_divisor=FINITE_POSITIVE_NUMBER.or_none()),
+    doc=SCORES_DOC, returns="tuple[Array, Array]", tuning=dict(tuning="select"))
 def plan_mqa_paged_scores(q: ArrayInfo, k_cache: ArrayInfo, page_table: ArrayInfo,
                           token_to_req: ArrayInfo, query_positions: ArrayInfo,
                           sequence_lengths: ArrayInfo, compress_ratio: int, num_columns: int | None = None,
@@ -351,3 +355,4 @@ def plan_mqa_paged_scores(q: ArrayInfo, k_cache: ArrayInfo, page_table: ArrayInf
     launches = score_launches(q, k_cache, page_table, compress_ratio, num_columns, score_divisor,
                               [(0, rows)], logits.info.strides[0], fp8_keys, tuning)
     return Program("mqa_paged_scores", (logits, visible), tuple(launches), ("logits", "visible_blocks"))
+

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .expand import EXPAND_OPTIONS, check_token_topk, expand_launches, expand_row_tile, expand_tiling
 from .launch import ArrayInfo, Buffer, Launch, Program
-from .memo import cached_plan
+from .stage import stage
 from .rows import count_visible_blocks, row_request
 from .score import (SCALE_DOC, SCORES_DOC_ARGS, SCORING_OPTIONS, check_key_scale, check_scoring, exact_dot,
                     score_launches, score_row_tile, score_tiling, scorer_arguments)
@@ -152,7 +152,11 @@ def select_fused_kernel(
 
 
 
-@cached_plan(options=dict(SCORING_OPTIONS, **EXPAND_OPTIONS))
+@stage(
+    arrays=("q", "k_cache", "page_table", "token_to_req", "query_positions", "sequence_lengths",
+            "k_scale"),
+    options=dict(SCORING_OPTIONS, **EXPAND_OPTIONS),
+    doc=SELECT_DOC, returns="Array", tuning=dict(tuning="select", topk_tuning="topk"))
 def plan_select_paged_tokens(q: ArrayInfo, k_cache: ArrayInfo, page_table: ArrayInfo,
                              token_to_req: ArrayInfo, query_positions: ArrayInfo,
                              sequence_lengths: ArrayInfo, token_topk: int, compress_ratio: int, *,
@@ -196,6 +200,7 @@ def plan_select_paged_tokens(q: ArrayInfo, k_cache: ArrayInfo, page_table: Array
     buffers = (out, logits, Buffer("visible_blocks", (chunk,), "int32"),
                Buffer("blocks", (chunk, block_topk), "int32")) + topk_buffers
     return Program("select_paged_tokens", buffers, tuple(launches), ("out",))
+
 
 
 #: The fused launch's slices stay at most 2048 columns wide (more of them

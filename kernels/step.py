@@ -40,10 +40,11 @@ import numpy as np
 
 from .attention import plan_sparse_paged_attention
 from .compress import plan_compress_groups, plan_compress_rotate_store, plan_store_cache_rows
-from .launch import ArrayInfo, Buffer, Launch, Program, cached_plan
+from .launch import ArrayInfo, Buffer, Launch, Program
 from .paging import METADATA_FIELDS, STATE_FIELDS
 from .rope_cache import plan_rope_reshape_and_cache
 from .select import plan_select_paged_tokens
+from .stage import Stage, stage
 from .tuning import StepTuning
 from .validate import BOOL, FINITE_NUMBER, FP8_DTYPE, POSITIVE_INT, Checker
 
@@ -266,7 +267,7 @@ class _Composer:
         finally:
             self.checking_only = False
 
-    def stage(self, tag: str, plan, bindings: dict[str, str], options: dict, *,
+    def stage(self, tag: str, stage: Stage, bindings: dict[str, str], options: dict, *,
               infos: dict[str, ArrayInfo] | None = None, labels: dict[str, str] | None = None,
               scalars: dict[str, int] | None = None) -> dict[str, str]:
         """Plan one stage; returns its results' names in the composed program.
@@ -279,13 +280,13 @@ class _Composer:
         infos = infos or {}
         arrays = {arg: infos.get(arg, self.infos[name]) for arg, name in bindings.items()}
         try:
-            program = plan(**arrays, **options)
+            program = stage.plan(**arrays, **options)
         except (ValueError, TypeError) as error:
-            if not str(error).startswith(f"{plan.function}: "):
+            if not str(error).startswith(f"{stage.name}: "):
                 raise
             names = {arg: (labels or {}).get(arg, LABELS.get(name, name)) for arg, name in bindings.items()}
             names.update({option: option for option in options})
-            raise type(error)(_relabel(str(error), plan.function, names)) from None
+            raise type(error)(_relabel(str(error), stage.name, names)) from None
         renamed = dict(bindings)
         for buffer in program.buffers:
             renamed[buffer.name] = f"{tag}.{buffer.name}"
@@ -323,7 +324,7 @@ def _relabel(message: str, function: str, names: dict[str, str]) -> str:
 def _check_step(check: Checker, arrays: dict[str, ArrayInfo | None], compress_ratio, token_topk,
                 return_token_indices) -> None:
     """The step's own checks: what no single stage can see."""
-    # compress_ratio, token_topk and return_token_indices are typed by cached_plan.
+    # compress_ratio, token_topk and return_token_indices are typed by the stage's memo.
     if token_topk % compress_ratio:
         check.fail("token_topk", f"must be a multiple of compress_ratio = {compress_ratio}", token_topk)
     positions = arrays["positions"]
@@ -374,8 +375,12 @@ def _check_compressed_table_width(check: Checker, arrays: dict[str, ArrayInfo], 
                    f"in compressed pages of {compressed_page}", f"shape {compressed_table.shape}")
 
 
-@cached_plan(options=dict(compress_ratio=POSITIVE_INT, token_topk=POSITIVE_INT, is_neox=BOOL,
-                          softmax_scale=FINITE_NUMBER.or_none(), return_token_indices=BOOL))
+@stage(
+    arrays=STEP_ARRAYS + SCALE_FIELDS,
+    options=dict(compress_ratio=POSITIVE_INT, token_topk=POSITIVE_INT, is_neox=BOOL,
+                 softmax_scale=FINITE_NUMBER.or_none(), return_token_indices=BOOL),
+    doc=STEP_DOC, returns="tuple[Array, QSAState] | tuple[Array, QSAState, Array]", updates=STATE_FIELDS,
+    tuning=dict(tuning="step"), labels=LABELS)
 def plan_qsa_attention_step(
     q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, index_q: ArrayInfo, index_k: ArrayInfo,
     key_cache: ArrayInfo, value_cache: ArrayInfo, compressor_state_cache: ArrayInfo,
@@ -555,5 +560,3 @@ def _type_name(cls: type) -> str:
     package = cls.__module__.split(".")[0]
     return cls.__name__ if package == "builtins" else f"{package}.{cls.__name__}"
 
-
-plan_qsa_attention_step.labels = LABELS

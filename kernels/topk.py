@@ -101,7 +101,7 @@ import triton
 import triton.language as tl
 
 from .launch import ArrayInfo, Buffer, Launch, Program
-from .memo import cached_plan
+from .stage import stage
 from .tuning import TopkTuning
 from .validate import FLOAT_DTYPES, NONNEGATIVE_INT, Checker
 
@@ -1122,7 +1122,10 @@ def _sliced_parts(rows, columns, k, logits_stride, row_counts, logits, visible, 
     return buffers, tuple(launches)
 
 
-@cached_plan(options=dict(k=NONNEGATIVE_INT))
+@stage(
+    arrays=("logits", "visible_blocks"),
+    options=dict(k=NONNEGATIVE_INT),
+    doc=TOPK_DOC, returns="Array", tuning=dict(tuning="topk"))
 def plan_topk_blocks(logits: ArrayInfo, visible_blocks: ArrayInfo, k: int, *,
                      tuning: TopkTuning | None = None) -> Program:
     """Validate ``topk_blocks`` arguments and describe its launches (see docs/api.md)."""
@@ -1134,3 +1137,4 @@ def plan_topk_blocks(logits: ArrayInfo, visible_blocks: ArrayInfo, k: int, *,
     buffers, launches = topk_parts(rows, columns, k, logits.strides[0], [rows],
                                    "logits", "visible_blocks", "out", tuning)
     return Program("topk_blocks", (out,) + buffers, launches, ("out",))
+

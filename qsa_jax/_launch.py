@@ -13,17 +13,23 @@ naming the public function, not an internal error.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+if TYPE_CHECKING:  # the annotations' array types (the same names in both adapters)
+    from jax import Array
+    from jax.typing import ArrayLike
+
 from qsa_kernels import runtime
-from qsa_kernels.launch import ArrayInfo, Buffer, Program, execute, labelled, split_arguments, triton_launch
+from qsa_kernels.launch import ArrayInfo, Buffer, Program, execute, triton_launch
+from qsa_kernels.stage import RUN_PROGRAM_DOC, Stage, make_public
 from qsa_kernels.validate import check_host_indices_fit_int32, device_error, type_error
 
 from . import _sharding
@@ -199,11 +205,31 @@ def run(program: Program, arrays: Mapping[str, jax.Array | None]) -> tuple[jax.A
     return guarded(*values)
 
 
-def call(plan, arguments: Mapping[str, object]):
-    """Run the public function ``plan`` serves, given its arguments by name."""
-    arrays, options = split_arguments(plan, arguments)
-    named, back = labelled(plan, arrays)  # errors name the arguments as the caller wrote them
-    converted, infos = metadata(plan.function, named)
-    arrays, infos = back(converted), back(infos)
-    program = plan(**infos, **options)
+def _program(stage: Stage, arguments: Mapping[str, object]):
+    """The call's JAX arrays by name and its Program."""
+    arrays, options = stage.split(arguments)
+    named, back = stage.labelled(arrays)  # errors name the arguments as the caller wrote them
+    converted, infos = metadata(stage.name, named)
+    return back(converted), stage.plan(**back(infos), **options)
+
+
+def call(stage: Stage, arguments: Mapping[str, object]):
+    """Run the public function ``stage`` declares, given its arguments by name."""
+    arrays, program = _program(stage, arguments)
     return program.returned(run(program, arrays))
+
+
+def plan(stage: Stage, arguments: Mapping[str, object]) -> Program:
+    """The Program a call with these arguments runs (validated, memoised; nothing launched)."""
+    return _program(stage, arguments)[1]
+
+
+#: ``public(stage)``: the stage's public function for jax (with its ``.plan``).
+public = functools.partial(make_public, call=call, plan=plan, framework="jax", module="qsa_jax")
+
+
+def run_program(program: Program, arrays: Mapping[str, ArrayLike | None]) -> tuple[Array, ...]:
+    return run(program, arrays)
+
+
+run_program.__doc__ = RUN_PROGRAM_DOC

@@ -13,10 +13,19 @@ implementation that never launches.  Plain eager calls skip the dispatcher.
 from qsa_kernels import runtime as _runtime  # noqa: F401  (chooses compiled/interpreted first)
 from qsa_kernels import __version__  # noqa: F401  (one version for the three packages)
 
-from ._attention import sparse_paged_attention
-from ._compress import compress_groups, store_cache_rows
-from ._rope_cache import rope_reshape_and_cache
-from ._select import expand_block_indices, mqa_paged_scores, select_paged_tokens, topk_blocks
+from qsa_kernels import api as _api
+
+from ._launch import public as _public, run_program  # noqa: F401  (the benchmarking seam: docs/api.md)
+
+# The public functions, generated from their stages' declarations (qsa_kernels.api).
+rope_reshape_and_cache = _public(_api.plan_rope_reshape_and_cache)
+compress_groups = _public(_api.plan_compress_groups)
+store_cache_rows = _public(_api.plan_store_cache_rows)
+mqa_paged_scores = _public(_api.plan_mqa_paged_scores)
+topk_blocks = _public(_api.plan_topk_blocks)
+expand_block_indices = _public(_api.plan_expand_block_indices)
+select_paged_tokens = _public(_api.plan_select_paged_tokens)
+sparse_paged_attention = _public(_api.plan_sparse_paged_attention)
 from ._step import QSAState, StepMetadata, qsa_attention_step
 
 __all__ = [

@@ -1,6 +1,7 @@
 """Binds qsa_kernels programs to torch tensors: the eager executor and the torch custom ops.
 
-Every public function is ``_launch.call(plan, arguments_by_name)``.  A call
+Every public function is generated from its stage's declaration
+(:func:`public`) and runs ``call(stage, arguments_by_name)``.  A call
 runs one of two ways, with the same plan, the same executor
 (:func:`qsa_kernels.launch.execute`) and the same results:
 
@@ -42,14 +43,17 @@ from __future__ import annotations
 
 import functools
 import inspect
-import sys
 import threading
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 
+if TYPE_CHECKING:  # the annotations' array types (the same names in both adapters)
+    from torch import Tensor as Array, Tensor as ArrayLike
+
 from qsa_kernels import runtime
-from qsa_kernels.launch import ArrayInfo, Buffer, Launch, Program, execute, labelled, split_arguments
+from qsa_kernels.launch import ArrayInfo, Buffer, Launch, Program, execute
+from qsa_kernels.stage import RUN_PROGRAM_DOC, Stage, make_public, stage_named
 from qsa_kernels.validate import device_error, type_error
 
 from . import _fast_launch
@@ -211,32 +215,17 @@ def _no_mode() -> bool:
 # Custom ops
 # --------------------------------------------------------------------------
 
-_OPS: dict[tuple, object] = {}  # (plan, updated arguments, fresh results) -> OpOverload
+_OPS: dict[tuple, object] = {}  # (stage, updated arguments, fresh results) -> OpOverload
 _OPS_LOCK = threading.Lock()  # two threads must not register one op twice
 
 
-@functools.lru_cache(maxsize=None)
-def _parameters(plan) -> tuple[inspect.Parameter, ...]:
-    """The plan's arrays and options, in its order: the op's schema arguments.
-
-    A plan that declares its options (``plan.options``) may take other
-    parameters (tuning) that calls leave to their defaults: they stay out of
-    the schema.
-    """
-    parameters = inspect.signature(getattr(plan, "__wrapped__", plan)).parameters.values()
-    declared = getattr(plan, "options", None)
-    return tuple(p for p in parameters
-                 if declared is None or p.name in plan.array_arguments or p.name in declared)
-
-
-def _schema(plan, updated: tuple[str, ...], fresh: int) -> str:
+def _schema(stage: Stage, updated: tuple[str, ...], fresh: int) -> str:
     arguments = []
-    for parameter in _parameters(plan):
+    for parameter in stage.parameters:
         name, default = parameter.name, parameter.default
-        if name in plan.array_arguments:
+        if name in stage.arrays:
             alias = f"(a{updated.index(name)}!)" if name in updated else ""
-            optional = default is None or "None" in str(parameter.annotation)
-            kind = f"Tensor{alias}" + ("?" if optional else "")
+            kind = f"Tensor{alias}" + ("?" if name in stage.optional_arrays else "")
         else:
             kind = "Scalar?"
         if default is not inspect.Parameter.empty:
@@ -252,37 +241,36 @@ def _op_name(function: str, updated: tuple[str, ...], fresh: int) -> str:
     return f"{name}__returns_{fresh}"
 
 
-def _bind(plan, values: tuple, keywords: dict) -> tuple[dict, dict]:
-    """An op's values (the dispatcher passes defaulted ones by keyword) as the plan's ``(arrays, options)``."""
-    parameters = _parameters(plan)
+def _bind(stage: Stage, values: tuple, keywords: dict) -> tuple[dict, dict]:
+    """An op's values (the dispatcher passes defaulted ones by keyword) as the stage's ``(arrays, options)``."""
+    parameters = stage.parameters
     arguments = {parameter.name: value for parameter, value in zip(parameters, values)}
     for parameter in parameters[len(values):]:
         arguments[parameter.name] = keywords.get(parameter.name, parameter.default)
-    return split_arguments(plan, arguments)
+    return stage.split(arguments)
 
 
-def _make_op(plan, updated: tuple[str, ...], fresh: int):
-    function = plan.function
-    name = _op_name(function, updated, fresh)
+def _make_op(stage: Stage, updated: tuple[str, ...], fresh: int):
+    name = _op_name(stage.name, updated, fresh)
 
     def implementation(*values, **keywords):
-        arrays, options = _bind(plan, values, keywords)
-        program = plan(**_infos(plan, arrays)[0], **options)
+        arrays, options = _bind(stage, values, keywords)
+        program = stage.plan(**_infos(stage, arrays)[0], **options)
         device = next(value.device for value in arrays.values() if value is not None)
         results = dict(zip(program.results, run(program, arrays, device)))
         return _returns(tuple(results[n] for n in program.fresh_results))
 
     def fake(*values, **keywords):
         # Never launches: the plan validates and sizes the fresh results.
-        arrays, options = _bind(plan, values, keywords)
-        program = plan(**_infos(plan, arrays, _static_info)[0], **options)
+        arrays, options = _bind(stage, values, keywords)
+        program = stage.plan(**_infos(stage, arrays, _static_info)[0], **options)
         device = next(value.device for value in arrays.values() if value is not None)
         buffers = {b.name: b for b in program.buffers}
         return _returns(tuple(torch.empty(buffers[n].shape, dtype=DTYPES[buffers[n].dtype], device=device)
                               for n in program.fresh_results))
 
     op = torch.library.custom_op(f"{NAMESPACE}::{name}", implementation, mutates_args=updated,
-                                 schema=_schema(plan, updated, fresh))
+                                 schema=_schema(stage, updated, fresh))
     op.register_fake(fake)
     return getattr(getattr(torch.ops, NAMESPACE), name).default
 
@@ -291,44 +279,43 @@ def _returns(fresh: tuple):
     return None if not fresh else fresh[0] if len(fresh) == 1 else fresh
 
 
-def op_for(plan, program: Program):
-    """The custom op that runs ``program``'s kind of call of ``plan`` (made on first use)."""
-    key = (plan, program.updated_arguments, len(program.fresh_results))
+def op_for(stage: Stage, program: Program):
+    """The custom op that runs ``program``'s kind of call of ``stage`` (made on first use)."""
+    key = (stage, program.updated_arguments, len(program.fresh_results))
     op = _OPS.get(key)
     if op is None:
         with _OPS_LOCK:
             op = _OPS.get(key)
             if op is None:
-                op = _OPS[key] = _make_op(plan, *key[1:])
+                op = _OPS[key] = _make_op(stage, *key[1:])
     return op
 
 
-def op_arguments(plan, arguments: Mapping[str, object]) -> tuple:
-    """The op's positional values for a call's arguments (plan defaults for the rest)."""
-    return tuple(arguments.get(p.name, p.default) for p in _parameters(plan))
+def op_arguments(stage: Stage, arguments: Mapping[str, object]) -> tuple:
+    """The op's positional values for a call's arguments (defaults for the rest)."""
+    return tuple(arguments.get(p.name, p.default) for p in stage.parameters)
 
 
 # --------------------------------------------------------------------------
-# The public functions' entry point
+# The public functions
 # --------------------------------------------------------------------------
 
-def _infos(plan, arrays: Mapping[str, object], read=info):
-    """:func:`_read` under the names the plan's errors use (``plan.labels``: the step's "state.key_cache")."""
-    named, back = labelled(plan, arrays)
-    infos, first, plain = _read(plan.function, named, read)
+def _infos(stage: Stage, arrays: Mapping[str, object], read=info):
+    """:func:`_read` under the names the stage's errors use (the step's "state.key_cache")."""
+    named, back = stage.labelled(arrays)
+    infos, first, plain = _read(stage.name, named, read)
     return back(infos), first, plain
 
 
-def _call(plan, arguments: Mapping[str, object]):
-    arrays, options = split_arguments(plan, arguments)
-    function = plan.function
-    infos, first, plain = _infos(plan, arrays)
-    program = plan(**infos, **options)
+def _call(stage: Stage, arguments: Mapping[str, object]):
+    arrays, options = stage.split(arguments)
+    infos, first, plain = _infos(stage, arrays)
+    program = stage.plan(**infos, **options)
     if not _is_compiling():
-        _check_updates(function, program, arrays)
+        _check_updates(stage.name, program, arrays)
         if plain and _no_mode():
             return program.returned(run(program, arrays, first.device))
-    fresh = op_for(plan, program)(*op_arguments(plan, arguments))
+    fresh = op_for(stage, program)(*op_arguments(stage, arguments))
     fresh = () if fresh is None else (fresh,) if isinstance(fresh, torch.Tensor) else tuple(fresh)
     made = dict(zip(program.fresh_results, fresh))
     return program.returned(tuple(made[name] if name in made else arrays[name] for name in program.results))
@@ -355,19 +342,36 @@ _nonstrict_trace = getattr(torch._dynamo, "nonstrict_trace", lambda fn: fn)
 
 
 @_nonstrict_trace
-def _traced_call(module: str, name: str, names: tuple, given: dict):
+def _traced_call(stage_name: str, names: tuple, given: dict):
     # AOTAutograd runs this on fake/functional tensors: the plan runs in
     # Python and the op lands in the graph.
-    return _call(getattr(sys.modules[module], name), {n: _concrete(given.get(n)) for n in names})
+    return _call(stage_named(stage_name), {n: _concrete(given.get(n)) for n in names})
 
 
-def call(plan, arguments: Mapping[str, object]):
-    """Run the public function ``plan`` serves, given its arguments by name."""
+def call(stage: Stage, arguments: Mapping[str, object]):
+    """Run the public function ``stage`` declares, given its arguments by name."""
     if _is_compiling():
-        # Dynamo traces neither the plans nor attributes of their memo
-        # wrapper: hand the plan over by module and name.
-        # nonstrict_trace takes no None inputs: absent ones are put back inside.
-        fn = plan.__wrapped__
+        # Dynamo traces neither the plans nor the Stage object: hand the
+        # stage over by name.  nonstrict_trace takes no None inputs: absent
+        # ones are put back inside.
         given = {name: value for name, value in arguments.items() if value is not None}
-        return _traced_call(fn.__module__, fn.__name__, tuple(arguments), given)
-    return _call(plan, arguments)
+        return _traced_call(stage.name, tuple(arguments), given)
+    return _call(stage, arguments)
+
+
+def plan(stage: Stage, arguments: Mapping[str, object]) -> Program:
+    """The Program a call with these arguments runs (validated, memoised; nothing launched)."""
+    arrays, options = stage.split(arguments)
+    return stage.plan(**_infos(stage, arrays)[0], **options)
+
+
+#: ``public(stage)``: the stage's public function for torch (with its ``.plan``).
+public = functools.partial(make_public, call=call, plan=plan, framework="torch", module="qsa_torch")
+
+
+def run_program(program: Program, arrays: Mapping[str, ArrayLike | None]) -> tuple[Array, ...]:
+    first = next(value for value in arrays.values() if value is not None)
+    return run(program, arrays, first.device)
+
+
+run_program.__doc__ = RUN_PROGRAM_DOC

@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import qsa_torch
 from qsa_kernels import runtime
 from qsa_kernels.launch import observe_launches
+from qsa_kernels.stage import stage_named
 from qsa_torch import _launch
 
 from .util import DEVICE, assert_bitwise_equal
@@ -60,16 +61,10 @@ def as_tuple(out):
     return out if isinstance(out, tuple) else (out,)
 
 
-def plan_of(function):
-    module = sys.modules[function.__module__]
-    return getattr(module, "plan_" + function.__name__)
-
-
 def op_and_values(function, arguments):
-    plan = plan_of(function)
-    arrays, options = _launch.split_arguments(plan, arguments)
-    program = plan(**_launch.metadata(plan.function, arrays), **options)
-    return _launch.op_for(plan, program), _launch.op_arguments(plan, arguments), program
+    stage = stage_named(function.__name__)
+    program = function.plan(**arguments)
+    return _launch.op_for(stage, program), _launch.op_arguments(stage, arguments), program
 
 
 def assert_same_results(got, expected, got_arguments, expected_arguments, what):

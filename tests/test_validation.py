@@ -401,12 +401,16 @@ def test_compress_tuning_reaches_both_stage_2_plans():
 
 
 def test_plans_reject_undeclared_options():
-    """Every option of a plan has a declared kind (checked when the module is imported)."""
-    from qsa_kernels.memo import cached_plan
+    """Every parameter of a plan is declared an array, an option (with its kind) or tuning."""
+    from qsa_kernels.stage import stage
 
-    with pytest.raises(TypeError, match="option k has no declared kind"):
-        @cached_plan
+    with pytest.raises(TypeError, match=r"parameters \['k'\] of plan_example are declared neither"):
+        @stage(arrays=("logits",), options={})
         def plan_example(logits: ArrayInfo, k):
+            return None
+    with pytest.raises(TypeError, match=r"\['visible'\] in the declaration"):
+        @stage(arrays=("logits", "visible"), options={})
+        def plan_other(logits: ArrayInfo):
             return None
 
 

@@ -1,0 +1,327 @@
+"""One declaration per public function: its arrays, options, tuning, docstring and plan.
+
+A :class:`Stage` is everything the two adapters need to know of a public
+function, in one explicit object:
+
+* the **plan** (a pure function of array metadata and options returning a
+  :class:`~.launch.Program`); its Python signature is the public signature:
+  parameter order, keyword-only markers and defaults;
+* which parameters are **arrays** (``None`` allowed where the plan's default
+  is ``None``) and which of them a call may **update** in place;
+* each **option**'s kind (:class:`.validate.Option`: what it must be, its
+  canonical value);
+* the **tuning** parameters, each filled with a stage of
+  :func:`.tuning.current` unless passed;
+* the **docstring** (shared by both adapters: :mod:`.docs`) and the
+  annotation of what the function returns.
+
+Both adapters generate their public functions from it
+(:func:`make_function`: a real Python function with the public signature),
+and :meth:`Stage.plan` is the public planning seam: the memoised Program a
+call with those arrays' metadata and options runs.
+
+Memoisation.  Before the memo lookup every option is made canonical and
+typed (``k=3.0``, ``k=True`` and ``k=[3]`` are rejected on every call,
+``k=np.int32(3)`` shares ``k=3``'s plan: with plain argument equality
+``3 == 3.0 == True`` one call's plan would serve another's invalid
+arguments), ``None`` for a required array raises, and the tuning in force is
+part of the key, so acceptance never depends on earlier calls.  After a miss,
+checks common to every plan run once: every array has a contiguous last
+dimension, no array the program updates in place is an expanded view, and
+the program updates only arrays the stage declares updatable.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, Mapping
+
+from . import tuning as _tuning
+from .docs import framework_doc
+from .launch import ArrayInfo, Program
+from .validate import Checker, Option, missing_array_error
+
+__all__ = ["RUN_PROGRAM_DOC", "Stage", "clear_plan_caches", "make_function", "make_public", "stage", "stage_named"]
+
+_MISSING = object()
+_ARRAY, _OPTIONAL_ARRAY, _OPTION, _TUNING = "array", "optional array", "option", "tuning"
+_STAGES: dict[str, "Stage"] = {}
+_current_tuning = _tuning._CURRENT.get
+
+
+class Stage:
+    """The declaration of one public function (see the module docstring).
+
+    ``plan``: the plan function (named ``plan_<function>``); ``arrays``: its
+    array parameters; ``updates``: those a call may update in place;
+    ``options``: option name -> kind; ``tuning``: tuning parameter -> stage
+    name of :class:`.tuning.Tuning`; ``labels``: how errors name an array
+    (the step's ``key_cache`` is ``state.key_cache``); ``returns``: the
+    return annotation (``Array`` is the adapter's array type).  Every
+    parameter of ``plan`` is exactly one of arrays, options and tuning.
+    """
+
+    def __init__(self, plan: Callable[..., Program], *, arrays: tuple[str, ...], options: Mapping[str, Option],
+                 doc: str | None = None, returns: str = "Array", updates: tuple[str, ...] = (), tuning: Mapping[str, str] | None = None,
+                 labels: Mapping[str, str] | None = None):
+        self.name = plan.__name__.removeprefix("plan_")
+        self.doc = plan.__doc__ if doc is None else doc
+        self.returns = returns
+        self.labels = dict(labels or {})
+        self.options = dict(options)
+        self.updates = tuple(updates)
+        tuning = dict(tuning or {})
+        self._plan = plan
+        self._parameters = tuple(inspect.signature(plan).parameters.values())
+        names = [p.name for p in self._parameters]
+        declared = [*arrays, *self.options, *tuning]
+        undeclared = [name for name in names if name not in declared]
+        if undeclared:
+            raise TypeError(f"Stage {self.name}: parameters {undeclared} of {plan.__name__} are declared neither "
+                            "as arrays, options nor tuning (every option has a declared kind)")
+        unknown = sorted(set(declared) - set(names)) + sorted(set(self.updates) - set(arrays))
+        if unknown or len(declared) != len(set(declared)):
+            raise TypeError(f"Stage {self.name}: {unknown or 'duplicates'} in the declaration are not "
+                            f"{plan.__name__}'s arrays, options and tuning (once each)")
+        for name, stage in tuning.items():
+            if stage not in _tuning.STAGES:
+                raise TypeError(f"Stage {self.name}: tuning parameter {name} names no tuning stage {stage!r}")
+        # One (name, action, payload, default) per plan parameter, in signature order.
+        self._spec = []
+        for p in self._parameters:
+            default = _MISSING if p.default is inspect.Parameter.empty else p.default
+            if p.name in tuning:
+                self._spec.append((p.name, _TUNING, tuning[p.name], None))
+            elif p.name in self.options:
+                self._spec.append((p.name, _OPTION, self.options[p.name], default))
+            else:
+                self._spec.append((p.name, _OPTIONAL_ARRAY if default is None else _ARRAY, None, default))
+        self._names = tuple(names)
+        self._known = frozenset(names)
+        self.arrays = tuple(p.name for p in self._parameters if p.name in arrays)
+        self.optional_arrays = frozenset(name for name, action, _, _ in self._spec if action is _OPTIONAL_ARRAY)
+        #: The public parameters (arrays and options, not tuning), in signature order.
+        self.parameters = tuple(p for p in self._parameters if p.name not in tuning)
+        self._memo()
+        _STAGES[self.name] = self
+
+    def __repr__(self) -> str:
+        return f"<Stage {self.name}>"
+
+    def __call__(self, *args, **kwargs) -> Program:
+        """:meth:`plan`: a stage is called as the plan function it declares."""
+        return self.plan(*args, **kwargs)
+
+    # -- the planning seam ---------------------------------------------------
+
+    def plan(self, *args, **kwargs) -> Program:
+        """The Program a call runs, from its arrays' :class:`ArrayInfo` and its options (memoised).
+
+        Arguments as the public function takes them (arrays as ArrayInfos,
+        ``None`` for absent optional ones); tuning parameters, if given,
+        replace the current tuning's stage.  Raises the public function's
+        errors for invalid arguments (never cached).
+        """
+        current = _current_tuning()
+        try:
+            if current is _tuning.DEFAULT:
+                return self._seen_by_default(*args, **kwargs)
+            return self._seen_overridden(*args, _tuning_in_force=current, **kwargs)
+        except TypeError as error:
+            if "unhashable" not in str(error):
+                raise
+        return self._checked(current, args, dict(kwargs))
+
+    def label(self, name: str) -> str:
+        """How errors name the array ``name``."""
+        return self.labels.get(name, name)
+
+    def labelled(self, arrays: Mapping[str, Any]) -> tuple[dict, Callable[[Mapping], dict]]:
+        """``arrays`` keyed by the names errors use (:attr:`labels`), and the map back.
+
+        So an adapter's type and device errors name the arrays as the caller
+        wrote them (the step's ``state.key_cache``).
+        """
+        labels = self.labels
+        if not labels:  # every stage but the step: nothing to rename (the torch hot path)
+            return arrays, _same
+        named = {labels.get(name, name): value for name, value in arrays.items()}
+        return named, lambda by_label: {name: by_label[labels.get(name, name)] for name in arrays}
+
+    def split(self, arguments: Mapping[str, Any]) -> tuple[dict, dict]:
+        """A call's arguments, by name, as ``(arrays, options)`` (absent arrays: ``None``)."""
+        arrays = {name: arguments.get(name) for name in self.arrays}
+        options = {name: value for name, value in arguments.items() if name not in arrays}
+        return arrays, options
+
+    def cache_clear(self) -> None:
+        self._seen_by_default.cache_clear()
+        self._seen_overridden.cache_clear()
+        self._build.cache_clear()
+
+    def cache_info(self):
+        return self._build.cache_info()
+
+    # -- the public signature ------------------------------------------------
+
+    def signature(self) -> inspect.Signature:
+        """The public function's signature; annotations as strings (``ArrayLike``, ``Array``: the adapter's types)."""
+        parameters = []
+        for p in self.parameters:
+            if p.name in self.options:
+                kind = self.options[p.name]
+                annotation = kind.canonical_type.__name__ + (" | None" if kind.optional else "")
+            else:
+                annotation = "ArrayLike | None" if p.name in self.optional_arrays else "ArrayLike"
+            parameters.append(p.replace(annotation=annotation))
+        return inspect.Signature(parameters, return_annotation=self.returns)
+
+    # -- memo ----------------------------------------------------------------
+
+    def _memo(self) -> None:
+        function = self.name
+
+        @functools.lru_cache(maxsize=4096)
+        def build(*values):
+            arguments = dict(zip(self._names, values))
+            program = self._plan(**arguments)
+            check = Checker(function)
+            for name in self.arrays:
+                if arguments[name] is not None:
+                    check.last_dim_contiguous(name, arguments[name])
+            for name in program.updated_arguments:
+                if name not in self.updates:
+                    raise AssertionError(f"{function}: the program updates {name!r}, which the stage does not "
+                                         f"declare updatable ({self.updates})")
+                if arguments[name] is not None:
+                    check.not_expanded(name, arguments[name])
+            return program
+
+        # Calls seen before, keyed by the values as given *and their types*
+        # (typed=True: 3, 3.0 and True never share an entry) and by the tuning
+        # in force (calls under the default tuning, nearly all, have a cache of
+        # their own).  A hit skips the canonicalisation of ``_checked``;
+        # unhashable values (lists, tracers) always take the checked path,
+        # which rejects them.
+        @functools.lru_cache(maxsize=4096, typed=True)
+        def seen_by_default(*args, **kwargs):
+            return self._checked(_tuning.DEFAULT, args, kwargs)
+
+        @functools.lru_cache(maxsize=4096, typed=True)
+        def seen_overridden(*args, _tuning_in_force, **kwargs):
+            return self._checked(_tuning_in_force, args, kwargs)
+
+        self._build, self._seen_by_default, self._seen_overridden = build, seen_by_default, seen_overridden
+
+    def _checked(self, current, args, kwargs) -> Program:
+        plan_name = self._plan.__name__
+        if args:
+            if len(args) > len(self._names):
+                raise TypeError(f"{plan_name}() takes {len(self._names)} arguments, got {len(args)}")
+            for name in self._names[:len(args)]:
+                if name in kwargs:
+                    raise TypeError(f"{plan_name}() got multiple values for argument {name!r}")
+            kwargs.update(zip(self._names, args))
+        if not kwargs.keys() <= self._known:
+            raise TypeError(f"{plan_name}() got unexpected arguments {sorted(kwargs.keys() - self._known)}")
+        values = []
+        for name, action, payload, default in self._spec:
+            value = kwargs.get(name, default)
+            if value is _MISSING:
+                raise TypeError(f"{plan_name}() missing required argument {name!r}")
+            if action is _OPTION:
+                value = payload.canonical(self.name, name, value)
+            elif action is _ARRAY:
+                if value is None:
+                    raise missing_array_error(self.name, self.label(name))
+            elif action is _TUNING and value is None:
+                value = getattr(current, payload)
+            values.append(value)
+        return self._build(*values)
+
+
+def stage(**declaration) -> Callable[[Callable[..., Program]], Stage]:
+    """Declare the decorated plan function's :class:`Stage` (keywords: :class:`Stage`'s).
+
+    ``@stage(arrays=..., options=..., doc=...)`` on ``def plan_<function>``
+    binds that name to the Stage, which is called as the memoised plan.
+    """
+    return lambda plan: Stage(plan, **declaration)
+
+
+def _same(arrays):
+    return arrays
+
+
+def stage_named(name: str) -> Stage:
+    """The declared stage of public function ``name`` (the torch compile path hands stages over by name)."""
+    return _STAGES[name]
+
+
+def clear_plan_caches() -> None:
+    """Forget every memoised plan (frees memory; never needed for correctness)."""
+    for stage in _STAGES.values():
+        stage.cache_clear()
+
+
+RUN_PROGRAM_DOC = """Run a Program over arrays by name; its results, in ``program.results`` order.
+
+For benchmarks and tests that sweep what a call plans: take a call's
+Program from ``function.plan(...)``, change it (``dataclasses.replace`` of a
+launch's warps, say) and run it here.  Launches as a call does (torch: on
+the tensors' device and current stream).
+"""
+
+
+def make_function(stage: Stage, call: Callable[[Stage, dict], Any], *, framework: str, module: str):
+    """A function with ``stage``'s public signature that returns ``call(stage, arguments_by_name)``.
+
+    Generated as real Python source (a ``def`` with the public parameters),
+    so that calls bind arguments as any function does, at no cost, with
+    Python's own errors; ``inspect.signature``, ``help()`` and IDEs see the
+    parameters and annotations, and Dynamo traces it as plain code.
+    """
+    signature = stage.signature()
+    defaults = {}
+    parameters, names, keyword_only_started = [], [], False
+    for p in signature.parameters.values():
+        if p.kind is p.KEYWORD_ONLY and not keyword_only_started:
+            parameters.append("*")
+            keyword_only_started = True
+        if p.default is p.empty:
+            parameters.append(p.name)
+        else:
+            defaults[f"_default_{p.name}"] = p.default
+            parameters.append(f"{p.name}=_default_{p.name}")
+        names.append(p.name)
+    arguments = "{" + ", ".join(f"{name!r}: {name}" for name in names) + "}"
+    source = f"def {stage.name}({', '.join(parameters)}):\n    return _call(_stage, {arguments})\n"
+    namespace = dict(defaults, _call=call, _stage=stage)
+    exec(compile(source, f"<qsa {framework} {stage.name}>", "exec"), namespace)  # noqa: S102
+    function = namespace[stage.name]
+    function.__module__ = module
+    function.__qualname__ = stage.name
+    function.__doc__ = framework_doc(stage.doc, framework)
+    function.__annotations__ = {
+        **{p.name: p.annotation for p in signature.parameters.values() if p.annotation is not p.empty},
+        "return": signature.return_annotation}
+    return function
+
+
+def make_public(stage: Stage, *, call: Callable[[Stage, dict], Any], plan: Callable[[Stage, dict], Program],
+                framework: str, module: str):
+    """``stage``'s public function for one adapter, and its planning seam ``function.plan``.
+
+    ``call(stage, arguments)`` runs a call; ``plan(stage, arguments)``
+    returns the Program it would run.  ``function.plan`` takes the same
+    arguments as ``function`` (so tests and benchmarks see exactly what a
+    call plans, arrays included) and launches nothing.
+    """
+    function = make_function(stage, call, framework=framework, module=module)
+    function.plan = make_function(stage, plan, framework=framework, module=module)
+    function.plan.__qualname__ = f"{stage.name}.plan"
+    function.plan.__doc__ = (f"The Program ``{stage.name}`` runs for these arguments (validated and memoised "
+                             "as a call's; nothing is launched).")
+    function.plan.__annotations__["return"] = "Program"
+    return function
