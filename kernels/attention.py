@@ -397,10 +397,11 @@ def sparse_attention_fused_merge_kernel(
 def _check_cache_dtypes(check: Checker, q, k_cache, v_cache, k_scale, v_scale) -> bool:
     """Both caches of q's dtype and no scales, or both fp8 e4m3 with both scales: whether fp8."""
     if k_cache.dtype not in (q.dtype, FP8_DTYPE):
-        check.fail("k_cache", f"must have q's dtype {q.dtype} or be {FP8_DTYPE}", k_cache.dtype)
+        check.fail("k_cache", f"must have {check.owner('q')} dtype {q.dtype} or be {FP8_DTYPE}", k_cache.dtype)
     fp8 = k_cache.dtype == FP8_DTYPE
     if v_cache.dtype != k_cache.dtype:
-        like = f"be {FP8_DTYPE} like k_cache" if fp8 else f"have q's dtype {q.dtype} like k_cache"
+        like = (f"be {FP8_DTYPE} like {check.name('k_cache')}" if fp8
+                else f"have {check.owner('q')} dtype {q.dtype} like {check.name('k_cache')}")
         check.fail("v_cache", f"must {like}", v_cache.dtype)
     for name, info in (("k_scale", k_scale), ("v_scale", v_scale)):
         if fp8 and info is None:
@@ -464,16 +465,16 @@ def plan_sparse_paged_attention(
     if d < 16:
         check.fail("q", "must have head dim D >= 16", d)
     if cache_d != d:
-        check.fail("k_cache", f"must have q's head dim D = {d}", f"shape {k_cache.shape}")
+        check.fail("k_cache", f"must have {check.owner('q')} head dim D = {d}", f"shape {k_cache.shape}")
     if v_cache.shape != k_cache.shape:
-        check.fail("v_cache", f"must have k_cache's shape {k_cache.shape}", f"shape {v_cache.shape}")
+        check.fail("v_cache", f"must have {check.owner('k_cache')} shape {k_cache.shape}", f"shape {v_cache.shape}")
     if kh < 1 or qh % kh:
-        check.fail("q", f"must have a number of heads QH divisible by k_cache's KH = {kh}", f"QH = {qh}")
+        check.fail("q", f"must have a number of heads QH divisible by {check.owner('k_cache')} KH = {kh}", f"QH = {qh}")
     if page < 1:
         check.fail("k_cache", "must have a page size P >= 1", f"shape {k_cache.shape}")
     check.index_array("token_indices", token_indices, 2, "[R, W]")
     if token_indices.shape[0] != rows:
-        check.fail("token_indices", f"must have R = {rows} rows like q", f"shape {token_indices.shape}")
+        check.fail("token_indices", f"must have R = {rows} rows like {check.name('q')}", f"shape {token_indices.shape}")
     check.index_array("block_table", block_table, 2, "[B, max_pages]")
     check.index_vector("token_to_req", token_to_req, rows, "R", like="q")
     scale = d ** -0.5 if softmax_scale is None else softmax_scale

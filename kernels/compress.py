@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .launch import ArrayInfo, Buffer, Launch, Program
 from .stage import stage
-from .rope_cache import _rope_cos_sin, _rope_pairs, _rope_query_heads, _rotate
+from .rope_cache import _rope_cos_sin, _rope_pairs, _rope_query_heads, _rotate, check_rope_rows
 from .tuning import CompressTuning, RopeCacheTuning
 from .validate import BOOL, FLOAT_DTYPES, FP8_DTYPE, INDEX_DTYPES, POSITIVE_INT, Checker
 
@@ -348,22 +348,12 @@ def compress_rotate_store_kernel(
                               q_sr, q_sh, qo_sr, qo_sh, IH, BLOCK_H, False)
 
 
-@stage(
-    arrays=("raw_keys", "raw_positions", "compressor_state_cache", "compressor_state_block_table",
-            "token_to_req", "query_start_loc", "logical_positions", "compressed_slots", "rope_cache"),
-    options=dict(compress_ratio=POSITIVE_INT),
-    doc=COMPRESS_GROUPS_DOC, returns="tuple[Array, Array]", updates=("rope_cache",),
-    tuning=dict(tuning="compress"))
-def plan_compress_groups(
-    raw_keys: ArrayInfo, raw_positions: ArrayInfo,
-    compressor_state_cache: ArrayInfo, compressor_state_block_table: ArrayInfo,
-    token_to_req: ArrayInfo, query_start_loc: ArrayInfo,
-    logical_positions: ArrayInfo, compressed_slots: ArrayInfo,
-    compress_ratio: int, rope_cache: ArrayInfo | None = None,
-    *, tuning: CompressTuning | None = None,
-) -> Program:
-    """Validate ``compress_groups`` arguments and describe its launch (see docs/api.md)."""
-    check = Checker("compress_groups")
+def check_compress_groups(check: Checker, raw_keys: ArrayInfo, raw_positions: ArrayInfo,
+                          compressor_state_cache: ArrayInfo, compressor_state_block_table: ArrayInfo,
+                          token_to_req: ArrayInfo, query_start_loc: ArrayInfo, logical_positions: ArrayInfo,
+                          compressed_slots: ArrayInfo, compress_ratio: int,
+                          rope_cache: ArrayInfo | None = None) -> tuple[int, int, int, int, int]:
+    """``compress_groups``' checks; returns ``(R, D, ring blocks, ring size, B)``."""
     check.array("raw_keys", raw_keys, 3, "[R, 1, D]", FLOAT_DTYPES)
     r, _, d = raw_keys.shape
     check.dim("raw_keys", raw_keys, 1, 1, "heads")
@@ -382,7 +372,7 @@ def plan_compress_groups(
     if ring < compress_ratio:
         check.fail("compressor_state_cache", f"must have a ring of at least compress_ratio = {compress_ratio} slots (dimension 1)", f"shape {cache.shape}")
     if cache_d != d:
-        check.fail("compressor_state_cache", f"must have raw_keys' head dim D = {d}", f"shape {cache.shape}")
+        check.fail("compressor_state_cache", f"must have {check.owner('raw_keys')} head dim D = {d}", f"shape {cache.shape}")
     check.same_dtype("compressor_state_cache", cache, "raw_keys", raw_keys)
     if r and not blocks:
         check.fail("compressor_state_cache", "must have at least one block when there are rows", f"shape {cache.shape}")
@@ -397,8 +387,30 @@ def plan_compress_groups(
         check.fail("compressor_state_block_table", f"must have at least B = {num_requests} rows and one column", f"shape {table.shape}")
 
     if rope_cache is not None:
-        check.shape("rope_cache", rope_cache, (blocks, ring, 1, 3), "[blocks, ring, 1, 3] like compressor_state_cache")
+        check.shape("rope_cache", rope_cache, (blocks, ring, 1, 3), f"[blocks, ring, 1, 3] like {check.name('compressor_state_cache')}")
         check.same_dtype("rope_cache", rope_cache, "raw_positions", raw_positions)
+    return r, d, blocks, ring, num_requests
+
+
+@stage(
+    arrays=("raw_keys", "raw_positions", "compressor_state_cache", "compressor_state_block_table",
+            "token_to_req", "query_start_loc", "logical_positions", "compressed_slots", "rope_cache"),
+    options=dict(compress_ratio=POSITIVE_INT),
+    doc=COMPRESS_GROUPS_DOC, returns="tuple[Array, Array]", updates=("rope_cache",),
+    tuning=dict(tuning="compress"))
+def plan_compress_groups(
+    raw_keys: ArrayInfo, raw_positions: ArrayInfo,
+    compressor_state_cache: ArrayInfo, compressor_state_block_table: ArrayInfo,
+    token_to_req: ArrayInfo, query_start_loc: ArrayInfo,
+    logical_positions: ArrayInfo, compressed_slots: ArrayInfo,
+    compress_ratio: int, rope_cache: ArrayInfo | None = None,
+    *, tuning: CompressTuning | None = None,
+) -> Program:
+    """Validate ``compress_groups`` arguments and describe its launch (see docs/api.md)."""
+    r, d, blocks, ring, num_requests = check_compress_groups(
+        Checker("compress_groups"), raw_keys, raw_positions, compressor_state_cache, compressor_state_block_table,
+        token_to_req, query_start_loc, logical_positions, compressed_slots, compress_ratio, rope_cache)
+    cache, table = compressor_state_cache, compressor_state_block_table
 
     pooled = Buffer("pooled", (r, 1, d), raw_keys.dtype)
     first_positions = Buffer("first_positions", (r, 3), raw_positions.dtype)
@@ -430,14 +442,9 @@ def plan_compress_groups(
 
 
 
-@stage(
-    arrays=("cache", "slot_mapping", "rows", "scale"),
-    options={},
-    doc=STORE_CACHE_ROWS_DOC, returns="Array", updates=("cache",), tuning=dict(tuning="compress"))
-def plan_store_cache_rows(cache: ArrayInfo, slot_mapping: ArrayInfo, rows: ArrayInfo, *,
-                          tuning: CompressTuning | None = None, scale: ArrayInfo | None = None) -> Program:
-    """Validate ``store_cache_rows`` arguments and describe its launch (see docs/api.md)."""
-    check = Checker("store_cache_rows")
+def check_store_cache_rows(check: Checker, cache: ArrayInfo, slot_mapping: ArrayInfo, rows: ArrayInfo,
+                           scale: ArrayInfo | None) -> None:
+    """``store_cache_rows``' checks (a composed plan passes a :meth:`~.validate.Checker.renamed` checker)."""
     check.rank("cache", cache, 4, "[pages, P, 1, W]")
     pages, page, _, width = cache.shape
     check.dim("cache", cache, 2, 1, "heads")
@@ -450,17 +457,30 @@ def plan_store_cache_rows(cache: ArrayInfo, slot_mapping: ArrayInfo, rows: Array
     if rows.ndim == 3:
         check.dim("rows", rows, 1, 1, "heads")
     if rows.shape[0] != r or rows.shape[-1] != width:
-        check.fail("rows", f"must have one row per slot_mapping entry (R = {r}) of cache's width W = {width}", f"shape {rows.shape}")
+        check.fail("rows", f"must have one row per {check.name('slot_mapping')} entry (R = {r}) of {check.owner('cache')} width W = {width}", f"shape {rows.shape}")
     if scale is not None:
         if cache.dtype != FP8_DTYPE:
-            check.fail("scale", f"must be None for a {cache.dtype} cache (a scale quantises rows into a {FP8_DTYPE} cache)",
+            check.fail("scale", f"must be None for a {cache.dtype} {check.name('cache')} (a scale quantises {check.name('rows')} "
+                       f"into a {FP8_DTYPE} {check.name('cache')})",
                        f"an array of shape {scale.shape}")
         check.scalar_array("scale", scale)
         check.dtype("rows", rows, FLOAT_DTYPES)
     else:
         if cache.dtype == FP8_DTYPE and rows.dtype in FLOAT_DTYPES:
-            check.fail("scale", f"must be given to store {rows.dtype} rows into a {FP8_DTYPE} cache", None)
+            check.fail("scale", f"must be given to store {rows.dtype} {check.name('rows')} into a {FP8_DTYPE} {check.name('cache')}", None)
         check.same_dtype("rows", rows, "cache", cache)
+
+
+@stage(
+    arrays=("cache", "slot_mapping", "rows", "scale"),
+    options={},
+    doc=STORE_CACHE_ROWS_DOC, returns="Array", updates=("cache",), tuning=dict(tuning="compress"))
+def plan_store_cache_rows(cache: ArrayInfo, slot_mapping: ArrayInfo, rows: ArrayInfo, *,
+                          tuning: CompressTuning | None = None, scale: ArrayInfo | None = None) -> Program:
+    """Validate ``store_cache_rows`` arguments and describe its launch (see docs/api.md)."""
+    check_store_cache_rows(Checker("store_cache_rows"), cache, slot_mapping, rows, scale)
+    pages, page, _, width = cache.shape
+    r = slot_mapping.shape[0]
 
     block_r, block_w, programs, num_warps = _row_tile(r, width, tuning)
     launch = Launch(
@@ -505,14 +525,27 @@ def plan_compress_rotate_store(
     ``compressor_state_cache``, ``compressed_key_cache`` (in place) and the
     rotated ``index_q``.
 
-    Not a public stage: the step validates every argument with those
-    stages' plans first.  One program pools every row, so the ring is read
+    Not a public stage; it makes the checks of the launches it stands for
+    (under the step's names), so the step's errors are the same either
+    way.  One program pools every row, so the ring is read
     before it is written whatever the slots (see ``_fuses_compression`` in
     kernels/step.py for when the step uses it).
     """
-    rows, _, d = raw_keys.shape
+    # The checks of the launches it stands for, naming their arguments as its own.
+    check = Checker("compress_rotate_store")
+    rows, d, blocks, ring_size, _ = check_compress_groups(
+        check, raw_keys, raw_positions, compressor_state_cache, compressor_state_block_table, token_to_req,
+        query_start_loc, logical_positions, compressed_slots, compress_ratio)
+    check_store_cache_rows(check.renamed(cache="compressor_state_cache", slot_mapping="compressor_state_slots",
+                                         rows="raw_keys"), compressor_state_cache, compressor_state_slots, raw_keys, None)
+    # compress_groups' results: the pooled keys, rotated at column 0 of first_positions.
+    pooled = ArrayInfo.contiguous(raw_keys.shape, raw_keys.dtype)
+    first_positions = ArrayInfo.contiguous((rows, 3), raw_positions.dtype)
+    check_rope_rows(check.renamed(x="raw_keys", positions="raw_positions"), pooled, first_positions, cos_sin)
+    check_store_cache_rows(check.renamed(cache="compressed_key_cache", slot_mapping="compressed_slots", rows="raw_keys"),
+                           compressed_key_cache, compressed_slots, pooled, scale)
+    check_rope_rows(check.renamed(x="index_q", positions="logical_positions"), index_q, logical_positions, cos_sin)
     ring = compressor_state_cache
-    blocks, ring_size = ring.shape[:2]
     pages, page = compressed_key_cache.shape[:2]
     heads = index_q.shape[1]
     block_h = min(triton.next_power_of_2(heads), max(1, tuning.tile_elements // d))

@@ -21,7 +21,7 @@ import triton.language as tl
 from .launch import ArrayInfo, Buffer, Launch, Program
 from .stage import stage
 from .tuning import RopeCacheTuning
-from .validate import BOOL, FLOAT_DTYPES, FP8_DTYPE, Checker
+from .validate import BOOL, FLOAT_DTYPES, FP8_DTYPE, INDEX_DTYPES, Checker
 
 FUNCTION = "rope_reshape_and_cache"
 DOC = """\
@@ -169,7 +169,7 @@ def rope_cache_kernel(
     zeros_ptr,  # [T, QH, D] q's dtype (WRITE_ZEROS; else [1], never written)
     # sizes and strides
     T, max_position, num_slots, swa_len,
-    q_sr, q_sh, k_sr, k_sh, v_sr, v_sh, cs_sr, pos_sr, qo_sr, qo_sh, ko_sr, ko_sh,
+    q_sr, q_sh, k_sr, k_sh, v_sr, v_sh, cs_sr, qo_sr, qo_sh, ko_sr, ko_sh,
     kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2,
     vc_sb, vc_sh, vc_sd1, vc_sd2, vc_sp1, vc_sp2,
     # constexprs
@@ -187,7 +187,7 @@ def rope_cache_kernel(
     if (t < T) | (head_tile == NUM_Q_TILES):
         i, d_a, d_b, freq_a, freq_b = _rope_pairs(D, F, IS_NEOX)
         rope_row = t < T
-        position = tl.load(positions_ptr + t * pos_sr, mask=rope_row, other=0).to(tl.int64)
+        position = tl.load(positions_ptr + t, mask=rope_row, other=0).to(tl.int64)
         position_ok = True
         if HAS_OFFSETS:
             offset = tl.load(offsets_ptr + t, mask=rope_row, other=0).to(tl.int64)
@@ -295,10 +295,10 @@ def _cache_geometry(check: Checker, key: ArrayInfo, value: ArrayInfo, kh: int, d
     """
     check.ranks("key_cache", key, (4, 5), "[num_blocks, P, KH, D] (flash) or [num_blocks, KH, D//X, P, X] (paged)")
     if key.ndim == 4:
-        check.rank("value_cache", value, 4, "[num_blocks, P, KH, D] like a flash key_cache")
+        check.rank("value_cache", value, 4, f"[num_blocks, P, KH, D] like a flash {check.name('key_cache')}")
         pages, page, cache_kh, cache_d = key.shape
         if value.shape != key.shape:
-            check.fail("value_cache", f"must have key_cache's shape {key.shape} (flash layout)", f"shape {value.shape}")
+            check.fail("value_cache", f"must have {check.owner('key_cache')} shape {key.shape} (flash layout)", f"shape {value.shape}")
         k_s, v_s = key.strides, value.strides
         key_terms = (k_s[0], k_s[2], 0, k_s[3], 0, k_s[1], d, page)
         value_terms = (v_s[0], v_s[2], 0, v_s[3], 0, v_s[1], d, page)
@@ -313,25 +313,47 @@ def _cache_geometry(check: Checker, key: ArrayInfo, value: ArrayInfo, kh: int, d
         key_terms = (k_s[0], k_s[1], k_s[2], k_s[4], 0, k_s[3], x, page)
         if value.ndim == 4:
             expected = (pages, kh, d, page)
-            check.shape("value_cache", value, expected, "[num_blocks, KH, D, P] for a paged key_cache")
+            check.shape("value_cache", value, expected, f"[num_blocks, KH, D, P] for a paged {check.name('key_cache')}")
             value_terms = (v_s[0], v_s[1], 0, v_s[2], 0, v_s[3], d, page)
             layout = "paged"
         elif value.ndim == 5:
             if page % x:
                 check.fail("value_cache", f"needs P divisible by X = {x} for the shuffled layout", f"P = {page}")
             expected = (pages, kh, page // x, d, x)
-            check.shape("value_cache", value, expected, "[num_blocks, KH, P//X, D, X] for a paged key_cache")
+            check.shape("value_cache", value, expected, f"[num_blocks, KH, P//X, D, X] for a paged {check.name('key_cache')}")
             value_terms = (v_s[0], v_s[1], 0, v_s[3], v_s[2], v_s[4], d, x)
             layout = "shuffled"
         else:
-            check.fail("value_cache", "must be [num_blocks, KH, D, P] or [num_blocks, KH, P//X, D, X] for a paged key_cache", f"shape {value.shape}")
+            check.fail("value_cache", f"must be [num_blocks, KH, D, P] or [num_blocks, KH, P//X, D, X] for a paged {check.name('key_cache')}", f"shape {value.shape}")
     if cache_kh != kh:
-        check.fail("key_cache", f"must have KH = {kh} heads like k", f"shape {key.shape}")
+        check.fail("key_cache", f"must have KH = {kh} heads like {check.name('k')}", f"shape {key.shape}")
     if cache_d != d:
-        check.fail("key_cache", f"must have D = {d} like k", f"shape {key.shape}")
+        check.fail("key_cache", f"must have D = {d} like {check.name('k')}", f"shape {key.shape}")
     if page < 1:
         check.fail("key_cache", "must have a page size P >= 1", f"shape {key.shape}")
     return layout, page, pages, key_terms, value_terms
+
+
+def check_head_dim(check: Checker, name: str, d: int) -> None:
+    """A rotated array's head dim: a power of two, at least 2 (one rotation pair)."""
+    check.power_of_two(name, d, "head dim D")
+    if d < 2:
+        check.fail(name, "must have head dim D >= 2", d)
+
+
+def check_cos_sin(check: Checker, name: str, cos_sin: ArrayInfo, dtype: str, d: int) -> int:
+    """A ``[max_position, 2*F]`` table of ``dtype`` or fp32 for head dim ``d``; returns its width ``2*F``."""
+    check.array(name, cos_sin, 2, "[max_position, 2*F]", tuple(dict.fromkeys((dtype, "float32"))))
+    width = cos_sin.shape[1]
+    if width not in (d, 2 * d):
+        check.fail(name, f"must have width 2*F with F = D/2 or D, i.e. {d} or {2 * d}", f"shape {cos_sin.shape}")
+    return width
+
+
+def _query_tiles(heads: int, d: int, tuning: RopeCacheTuning) -> tuple[int, int]:
+    """``(BLOCK_H, tiles)``: query heads a program rotates, and programs a row."""
+    block_h = min(triton.next_power_of_2(max(heads, 1)), max(1, tuning.tile_elements // d))  # no heads: no tiles
+    return block_h, triton.cdiv(heads, block_h)
 
 
 @stage(
@@ -361,24 +383,19 @@ def plan_rope_reshape_and_cache(
     t, qh, d = q.shape
     t_kv, kh, _ = k.shape
     if k.shape[2] != d:
-        check.fail("k", f"must have q's head dim D = {d}", f"shape {k.shape}")
+        check.fail("k", f"must have {check.owner('q')} head dim D = {d}", f"shape {k.shape}")
     if v.shape != k.shape:
-        check.fail("v", f"must have k's shape {k.shape}", f"shape {v.shape}")
+        check.fail("v", f"must have {check.owner('k')} shape {k.shape}", f"shape {v.shape}")
     if t_kv < t:
         check.fail("k", f"must have at least T = {t} rows (T_kv >= T)", f"shape {k.shape}")
-    check.power_of_two("q", d, "head dim D")
-    if d < 2:
-        check.fail("q", "must have head dim D >= 2", d)
+    check_head_dim(check, "q", d)
     if kh < 1 or qh % kh:
-        check.fail("q", f"must have a number of heads QH divisible by k's KH = {kh}", f"QH = {qh}")
+        check.fail("q", f"must have a number of heads QH divisible by {check.owner('k')} KH = {kh}", f"QH = {qh}")
     check.index_vector("slot_mapping", slot_mapping, t_kv, "T_kv")
     check.index_vector("positions", positions, t, "T")
     if offsets is not None:
         check.index_vector("offsets", offsets, t, "T")
-    check.array("cos_sin", cos_sin, 2, "[max_position, 2*F]", tuple(dict.fromkeys((q.dtype, "float32"))))
-    width = cos_sin.shape[1]
-    if width not in (d, 2 * d):
-        check.fail("cos_sin", f"must have width 2*F with F = D/2 or D, i.e. {d} or {2 * d}", f"shape {cos_sin.shape}")
+    width = check_cos_sin(check, "cos_sin", cos_sin, q.dtype, d)
     for name, info in (("k_scale", k_scale), ("v_scale", v_scale)):
         if info is not None:
             check.scalar_array(name, info)
@@ -393,8 +410,7 @@ def plan_rope_reshape_and_cache(
     q_out = Buffer("q_out", (t, qh, d), q.dtype)
     k_out = Buffer("k_out", (t_kv, kh, d), k.dtype)
     zeros = Buffer("zeros", (t, qh, d) if return_zeros else (1,), q.dtype)
-    block_h = min(triton.next_power_of_2(max(qh, 1)), max(1, tuning.tile_elements // d))  # QH = 0: no query tiles
-    num_q_tiles = triton.cdiv(qh, block_h)
+    block_h, num_q_tiles = _query_tiles(qh, d, tuning)
     qo_sr, qo_sh, _ = q_out.info.strides
     ko_sr, ko_sh, _ = k_out.info.strides
     inputs = (
@@ -416,9 +432,6 @@ def plan_rope_reshape_and_cache(
             swa_len=swa_slot_mapping.shape[0] if swa_slot_mapping is not None else 0,
             q_sr=q.strides[0], q_sh=q.strides[1], k_sr=k.strides[0], k_sh=k.strides[1],
             v_sr=v.strides[0], v_sh=v.strides[1], cs_sr=cos_sin.strides[0],
-            # 1 for a public call (positions is contiguous); the composed step
-            # reads a column of its own [T, 3] buffer (kernels/step.py).
-            pos_sr=positions.strides[0] if positions.shape[0] > 1 else 1,
             qo_sr=qo_sr, qo_sh=qo_sh, ko_sr=ko_sr, ko_sh=ko_sh,
             kc_sb=key_terms[0], kc_sh=key_terms[1], kc_sd1=key_terms[2],
             kc_sd2=key_terms[3], kc_sp1=key_terms[4], kc_sp2=key_terms[5],
@@ -440,3 +453,64 @@ def plan_rope_reshape_and_cache(
     results = ("q_out", "k_out", "key_cache", "value_cache") + (("zeros",) if return_zeros else ())
     return Program(FUNCTION, (q_out, k_out, zeros), (launch,), results)
 
+
+
+# --------------------------------------------------------------------------
+# RoPE alone: the composed step's index queries and pooled index keys
+# --------------------------------------------------------------------------
+
+def check_rope_rows(check: Checker, x: ArrayInfo, positions: ArrayInfo, cos_sin: ArrayInfo) -> int:
+    """:func:`plan_rope_rows`' checks; returns the table's width ``2*F``."""
+    check.rank("x", x, 3, "[R, H, D]")
+    check.dtype("x", x, FLOAT_DTYPES)
+    rows, _, d = x.shape
+    check_head_dim(check, "x", d)
+    check.ranks("positions", positions, (1, 2), "[R] or [R, C]")
+    check.dtype("positions", positions, INDEX_DTYPES)
+    if positions.shape[0] != rows:
+        check.fail("positions", f"must have R = {rows} rows like {check.name('x')}", f"shape {positions.shape}")
+    return check_cos_sin(check, "cos_sin", cos_sin, x.dtype, d)
+
+
+@triton.jit
+def rope_rows_kernel(
+    x_ptr,  # [R, H, D] bf16/fp16/fp32
+    positions_ptr,  # [R] or [R, C] int32/int64: column 0
+    cos_sin_ptr,  # [max_position, 2*F] x's dtype or fp32
+    out_ptr,  # [R, H, D] x's dtype
+    max_position, x_sr, x_sh, cs_sr, pos_sr, o_sr, o_sh,
+    D: tl.constexpr, F: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr, IS_NEOX: tl.constexpr,
+):
+    # Stage 1's query tiles, without the KV tile: the same helpers, so the same bits.
+    t = tl.program_id(0).to(tl.int64)
+    head_tile = tl.program_id(1)
+    i, d_a, d_b, freq_a, freq_b = _rope_pairs(D, F, IS_NEOX)
+    position = tl.load(positions_ptr + t * pos_sr).to(tl.int64)
+    _, cos_a, sin_a, cos_b, sin_b = _rope_cos_sin(
+        cos_sin_ptr, position, True, i < D // 2, max_position, cs_sr, freq_a, freq_b, F)
+    _rope_query_heads(x_ptr, out_ptr, out_ptr, t, head_tile, d_a, d_b,
+                      cos_a[None, :], sin_a[None, :], cos_b[None, :], sin_b[None, :],
+                      x_sr, x_sh, o_sr, o_sh, H, BLOCK_H, False)
+
+
+@stage(arrays=("x", "positions", "cos_sin"), options=dict(is_neox=BOOL), tuning=dict(tuning="rope_cache"))
+def plan_rope_rows(x: ArrayInfo, positions: ArrayInfo, cos_sin: ArrayInfo, *, is_neox: bool,
+                   tuning: RopeCacheTuning | None = None) -> Program:
+    """RoPE alone: ``out [R, H, D]``, ``x`` rotated at ``positions`` by ``cos_sin`` (no cache).
+
+    ``positions`` is ``[R]``, or ``[R, C]`` of which column 0 is read (the
+    composed step's ``first_positions`` of ``compress_groups``).  Stage 1's
+    query arithmetic, bit for bit, and its checks (under the caller's names).
+    """
+    width = check_rope_rows(Checker("rope_rows"), x, positions, cos_sin)
+    rows, heads, d = x.shape
+    out = Buffer("out", (rows, heads, d), x.dtype)
+    block_h, tiles = _query_tiles(heads, d, tuning)
+    o_sr, o_sh, _ = out.info.strides
+    launch = Launch(
+        kernel=rope_rows_kernel, grid=(rows, tiles), inputs=("x", "positions", "cos_sin"), outputs=("out",),
+        scalars=dict(max_position=cos_sin.shape[0], x_sr=x.strides[0], x_sh=x.strides[1], cs_sr=cos_sin.strides[0],
+                     pos_sr=positions.strides[0], o_sr=o_sr, o_sh=o_sh),
+        constexprs=dict(D=d, F=width // 2, H=heads, BLOCK_H=block_h, IS_NEOX=is_neox),
+        num_warps=tuning.num_warps, num_stages=1)
+    return Program("rope_rows", (out,), (launch,), ("out",))

@@ -233,7 +233,7 @@ def check_scoring(check: Checker, q, k_cache, page_table, token_to_req, query_po
     if k_cache.shape[2] != 1:
         check.fail("k_cache", "must have one key head (dimension 2 of size 1)", f"shape {k_cache.shape}")
     if k_cache.shape[3] != dim:
-        check.fail("k_cache", f"must have q's head dim D = {dim}", f"shape {k_cache.shape}")
+        check.fail("k_cache", f"must have {check.owner('q')} head dim D = {dim}", f"shape {k_cache.shape}")
     if k_cache.shape[1] < 1:
         check.fail("k_cache", "must have a page size P >= 1", f"shape {k_cache.shape}")
     check.index_array("page_table", page_table, 2, "[B, W]")
@@ -246,9 +246,9 @@ def check_key_scale(check: Checker, k_cache: ArrayInfo, k_scale: ArrayInfo | Non
     """``k_scale`` given exactly when ``k_cache`` is fp8, as a scalar array: whether it is."""
     fp8 = k_cache.dtype == FP8_DTYPE
     if fp8 and k_scale is None:
-        check.fail("k_scale", f"must be given (a 0-d or 1-element float tensor) for a {FP8_DTYPE} k_cache", None)
+        check.fail("k_scale", f"must be given (a 0-d or 1-element float tensor) for a {FP8_DTYPE} {check.name('k_cache')}", None)
     if not fp8 and k_scale is not None:
-        check.fail("k_scale", f"must be None for a {k_cache.dtype} k_cache (a scale is for {FP8_DTYPE} keys)",
+        check.fail("k_scale", f"must be None for a {k_cache.dtype} {check.name('k_cache')} (a scale is for {FP8_DTYPE} keys)",
                    f"an array of shape {k_scale.shape}")
     if k_scale is not None:
         check.scalar_array("k_scale", k_scale)

@@ -40,7 +40,7 @@ from typing import Any, Callable, Mapping
 from . import tuning as _tuning
 from .docs import framework_doc
 from .launch import ArrayInfo, Program
-from .validate import Checker, Option, missing_array_error
+from .validate import Checker, Option, missing_array_error, naming
 
 __all__ = ["RUN_PROGRAM_DOC", "Stage", "clear_plan_caches", "make_function", "make_public", "stage", "stage_named"]
 
@@ -133,6 +133,11 @@ class Stage:
                 raise
         return self._checked(current, args, dict(kwargs))
 
+    def plan_named(self, function: str, labels: Mapping[str, str], /, *args, **kwargs) -> Program:
+        """:meth:`plan`, its errors naming ``function`` and the arrays by ``labels`` (a composed call's)."""
+        with naming(function, labels):
+            return self.plan(*args, **kwargs)
+
     def label(self, name: str) -> str:
         """How errors name the array ``name``."""
         return self.labels.get(name, name)
@@ -182,8 +187,10 @@ class Stage:
     def _memo(self) -> None:
         function = self.name
 
+        # Keyed by the whole tuning in force too: a composed plan (the step)
+        # reads its stages' tuning through their plans, not only its own.
         @functools.lru_cache(maxsize=4096)
-        def build(*values):
+        def build(current, *values):
             arguments = dict(zip(self._names, values))
             program = self._plan(**arguments)
             check = Checker(function)
@@ -226,19 +233,20 @@ class Stage:
         if not kwargs.keys() <= self._known:
             raise TypeError(f"{plan_name}() got unexpected arguments {sorted(kwargs.keys() - self._known)}")
         values = []
+        check = Checker(self.name, self.labels)
         for name, action, payload, default in self._spec:
             value = kwargs.get(name, default)
             if value is _MISSING:
                 raise TypeError(f"{plan_name}() missing required argument {name!r}")
             if action is _OPTION:
-                value = payload.canonical(self.name, name, value)
+                value = payload.canonical(check.function, check.name(name), value)
             elif action is _ARRAY:
                 if value is None:
-                    raise missing_array_error(self.name, self.label(name))
+                    raise missing_array_error(check.function, check.name(name))
             elif action is _TUNING and value is None:
                 value = getattr(current, payload)
             values.append(value)
-        return self._build(*values)
+        return self._build(current, *values)
 
 
 def stage(**declaration) -> Callable[[Callable[..., Program]], Stage]:

@@ -31,9 +31,8 @@ that order, bit for bit the separate launches (:func:`_fuses_compression`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import re
+import types
 from typing import Any
 
 import numpy as np
@@ -42,7 +41,7 @@ from .attention import plan_sparse_paged_attention
 from .compress import plan_compress_groups, plan_compress_rotate_store, plan_store_cache_rows
 from .launch import ArrayInfo, Buffer, Launch, Program
 from .paging import METADATA_FIELDS, STATE_FIELDS
-from .rope_cache import plan_rope_reshape_and_cache
+from .rope_cache import plan_rope_reshape_and_cache, plan_rope_rows
 from .select import plan_select_paged_tokens
 from .stage import Stage, stage
 from .tuning import StepTuning
@@ -233,92 +232,58 @@ LABELS = {**{name: name for name in STEP_ARRAYS},
           **{name: f"state.{name}" for name in STATE_FIELDS + SCALE_FIELDS},
           **{name: f"metadata.{name}" for name in METADATA_FIELDS}}
 
-class _Composer:
-    """Plans the stages one after another and concatenates their launches into one Program.
+@dataclasses.dataclass(frozen=True)
+class Handle:
+    """An array of the composed program: its name there, its metadata, and how errors name it.
 
-    Every stage's buffers are renamed ``<stage>.<buffer>`` so names never
-    clash; its arguments are renamed to what they are bound to (a step
-    argument, updated in place where the stage updates it, or an earlier
-    stage's buffer).  A stage's validation error is re-raised naming the
-    step and the step argument its argument is bound to.
+    The step's arguments are handles labelled as the caller wrote them
+    (``state.key_cache``); a stage's results are handles too, which the step
+    labels by the argument they come from where a later stage checks them
+    (the rotated ``q`` is still ``q`` to the caller).
     """
 
-    def __init__(self, arrays: dict[str, ArrayInfo]):
-        self.infos = dict(arrays)  # every name bound so far: arguments and buffers
+    name: str
+    info: ArrayInfo
+    label: str
+
+    def named(self, label: str) -> "Handle":
+        """The same array, named ``label`` in errors."""
+        return dataclasses.replace(self, label=label)
+
+
+class _Composer:
+    """Plans the stages in order and concatenates their launches into one Program.
+
+    :meth:`stage` takes a stage's arrays as :class:`Handle` and its options
+    as values, plans it under the step's name and the handles' labels (so its
+    errors read ``qsa_attention_step: metadata.slot_mapping ...``), renames
+    its buffers ``<tag>.<buffer>`` so that names never clash, and returns its
+    results as handles (an array updated in place is the handle it was
+    given).
+    """
+
+    def __init__(self):
         self.buffers: list[Buffer] = []
         self.launches: list[Launch] = []
-        self.checking_only = False
 
-    def info(self, name: str) -> ArrayInfo:
-        return self.infos[name]
-
-    def buffer(self, buffer: Buffer) -> None:
-        self.infos[buffer.name] = buffer.info
-        if not self.checking_only:
-            self.buffers.append(buffer)
-
-    @contextlib.contextmanager
-    def checks_only(self):
-        """Stages planned inside only validate (their errors as always): their launches and
-        buffers are left out of the program (a fused launch does their work)."""
-        self.checking_only = True
-        try:
-            yield
-        finally:
-            self.checking_only = False
-
-    def stage(self, tag: str, stage: Stage, bindings: dict[str, str], options: dict, *,
-              infos: dict[str, ArrayInfo] | None = None, labels: dict[str, str] | None = None,
-              scalars: dict[str, int] | None = None) -> dict[str, str]:
-        """Plan one stage; returns its results' names in the composed program.
-
-        ``bindings``: stage argument -> bound name; ``infos`` overrides the
-        ArrayInfo a stage argument is planned with (a view of the bound
-        array); ``labels`` names arguments bound to intermediates in errors;
-        ``scalars`` overrides launch scalars the stage derives from such a view.
-        """
-        infos = infos or {}
-        arrays = {arg: infos.get(arg, self.infos[name]) for arg, name in bindings.items()}
-        try:
-            program = stage.plan(**arrays, **options)
-        except (ValueError, TypeError) as error:
-            if not str(error).startswith(f"{stage.name}: "):
-                raise
-            names = {arg: (labels or {}).get(arg, LABELS.get(name, name)) for arg, name in bindings.items()}
-            names.update({option: option for option in options})
-            raise type(error)(_relabel(str(error), stage.name, names)) from None
-        renamed = dict(bindings)
+    def stage(self, tag: str, stage: Stage, **bindings) -> types.SimpleNamespace:
+        arrays = {name: value for name, value in bindings.items() if isinstance(value, Handle)}
+        options = {name: value for name, value in bindings.items() if not isinstance(value, Handle)}
+        program = stage.plan_named(FUNCTION, {name: handle.label for name, handle in arrays.items()},
+                                   **{name: handle.info for name, handle in arrays.items()}, **options)
+        renamed = {name: handle.name for name, handle in arrays.items()}
         for buffer in program.buffers:
             renamed[buffer.name] = f"{tag}.{buffer.name}"
-            self.buffer(dataclasses.replace(buffer, name=renamed[buffer.name]))
-        for launch in () if self.checking_only else program.launches:
-            self.launches.append(dataclasses.replace(
-                launch, inputs=tuple(renamed[n] for n in launch.inputs),
-                outputs=tuple(renamed[n] for n in launch.outputs),
-                scalars={**launch.scalars, **{k: v for k, v in (scalars or {}).items() if k in launch.scalars}}))
-        return {name: renamed[name] for name in program.results}
+            self.buffers.append(dataclasses.replace(buffer, name=renamed[buffer.name]))
+        for launch in program.launches:
+            self.launches.append(dataclasses.replace(launch, inputs=tuple(renamed[n] for n in launch.inputs),
+                                                     outputs=tuple(renamed[n] for n in launch.outputs)))
+        return types.SimpleNamespace(**{
+            name: arrays[name] if name in arrays else Handle(renamed[name], program.buffer(name).info, renamed[name])
+            for name in program.results})
 
-    def program(self, results: tuple[str, ...]) -> Program:
-        return Program(FUNCTION, tuple(self.buffers), tuple(self.launches), results)
-
-
-def _relabel(message: str, function: str, names: dict[str, str]) -> str:
-    """A stage's ``"<stage>: <arg> ..."`` message as the step's ``"qsa_attention_step: <label> ..."``.
-
-    Other stage arguments the message mentions (``must have q's dtype``) are
-    renamed too; the ``got ...`` part is left as it is.
-    """
-    body = message.removeprefix(f"{function}: ")
-    expected, got = (body.rsplit(", got ", 1) + [None])[:2] if ", got " in body else (body, None)
-    pattern = re.compile(r"(?<![\w.])(" + "|".join(sorted(map(re.escape, names), key=len, reverse=True))
-                         + r")(?!\w)('(?!s))?")
-
-    def rename(match):  # "raw_keys' dtype" -> "index_k's dtype"
-        label = names[match.group(1)]
-        return label + ("" if not match.group(2) else "'" if label.endswith("s") else "'s")
-
-    expected = pattern.sub(rename, expected)
-    return f"{FUNCTION}: {expected}" + ("" if got is None else f", got {got}")
+    def program(self, results: tuple[Handle, ...]) -> Program:
+        return Program(FUNCTION, tuple(self.buffers), tuple(self.launches), tuple(h.name for h in results))
 
 
 def _check_step(check: Checker, arrays: dict[str, ArrayInfo | None], compress_ratio, token_topk,
@@ -404,68 +369,67 @@ def plan_qsa_attention_step(
     ``tuning.fuse_stages``: stage 2 and the index queries' RoPE in one launch
     where that is safe (:func:`_fuses_compression`).
     """
-    arrays = {name: value for name, value in locals().items() if name in STEP_ARRAYS}
+    given = {name: value for name, value in locals().items() if name in STEP_ARRAYS + SCALE_FIELDS}
     check = Checker(FUNCTION)
-    _check_step(check, arrays, compress_ratio, token_topk, return_token_indices)
-    scales = dict(k_scale=k_scale, v_scale=v_scale, compressed_key_scale=compressed_key_scale)
-    _check_scales(check, key_cache, compressed_key_cache, scales)
-    step = _Composer({**arrays, **{name: info for name, info in scales.items() if info is not None}})
-    # fp8 caches: their scales bound to the stages that write and read them.
-    kv_scales = dict(k_scale="k_scale", v_scale="v_scale") if k_scale is not None else {}
-    key_scale = "compressed_key_scale" if compressed_key_scale is not None else None
-    rows, _, index_dim = index_k.shape
+    _check_step(check, given, compress_ratio, token_topk, return_token_indices)
+    _check_scales(check, key_cache, compressed_key_cache, given)
+    # The step's arguments, as the caller wrote them; None for absent scales.
+    a = types.SimpleNamespace(**{name: None if info is None else Handle(name, info, LABELS[name])
+                                 for name, info in given.items()})
+    rows = index_k.shape[0]
+    step = _Composer()
 
     # 1. RoPE + KV cache.
-    rope = step.stage("rope", plan_rope_reshape_and_cache, dict(
-        q="q", k="k", v="v", key_cache="key_cache", value_cache="value_cache",
-        slot_mapping="slot_mapping", positions="positions", cos_sin="cos_sin", **kv_scales), dict(is_neox=is_neox))
+    rope = step.stage("rope", plan_rope_reshape_and_cache, q=a.q, k=a.k, v=a.v, key_cache=a.key_cache,
+                      value_cache=a.value_cache, slot_mapping=a.slot_mapping, positions=a.positions,
+                      cos_sin=a.cos_sin, k_scale=a.k_scale, v_scale=a.v_scale, is_neox=is_neox)
 
     # 2. Pool first, then overwrite the ring with this step's raw keys; and
-    # 3a. RoPE on the index queries.  Fused: these stages are planned for
-    # their checks (the same errors either way) and one launch does their work.
-    fused = _fuses_compression(rows, tuning)
-    with step.checks_only() if fused else contextlib.nullcontext():
-        compress = step.stage("compress", plan_compress_groups, dict(
-            raw_keys="index_k", raw_positions="raw_positions", compressor_state_cache="compressor_state_cache",
-            compressor_state_block_table="compressor_state_block_table", token_to_req="token_to_req",
-            query_start_loc="query_start_loc", logical_positions="positions",
-            compressed_slots="compressed_slots"), dict(compress_ratio=compress_ratio))
-        step.stage("ring", plan_store_cache_rows, dict(
-            cache="compressor_state_cache", slot_mapping="compressor_state_slots", rows="index_k"), {})
-        # The pooled keys get RoPE at their group's first position: column 0 of
-        # compress_groups' [T, 3] first_positions, read in place (stride 3).
-        first_positions = compress["first_positions"]
-        pooled = _rotate(step, "rotate_pooled", compress["pooled"], first_positions, is_neox,
-                         labels=dict(q="index_k", positions="metadata.raw_positions"),
-                         positions_stride=step.info(first_positions).strides[0])
-        step.stage("compressed", plan_store_cache_rows, dict(
-            cache="compressed_key_cache", slot_mapping="compressed_slots", rows=pooled,
-            **(dict(scale=key_scale) if key_scale else {})), {}, labels=dict(rows="index_k"))
-        rotated_index_q = _rotate(step, "rotate_index_q", "index_q", "positions", is_neox)
-    if fused:
-        rotated_index_q = step.stage("compress_rotate_store", plan_compress_rotate_store, dict(
-            raw_keys="index_k", raw_positions="raw_positions", compressor_state_cache="compressor_state_cache",
-            compressor_state_block_table="compressor_state_block_table", token_to_req="token_to_req",
-            query_start_loc="query_start_loc", logical_positions="positions", compressed_slots="compressed_slots",
-            compressor_state_slots="compressor_state_slots", compressed_key_cache="compressed_key_cache",
-            cos_sin="index_cos_sin", index_q="index_q", **(dict(scale=key_scale) if key_scale else {})),
-            dict(compress_ratio=compress_ratio, is_neox=is_neox))["index_q_out"]
+    # 3a. RoPE on the index queries: one launch for a few rows, in that order
+    # (_fuses_compression), else four.
+    if _fuses_compression(rows, tuning):
+        index_q_rotated = step.stage(
+            "compress_rotate_store", plan_compress_rotate_store, raw_keys=a.index_k, raw_positions=a.raw_positions,
+            compressor_state_cache=a.compressor_state_cache,
+            compressor_state_block_table=a.compressor_state_block_table, token_to_req=a.token_to_req,
+            query_start_loc=a.query_start_loc, logical_positions=a.positions, compressed_slots=a.compressed_slots,
+            compressor_state_slots=a.compressor_state_slots, compressed_key_cache=a.compressed_key_cache,
+            cos_sin=a.index_cos_sin, index_q=a.index_q, scale=a.compressed_key_scale,
+            compress_ratio=compress_ratio, is_neox=is_neox).index_q_out
+    else:
+        compress = step.stage(
+            "compress", plan_compress_groups, raw_keys=a.index_k, raw_positions=a.raw_positions,
+            compressor_state_cache=a.compressor_state_cache,
+            compressor_state_block_table=a.compressor_state_block_table, token_to_req=a.token_to_req,
+            query_start_loc=a.query_start_loc, logical_positions=a.positions, compressed_slots=a.compressed_slots,
+            compress_ratio=compress_ratio)
+        step.stage("ring", plan_store_cache_rows, cache=a.compressor_state_cache,
+                   slot_mapping=a.compressor_state_slots, rows=a.index_k)
+        # The pooled keys get RoPE at their group's first position: column 0
+        # of compress_groups' [T, 3] first_positions.
+        pooled = step.stage("rotate_pooled", plan_rope_rows, x=compress.pooled.named("index_k"),
+                            positions=compress.first_positions.named("metadata.raw_positions"),
+                            cos_sin=a.index_cos_sin, is_neox=is_neox).out
+        step.stage("compressed", plan_store_cache_rows, cache=a.compressed_key_cache,
+                   slot_mapping=a.compressed_slots, rows=pooled.named("index_k"), scale=a.compressed_key_scale)
+        index_q_rotated = step.stage("rotate_index_q", plan_rope_rows, x=a.index_q, positions=a.positions,
+                                     cos_sin=a.index_cos_sin, is_neox=is_neox).out
 
     # 3. Selection over the compressed keys, this step's groups included.
-    select = step.stage("select", plan_select_paged_tokens, dict(
-        q=rotated_index_q, k_cache="compressed_key_cache", page_table="compressed_block_table",
-        token_to_req="token_to_req", query_positions="positions", sequence_lengths="sequence_lengths",
-        **(dict(k_scale=key_scale) if key_scale else {})),
-        dict(token_topk=token_topk, compress_ratio=compress_ratio), labels=dict(q="index_q"))
+    tokens = step.stage("select", plan_select_paged_tokens, q=index_q_rotated.named("index_q"),
+                        k_cache=a.compressed_key_cache, page_table=a.compressed_block_table,
+                        token_to_req=a.token_to_req, query_positions=a.positions,
+                        sequence_lengths=a.sequence_lengths, k_scale=a.compressed_key_scale,
+                        token_topk=token_topk, compress_ratio=compress_ratio).out
 
     # 4. Attention over the selected tokens (this step's K/V included).
-    attention = step.stage("attention", plan_sparse_paged_attention, dict(
-        q=rope["q_out"], k_cache="key_cache", v_cache="value_cache", token_indices=select["out"],
-        block_table="block_table", token_to_req="token_to_req", **kv_scales), dict(softmax_scale=softmax_scale),
-        labels=dict(q="q", token_indices="token_topk"))
+    out = step.stage("attention", plan_sparse_paged_attention, q=rope.q_out.named("q"), k_cache=a.key_cache,
+                     v_cache=a.value_cache, token_indices=tokens.named("token_topk"), block_table=a.block_table,
+                     token_to_req=a.token_to_req, k_scale=a.k_scale, v_scale=a.v_scale,
+                     softmax_scale=softmax_scale).out
 
-    results = (attention["out"],) + STATE_FIELDS + ((select["out"],) if return_token_indices else ())
-    return step.program(results)
+    caches = (a.key_cache, a.value_cache, a.compressor_state_cache, a.compressed_key_cache)
+    return step.program((out, *caches) + ((tokens,) if return_token_indices else ()))
 
 
 def _fuses_compression(rows: int, tuning: StepTuning) -> bool:
@@ -503,34 +467,6 @@ def _check_scales(check: Checker, key_cache: ArrayInfo, compressed_key_cache: Ar
             if not _is_fp8(info.dtype) and scale is not None:
                 check.fail(f"state.{name}", f"must be None for a {info.dtype} state.{cache} (scales are for "
                            f"{FP8_DTYPE} caches)", f"an array of shape {scale.shape}")
-
-
-def _rotate(step: _Composer, tag: str, x: str, positions: str, is_neox: bool, *,
-            labels: dict[str, str] | None = None, positions_stride: int = 1) -> str:
-    """RoPE on ``x [R, H, DI]`` by ``index_cos_sin``: stage 1 with caches no slot reaches.
-
-    Stage 1 also rotates k rows (here: head 0 of x, a view) and writes them to
-    a cache; the caches here are buffers of zero pages, so every slot is out
-    of range and nothing is written.  Returns the name of the rotated x.
-    """
-    info = step.info(x)
-    rows, _, dim = info.shape
-    scratch = Buffer(f"{tag}.no_cache", (0, 1, 1, dim), info.dtype)
-    step.buffer(scratch)
-    head = ArrayInfo((rows, 1, dim), info.dtype, info.strides)
-    positions_info = step.info(positions)
-    contiguous_positions = ArrayInfo.contiguous((rows,), positions_info.dtype)
-    labels = labels or {}
-    label = labels.get("q", LABELS.get(x, x))
-    labels = {**dict(q=label, k=label, v=label, cos_sin="index_cos_sin",
-                     key_cache="index_k", value_cache="index_k", slot_mapping="metadata.slot_mapping"),
-              **labels}
-    results = step.stage(tag, plan_rope_reshape_and_cache, dict(
-        q=x, k=x, v=x, key_cache=scratch.name, value_cache=scratch.name, slot_mapping="slot_mapping",
-        positions=positions, cos_sin="index_cos_sin"), dict(is_neox=is_neox),
-        infos=dict(k=head, v=head, positions=contiguous_positions if positions_stride != 1 else positions_info),
-        labels=labels, scalars=dict(pos_sr=positions_stride) if positions_stride != 1 else None)
-    return results["q_out"]
 
 
 def state_arguments(function_arguments: dict, state_type: type, metadata_type: type) -> dict:

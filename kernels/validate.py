@@ -11,9 +11,11 @@ for a float option) so that a memoised plan is keyed by what it means.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -111,14 +113,53 @@ FINITE_POSITIVE_NUMBER = Option("a finite positive Python number", _as_float,
 # Arrays
 # --------------------------------------------------------------------------
 
-class Checker:
-    """Raises ``ValueError`` naming the function and the argument."""
+#: ``(function, labels)`` while a composed call plans one of its stages
+#: (:meth:`.stage.Stage.plan_named`): the stage's errors then name the
+#: composed function and its arguments as the caller wrote them.
+_NAMING: contextvars.ContextVar[tuple[str, Mapping[str, str]] | None] = contextvars.ContextVar(
+    "qsa_naming", default=None)
 
-    def __init__(self, function: str):
-        self.function = function
+
+@contextlib.contextmanager
+def naming(function: str, labels: Mapping[str, str]):
+    """Inside the block, every :class:`Checker` names ``function`` and the arguments' ``labels``."""
+    token = _NAMING.set((function, labels))
+    try:
+        yield
+    finally:
+        _NAMING.reset(token)
+
+
+class Checker:
+    """Raises ``ValueError`` naming the function and the argument.
+
+    Arguments are named through :meth:`name` (and :meth:`owner` for "q's"),
+    so that a stage planned as part of a composed call names what the
+    caller passed (:func:`naming`).
+    """
+
+    def __init__(self, function: str, labels: Mapping[str, str] | None = None):
+        named = _NAMING.get()
+        self.function, self.labels = (function, labels or {}) if named is None else named
+
+    def name(self, argument: str) -> str:
+        """How errors name ``argument``."""
+        return self.labels.get(argument, argument)
+
+    def owner(self, argument: str) -> str:
+        """``argument``'s name as a possessive: ``q's``, ``raw_keys'``."""
+        name = self.name(argument)
+        return name + ("'" if name.endswith("s") else "'s")
+
+    def renamed(self, **arguments: str) -> "Checker":
+        """A checker for a helper whose parameters have other names: ``helper_parameter=own_argument``."""
+        renamed = Checker.__new__(Checker)
+        renamed.function = self.function
+        renamed.labels = {**self.labels, **{parameter: self.name(own) for parameter, own in arguments.items()}}
+        return renamed
 
     def fail(self, name: str, expected: str, got: object) -> None:
-        raise ValueError(f"{self.function}: {name} {expected}, got {got}")
+        raise ValueError(f"{self.function}: {self.name(name)} {expected}, got {got}")
 
     def rank(self, name: str, info: ArrayInfo, rank: int, layout: str) -> None:
         if info.ndim != rank:
@@ -159,14 +200,13 @@ class Checker:
         """A ``[what]`` int32/int64 vector of ``length`` entries (any length if None)."""
         self.index_array(name, info, 1, f"[{what}]")
         if length is not None and info.shape[0] != length:
-            self.fail(name, f"must have {what} = {length} entries" + (f" like {like}" if like else ""),
+            self.fail(name, f"must have {what} = {length} entries" + (f" like {self.name(like)}" if like else ""),
                       f"shape {info.shape}")
 
     def same_dtype(self, name: str, info: ArrayInfo, other_name: str, other: ArrayInfo) -> None:
         """``info`` has ``other``'s dtype."""
         if info.dtype != other.dtype:
-            owner = other_name + ("'" if other_name.endswith("s") else "'s")
-            self.fail(name, f"must have {owner} dtype {other.dtype}", info.dtype)
+            self.fail(name, f"must have {self.owner(other_name)} dtype {other.dtype}", info.dtype)
 
     def not_expanded(self, name: str, info: ArrayInfo) -> None:
         """An array updated in place has no stride-0 dimension of size > 1 (an expanded

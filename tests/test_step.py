@@ -661,8 +661,8 @@ def test_position_past_cos_sin_gives_nan_out_rows():
 
 FUSED_KERNEL = "compress_rotate_store_kernel"
 #: The launches the fused one replaces, in the order the unfused step runs them.
-UNFUSED_KERNELS = ["compress_groups_kernel", "store_cache_rows_kernel", "rope_cache_kernel",
-                   "store_cache_rows_kernel", "rope_cache_kernel"]
+UNFUSED_KERNELS = ["compress_groups_kernel", "store_cache_rows_kernel", "rope_rows_kernel",
+                   "store_cache_rows_kernel", "rope_rows_kernel"]
 
 
 def _unfused():
