@@ -305,6 +305,7 @@ def _check_step(check: Checker, arrays: dict[str, ArrayInfo | None], compress_ra
         check.fail("index_k", "must have one head ([T, 1, DI])", f"shape {arrays['index_k'].shape}")
     if arrays["index_k"].dtype != arrays["index_q"].dtype:
         check.fail("index_k", f"must have index_q's dtype {arrays['index_q'].dtype}", arrays["index_k"].dtype)
+    _check_metadata_shapes(check, arrays, rows)
     _check_compressed_table_width(check, arrays, compress_ratio)
     # A position past cos_sin gives NaN q rows and so NaN out rows (stage 1's
     # documented signal).  One past index_cos_sin alone would give NaN index
@@ -338,6 +339,53 @@ def _check_compressed_table_width(check: Checker, arrays: dict[str, ArrayInfo], 
                    f"must have at least {needed} columns: the groups of compress_ratio = {compress_ratio} "
                    f"tokens that metadata.block_table's {table.shape[1]} pages of {page} tokens hold, "
                    f"in compressed pages of {compressed_page}", f"shape {compressed_table.shape}")
+
+
+def _check_table_geometry(check: Checker, arrays: dict[str, ArrayInfo], compress_ratio: int) -> None:
+    """``compressed_block_table`` no wider than the most groups the KV ``block_table`` can hold.
+
+    A wider table means metadata made for other page sizes (or another
+    ratio) than the state's: pages of 8 tokens read as pages of 4 lose half
+    of each request's K/V.  Checked after the stages (their errors name the
+    first cause when there is one).
+    """
+    table, compressed_table = arrays["block_table"], arrays["compressed_block_table"]
+    page, compressed_page = arrays["key_cache"].shape[1], arrays["compressed_key_cache"].shape[1]
+    most = max(1, -(-(table.shape[1] * page // compress_ratio) // compressed_page))
+    if compressed_table.shape[1] > most:
+        check.fail("metadata.compressed_block_table",
+                   f"must have at most {most} columns (metadata.block_table's {table.shape[1]} pages of "
+                   f"state.key_cache's {page} tokens hold no more groups of compress_ratio = {compress_ratio} "
+                   f"tokens in state.compressed_key_cache's pages of {compressed_page}): is the metadata made for "
+                   "another geometry than the state?", f"shape {compressed_table.shape}")
+
+
+def _check_metadata_shapes(check: Checker, arrays: dict[str, ArrayInfo], rows: int) -> None:
+    """The metadata's arrays agree on T rows and B requests (``B`` = ``sequence_lengths``' length).
+
+    A stage sees some of them at a time; only the step sees that a
+    ``block_table`` of fewer rows than requests, or a ``query_start_loc`` of
+    ``B`` entries, would drop requests' lookups or pooling.
+    """
+    for name, expected in (("slot_mapping", (rows,)), ("token_to_req", (rows,)), ("compressed_slots", (rows,)),
+                           ("compressor_state_slots", (rows,)), ("raw_positions", (rows, 1, 3))):
+        if arrays[name].shape != expected:
+            check.fail(f"metadata.{name}", f"must have shape {expected} (T = {rows} rows like metadata.positions)",
+                       f"shape {arrays[name].shape}")
+    # B, the number of requests, as most of the arrays that carry it say (the odd one out is named).
+    counts = {"sequence_lengths": 0, "query_start_loc": -1, "block_table": 0, "compressed_block_table": 0,
+              "compressor_state_block_table": 0}
+    carried = {name: arrays[name].shape[0] + extra for name, extra in counts.items()
+               if arrays[name].ndim == (2 if name.endswith("table") else 1)}  # other ranks: the stages name them
+    if not carried:
+        return
+    votes = list(carried.values())
+    requests = max(votes, key=votes.count)  # the first of the most common
+    for name, count in carried.items():
+        if count != requests:
+            what = f"B + 1 = {requests + 1} entries" if name == "query_start_loc" else f"B = {requests} rows"
+            check.fail(f"metadata.{name}", f"must have {what}, B = {requests} requests as the other metadata "
+                       "arrays say", f"shape {arrays[name].shape}")
 
 
 @stage(
@@ -428,6 +476,7 @@ def plan_qsa_attention_step(
                      token_to_req=a.token_to_req, k_scale=a.k_scale, v_scale=a.v_scale,
                      softmax_scale=softmax_scale).out
 
+    _check_table_geometry(check, given, compress_ratio)
     caches = (a.key_cache, a.value_cache, a.compressor_state_cache, a.compressed_key_cache)
     return step.program((out, *caches) + ((tokens,) if return_token_indices else ()))
 
