@@ -296,7 +296,8 @@ def triton_launch(launch: Launch, inputs: Sequence, outputs: Sequence) -> Sequen
 def execute(program: Program, arrays: Mapping[str, Any], *, adapter: str,
             allocate: Callable[[Buffer, int | float | None], Any],
             launch: Callable[[Launch, list, list], Sequence],
-            guard: Callable[[], Any] | None = None) -> tuple:
+            guard: Callable[[], Any] | None = None,
+            prepare: Callable[[Launch, list, list], None] | None = None) -> tuple:
     """Run ``program`` over ``arrays`` (its arguments by name; ``None`` for absent ones).
 
     ``allocate(buffer, fill)`` makes a buffer's array: uninitialised when
@@ -305,8 +306,12 @@ def execute(program: Program, arrays: Mapping[str, Any], *, adapter: str,
     outputs' new values (torch: the same tensors, written in place; JAX: the
     arrays ``triton_call`` returns).  Outputs are threaded through later
     launches; empty launches are skipped; ``guard()``, if given, is entered
-    around the launches (interpreter lock, CUDA device).  Returns the
-    results, in ``program.results`` order.
+    around the launches (interpreter lock, CUDA device).  ``prepare(launch,
+    inputs, outputs)``, if given, builds a launch's kernel without running it:
+    it is called for every launch of a multi-launch program before the first
+    one runs, so that a kernel that cannot be built (compile error, too much
+    shared memory) fails the call before any launch writes a cache.  Returns
+    the results, in ``program.results`` order.
     """
     env = dict(arrays)
     filled = program.filled_buffers
@@ -315,6 +320,9 @@ def execute(program: Program, arrays: Mapping[str, Any], *, adapter: str,
     launches = program.runnable_launches
     if launches:
         with guard() if guard is not None else contextlib.nullcontext():
+            if prepare is not None and len(launches) > 1:
+                for step in launches:
+                    prepare(step, [env[name] for name in step.inputs], [env[name] for name in step.outputs])
             for step in launches:
                 if _observers:
                     event = LaunchEvent(adapter, program.function, kernel_name(step.kernel), step.grid, step)

@@ -185,10 +185,40 @@ class _CudaGuard:
             torch.cuda.set_device(self.previous)
 
 
+def build_kernel(launch: Launch, inputs: list, outputs: list) -> None:
+    """Compile ``launch``'s kernel for these arguments and load it on the device, without launching.
+
+    ``JITFunction.warmup`` compiles (or finds in Triton's cache); reading the
+    compiled kernel's ``run`` loads its module, which is where Triton raises
+    ``OutOfResources`` for a kernel the device cannot hold.
+    """
+    compiled = launch.kernel.warmup(*inputs, *outputs, **launch.scalars, **launch.constexprs, grid=launch.grid,
+                                    num_warps=launch.num_warps, num_stages=launch.num_stages)
+    compiled.run  # noqa: B018  (loads the module)
+
+
+# Programs whose kernels were built on a device: (id, device index) -> the
+# program (kept, so that its id is never reused).  Multi-launch programs are
+# built before their first launch the first time they run on a device.
+_BUILT: dict[tuple[int, int], Program] = {}
+
+
 def run(program: Program, arrays: Mapping[str, torch.Tensor | None], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Allocate the program's buffers and launch its kernels on ``device``'s current stream."""
-    guard = _interpreter_guard if runtime.INTERPRETED else (lambda: _CudaGuard(device))
-    return execute(program, arrays, adapter="torch", allocate=_Allocate(device), launch=launch_kernel, guard=guard)
+    """Allocate the program's buffers and launch its kernels on ``device``'s current stream.
+
+    Compiled: the first time a program runs on a device, every kernel is
+    built before the first launch (``execute``'s ``prepare``), so a kernel
+    that cannot be built fails the call before any cache is written.
+    """
+    if runtime.INTERPRETED:  # nothing to build: the interpreter runs the source
+        return execute(program, arrays, adapter="torch", allocate=_Allocate(device), launch=launch_kernel,
+                       guard=_interpreter_guard)
+    key = (id(program), device.index)
+    prepare = None if key in _BUILT else build_kernel
+    results = execute(program, arrays, adapter="torch", allocate=_Allocate(device), launch=launch_kernel,
+                      guard=lambda: _CudaGuard(device), prepare=prepare)
+    _BUILT.setdefault(key, program)
+    return results
 
 
 def _check_updates(function: str, program: Program, arrays: Mapping[str, torch.Tensor | None]) -> None:

@@ -137,3 +137,52 @@ def test_each_stage_is_planned_once_per_step_plan(monkeypatch):
     clear_plan_caches()
     assert planned == ["plan_rope_reshape_and_cache", "plan_compress_rotate_store"], planned
     assert "compress_rotate_store_kernel" in [kernel_name(e.launch.kernel) for e in events]
+
+
+def test_a_kernel_that_cannot_be_built_fails_the_call_before_any_launch():
+    """Issue 28.2: the executor builds every launch of a multi-launch program before the first runs.
+
+    (The torch adapter's compiled path builds with Triton's ``warmup``; on
+    the CPU there is nothing to build, so the contract is held here with a
+    ``prepare`` that fails on the last launch, as a kernel that does not
+    compile or does not fit the device would.)
+    """
+    import numpy as np
+
+    from qsa_kernels.launch import Program, execute
+    from qsa_kernels import compress
+
+    rng = np.random.default_rng(3)
+    cache = torch.from_numpy(rng.standard_normal((3, 4, 1, 8)).astype(np.float32))
+    slots = torch.tensor([5, -1, 0], dtype=torch.int32)
+    rows = torch.from_numpy(rng.standard_normal((3, 8)).astype(np.float32))
+    (store,) = qsa_torch.store_cache_rows.plan(cache, slots, rows).launches
+    program = Program("two_stores", (), (store, store), ("cache",))
+    before = cache.clone()
+    prepared = []
+
+    def prepare(launch, inputs, outputs):
+        prepared.append(launch)
+        if len(prepared) == 2:
+            raise RuntimeError("the last kernel cannot be built")
+
+    with observe_launches() as events, pytest.raises(RuntimeError, match="cannot be built"):
+        execute(program, dict(cache=cache, slot_mapping=slots, rows=rows), adapter="test",
+                allocate=lambda buffer, fill: None, launch=lambda launch, i, o: o, prepare=prepare)
+    assert events == [] and len(prepared) == 2
+    assert_bitwise_equal(cache, before, "the cache after a call whose last kernel failed to build")
+
+
+@pytest.mark.gpu
+def test_a_step_whose_attention_cannot_be_loaded_writes_no_cache():
+    """On the GPU: an attention launch of 64 warps (2048 threads) cannot be loaded: the step fails
+    before stage 1 writes."""
+    arguments = step_arguments()
+    before = {n: getattr(arguments["state"], n).clone() for n in STATE_FIELDS}
+    too_wide = tuning.AttentionTuning(launch_table=((None, 16 * 1024, 64, 1, 64),))
+    with tuning.override(attention=too_wide), pytest.raises(Exception) as info:
+        qsa_torch.qsa_attention_step(**arguments)
+        torch.cuda.synchronize()
+    assert not str(info.value).startswith("qsa_attention_step:"), "a plan error: the build was never tried"
+    for n in STATE_FIELDS:
+        assert_bitwise_equal(getattr(arguments["state"], n), before[n], f"{n} after a step that failed to build")
