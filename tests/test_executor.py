@@ -16,7 +16,6 @@ import qsa_torch
 from qsa_kernels import compress, select
 from qsa_kernels.launch import ArrayInfo, Buffer, Launch, Program, execute, observe_launches
 from qsa_kernels.tuning import TopkTuning
-from qsa_torch import _launch as torch_launch
 
 from .util import DEVICE, host
 
@@ -116,7 +115,7 @@ def store_arguments(rng):
 def test_hook_sees_each_adapters_launches_and_nothing_after_the_context():
     rng = np.random.default_rng(0)
     cache, slots, rows = store_arguments(rng)
-    program = compress.plan_store_cache_rows(*(torch_launch.info(t) for t in (cache, slots, rows)))
+    program = qsa_torch.store_cache_rows.plan(cache, slots, rows)
     expected = [(launch.kernel, launch.grid) for launch in program.runnable_launches]
     seen = []
     with observe_launches(seen.append):

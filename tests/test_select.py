@@ -13,8 +13,6 @@ import torch
 
 import qsa_jax
 import qsa_kernels.score as score_plans
-import qsa_kernels.select as select_plans
-import qsa_kernels.topk as topk_plans
 import qsa_torch
 from qsa_kernels import tuning
 from qsa_kernels.launch import kernel_name
@@ -188,8 +186,7 @@ def test_topk_split_rows(kind):
         logits = topk_logits(4, rows, columns, special=kind == "special")
     visible = torch.tensor([columns, 150, 77], dtype=torch.int32)
     with tuning.override(topk=tuning.TopkTuning(path="sliced", tile=16, min_candidates=8)):
-        program = topk_plans.plan_topk_blocks(qsa_torch._launch.info(logits),
-                                              qsa_torch._launch.info(visible), k)
+        program = qsa_torch.topk_blocks.plan(logits, visible, k)
         assert program.launches[0].scalars["slices"] > 1
         check_topk(logits, visible, k)
 
@@ -258,8 +255,7 @@ def test_select_chunked_matches_unchunked(prefill):
     columns = case["page_table"].shape[1] * case["k_cache"].shape[1]
     # Three rows' (decode) or one 16-row tile's (prefill) logits per chunk.
     with tuning.override(select=tuning.SelectTuning(logits_workspace_bytes=3 * 4 * columns)):
-        infos = {name: qsa_torch._launch.info(value) for name, value in case.items()}
-        program = select_plans.plan_select_paged_tokens(**infos, token_topk=12, compress_ratio=4)
+        program = qsa_torch.select_paged_tokens.plan(**case, token_topk=12, compress_ratio=4)
         chunks = sum(launch.kernel is score_plans.scores_kernel for launch in program.launches)
         assert chunks == (2 if prefill else 3)
         chunked = qsa_torch.select_paged_tokens(**case, token_topk=12, compress_ratio=4)
@@ -268,8 +264,7 @@ def test_select_chunked_matches_unchunked(prefill):
     assert_bitwise_equal(whole, chunked, "chunked vs whole")
     assert_bitwise_equal(whole, jax_out, "chunked jax vs torch")
     # Outside the block the default (unchunked) plan is back, with no cache to clear.
-    infos = {name: qsa_torch._launch.info(value) for name, value in case.items()}
-    program = select_plans.plan_select_paged_tokens(**infos, token_topk=12, compress_ratio=4)
+    program = qsa_torch.select_paged_tokens.plan(**case, token_topk=12, compress_ratio=4)
     assert sum(launch.kernel is score_plans.scores_kernel for launch in program.launches) == 1
 
 
@@ -320,10 +315,7 @@ FUSED = "select_fused_kernel"
 
 
 def select_kernels(case, token_topk, ratio, **options):
-    infos = {name: qsa_torch._launch.info(value) for name, value in case.items()}
-    program = select_plans.plan_select_paged_tokens(
-        **infos, token_topk=token_topk, compress_ratio=ratio,
-        **{name: qsa_torch._launch.info(value) for name, value in options.items()})
+    program = qsa_torch.select_paged_tokens.plan(**case, token_topk=token_topk, compress_ratio=ratio, **options)
     return [kernel_name(launch.kernel) for launch in program.launches]
 
 

@@ -392,8 +392,7 @@ def test_ticketed_state_is_reused_by_later_runs():
     # (Not the fused selection, which runs the ticketed top-k's steps in its own launch.)
     with retuned(path="ticketed", ticketed_slice=16), \
             tuning.override(select=tuning.SelectTuning(logits_workspace_bytes=3 * 4 * columns, fused=False)):
-        infos = {name: qsa_torch._launch.info(value) for name, value in case.items()}
-        program = select_plans.plan_select_paged_tokens(**infos, token_topk=12, compress_ratio=4)
+        program = qsa_torch.select_paged_tokens.plan(**case, token_topk=12, compress_ratio=4)
         runs = [launch for launch in program.launches if launch.kernel is topk_plans.topk_ticketed_kernel]
         assert len(runs) == 3 and runs[0].grid[1] == 2 * 4
         chunked = qsa_torch.select_paged_tokens(**case, token_topk=12, compress_ratio=4)
