@@ -6,8 +6,7 @@ Two measurements per lowering (``qsa_jax.use_triton_lowering``), in one process:
   ``lax.fori_loop`` of 10 chains: wall µs per kernel, and the GPU's busy time
   and span per kernel (what XLA adds per launch is the rest).
 * ``step``: the composed QSA decode step (``benchmarks/bench_step.py``'s shape,
-  128K context), with the package's slimmed call protos and (at the first
-  batch) without them: a jitted unrolled loop of 10 steps, per step, with the
+  128K context): a jitted unrolled loop of 10 steps, per step, with the
   previous output alive and freed first; back-to-back calls of a one-step
   jitted function (wall per call); the kernels the GPU ran in one loop (a
   CUPTI trace through ``torch.profiler``, which sees XLA's kernels too), their
@@ -98,19 +97,13 @@ def hlo_counts(hlo: str) -> dict:
                 fusions=len(re.findall(r"\bfusion\(", hlo)))
 
 
-def step_trace(lowering: str, batch: int, context: int, slim: bool = True) -> dict:
+def step_trace(lowering: str, batch: int, context: int) -> dict:
     import jax
     import torch
 
     import bench_step
     import qsa_jax
-    from qsa_jax import _triton_call
 
-    if _triton_call.SLIM_CALL_PROTO != slim:  # recompile: jax-triton caches kernels without the line-info setting
-        _triton_call.SLIM_CALL_PROTO = slim
-        import jax_triton
-
-        jax_triton.triton_lib._COMPILED_KERNEL_CACHE.clear()
     shape = bench_step.Shape(bench_step.PRODUCTION, batch, context, torch.device("cuda"))
     inputs, state, meta, tables = bench_step.jax_arrays(shape)
     step, loop = bench_step.jax_step_and_loop(shape, LOOP)
@@ -143,7 +136,7 @@ def step_trace(lowering: str, batch: int, context: int, slim: bool = True) -> di
         jax.block_until_ready(state)
         wall.append((time.perf_counter() - start) * 1e6 / LOOP)
     trace = common.gpu_trace(lambda: jax.block_until_ready(looped(inputs, state, meta, *tables)), LOOP)
-    row = dict(lowering=lowering, slim=slim, batch=batch, context=context, opaque_text_kb_per_step=opaque / 1e3,
+    row = dict(lowering=lowering, batch=batch, context=context, opaque_text_kb_per_step=opaque / 1e3,
                loop_us_per_step=statistics.median(times), loop_us_outputs_freed=statistics.median(dropped),
                wall_us_per_call=statistics.median(wall),
                **trace, **hlo_counts(hlo))
@@ -168,10 +161,9 @@ def main():
         rows.append(row)
     for batch in args.batches:
         for lowering in lowerings:
-            for slim in (True, False) if batch == args.batches[0] else (True,):
-                row = dict(kind="step", xla_flags=flags, **step_trace(lowering, batch, args.context, slim))
-                print({k: v for k, v in row.items() if k != "ops"})
-                rows.append(row)
+            row = dict(kind="step", xla_flags=flags, **step_trace(lowering, batch, args.context))
+            print({k: v for k, v in row.items() if k != "ops"})
+            rows.append(row)
     common.write_json(args.json, "jax dispatch: legacy vs FFI lowering", rows, [
         f"chain: {CHAIN} chained 1024-element Triton kernels per jitted chain, unrolled fori_loop of {LOOP}; "
         "us_per_kernel = wall / (chains x kernels)",

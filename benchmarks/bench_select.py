@@ -26,8 +26,7 @@ per-tensor scale, pool amax / 448), side by side: ``fp8_*`` columns,
 with bf16 (fraction of a row's top-k blocks both select: mean and min over
 rows).  fp8 bytes count 1 byte per key element plus the scale.
 ``fp8_scorer_<variant>_*``: the fp8 scorer under the SelectTuning variants of
-FP8_SCORER_VARIANTS (``first_release``: the first release's tiling and
-widening), with ``_equal``: logits bitwise the default's.
+FP8_SCORER_VARIANTS, with ``_equal``: logits bitwise the default's.
 torch: CUDA-graph replay (device time; fewer calls per graph for slow
 shapes) and do_bench (median, L2 flushed) for the scorer.  JAX: wall clock of
 back-to-back jitted calls (host overhead included) and, for the selection and
@@ -69,8 +68,6 @@ FUSED_SWEEP = [(columns, warps) for warps in (8, 16) for columns in (128, 256, 5
 FUSED_SWEEP_EXTRA_S = 150.0  # --fused-sweep: added to the deadlines
 #: --fp8: the scorer also under these SelectTuning variants (fp8_scorer_<name>_* columns).
 FP8_SCORER_VARIANTS = {
-    "first_release": dict(fp8_widen="dot_operand", fp8_row_columns=256, fp8_row_warps=8),
-    "dot_operand": dict(fp8_widen="dot_operand"),
     "256_columns": dict(fp8_row_columns=256),
     "8_warps": dict(fp8_row_warps=8),
     "2_warps": dict(fp8_row_warps=2),
@@ -290,9 +287,8 @@ def main():
             if row["fp8_select_graph_us"] and row["select_graph_us"]:
                 row["fp8_select_vs_bf16"] = row["fp8_select_graph_us"] / row["select_graph_us"]
             logits8, _ = score8()
-            # The scorer's other fp8 variants (SelectTuning): the first release's (256 columns
-            # a program, widened in the dot-operand layout) and each knob alone; logits bitwise
-            # the default's (a variant changes where keys are widened, not the arithmetic).
+            # The scorer's other fp8 tilings (SelectTuning), each knob alone; logits bitwise
+            # the default's (a tiling changes which program scores a column, not its arithmetic).
             for name, variant in FP8_SCORER_VARIANTS.items():
                 with tuning.override(select=SelectTuning(**variant)):
                     us = graph_us(score8, args.smoke)

@@ -28,40 +28,25 @@ double the split count) on a few shapes, written to sparse_attention_sweep.json
 prefill) also read fp8 e4m3 copies of the pools (per-tensor scales, pool amax
 / 448), side by side: ``fp8_*`` columns, ``fp8_vs_bf16`` = fp8 / bf16 CUDA-graph
 time, ``fp8_rel_diff`` = ‖out_fp8 − out_bf16‖ / ‖out_bf16‖; fp8 bytes count 1
-byte per K/V element plus the two scales; ``fp8_first_release_*``: the same
-with the first release's fp8 code (``AttentionTuning(fp8_widen="dot_operand",
-fp8_row_addressing="page")``), ``fp8_first_release_equal``: whether its output
-is bitwise the default's (it should be).  ``--sweep`` also times the table's
-configuration under each other variant (the ``variant`` column); ``--quick``
-only the variants and the SWEEP_QUICK candidates; ``--shapes`` picks shapes.  With ``--sweep``, the sweep runs on
-the fp8 pools (results in sparse_attention_fp8_sweep.json).
+byte per K/V element plus the two scales.  ``--sweep`` also times the table's
+configuration under the other row addressing (the ``variant`` column);
+``--quick`` only the variants and the SWEEP_QUICK candidates; ``--shapes``
+picks shapes.  With ``--sweep``, the sweep runs on the fp8 pools (results in
+sparse_attention_fp8_sweep.json).
 
-``--merge``: how split-K shapes (decode up to 64 rows: programs <= 132) merge
-their splits: ``default`` (AttentionTuning's: a merge launch), ``fused``
-(every call merges in its split launch, the last split to finish merging:
-``AttentionTuning(fused_merge=True)``), ``unfused`` (every call through a
-second merge launch: ``fused_merge=False``), or ``both``: the default run plus,
-on split shapes, CUDA-graph µs of each side by side in one process
-(``fused_graph_us``, ``unfused_graph_us``, ``unfused_vs_fused`` =
-unfused / fused), ``merge_bitwise_equal`` (the two outputs' bits), and
-``tickets_fill_graph_us``, the zero fill of the fused path's tickets alone
-(a ``torch.full`` kernel, included in ``fused_graph_us``).  Results of
-``unfused`` / ``both`` go to sparse_attention_unfused.json /
-sparse_attention_merge.json; ``--only decode`` (or ``prefill``) runs those
-shapes alone (``_decode`` added to the file name).
+``--only decode`` (or ``prefill``) runs those shapes alone (``_decode`` added
+to the file name).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the card
 
 import common  # noqa: E402
-from qsa_kernels import tuning  # noqa: E402
-from qsa_kernels.tuning import FP8_WIDEN_MODES, ROW_ADDRESSING_MODES, AttentionTuning  # noqa: E402
+from qsa_kernels.tuning import ROW_ADDRESSING_MODES, AttentionTuning  # noqa: E402
 
 QH, KH, D, PAGE = 24, 2, 256, 64
 TOKEN_TOPK, COMPRESS_RATIO = 2048, 4
@@ -82,13 +67,10 @@ FP8_SHAPES = {(mode, rows, context) for mode, rows in (("decode", 1), ("decode",
               for context in (32768, 131072)}
 SWEEP_SHAPES = [("decode", 1, 32768), ("decode", 64, 32768), ("decode", 256, 32768), ("prefill", 2048, 131072)]
 SWEEP_BLOCK_N, SWEEP_WARPS, SWEEP_STAGES = (16, 32, 64), (2, 4, 8), (2, 3)
-# --sweep --quick: (BLOCK_N, warps, stages) candidates of the fp8 table (AttentionTuning.fp8_launch_table's notes).
+# --sweep --quick: (BLOCK_N, warps, stages) candidates of the fp8 table (docs/design.md, "Measured tuning values").
 SWEEP_QUICK = ((16, 2, 2), (16, 2, 3), (32, 2, 2), (32, 4, 2), (32, 4, 3), (64, 2, 2), (64, 4, 2), (64, 8, 2), (64, 8, 3))
-# fp8: these also with AttentionTuning.fp8_late_values (less shared memory: 64-token tiles on
-# 2 warps fit 3 programs per SM instead of 2).
 # --sweep --splits: (BLOCK_N, warps, stages) candidates crossed with the split counts given.
 SPLIT_CANDIDATES = ((16, 2, 3), (32, 2, 3), (32, 4, 3), (64, 4, 2), (64, 8, 3))
-SWEEP_QUICK_FP8_LATE = ((32, 2, 3), (32, 4, 2), (64, 2, 2), (64, 4, 2))
 
 # Tiny shapes for the CPU interpreter (still split: 67 indices are 3 tiles of 32).
 SMOKE = dict(QH=4, KH=2, D=256, PAGE=16, TOKEN_TOPK=64, DECODE_ROWS=[1], PREFILL_ROWS=[4], CONTEXTS=[256],
@@ -184,28 +166,6 @@ def plan_choice(qsa_torch, attention, arrays):
                 warps=partial.num_warps, stages=partial.num_stages)
 
 
-def compare_merges(torch, qsa_torch, arrays, smoke):
-    """CUDA-graph µs of a split-K call merged in its launch and by a merge launch, and whether their bits agree."""
-    result, outputs = {}, {}
-    for name, fused in (("fused", True), ("unfused", False)):
-        # Planned (and graph-captured) inside the override; replays do not plan.
-        with tuning.override(attention=AttentionTuning(fused_merge=fused)):
-            call = lambda: qsa_torch.sparse_paged_attention(**arrays)  # noqa: E731
-            result[f"{name}_graph_us"] = common.torch_graph_us(call, smoke=smoke)
-            if result[f"{name}_graph_us"] is None:  # no CUDA (smoke): the wall clock, to run the path
-                result[f"{name}_us"] = common.torch_median_us(call, smoke)
-            outputs[name] = call()
-    result["merge_bitwise_equal"] = bool(torch.equal(outputs["fused"].view(torch.int16),
-                                                     outputs["unfused"].view(torch.int16)))
-    if result["fused_graph_us"] and result["unfused_graph_us"]:
-        result["unfused_vs_fused"] = result["unfused_graph_us"] / result["fused_graph_us"]
-    # The fused path's one extra allocation: its [R, KH] int32 tickets, zero-filled as the adapter does.
-    shape, device = (arrays["q"].shape[0], arrays["k_cache"].shape[2]), arrays["q"].device
-    result["tickets_fill_graph_us"] = common.torch_graph_us(
-        lambda: torch.full(shape, 0, dtype=torch.int32, device=device), smoke=smoke)
-    return result
-
-
 def seed_us(mode, rows, context):
     return SEED_DECODE_US.get(rows) if mode == "decode" else SEED_PREFILL_US.get((rows, context))
 
@@ -213,10 +173,8 @@ def seed_us(mode, rows, context):
 def sweep(qsa_torch, attention, arrays, smoke, quick=False, split_counts=()):
     """CUDA-graph µs of configurations around the table's (partial kernel's warps/stages overridden).
 
-    Every configuration takes AttentionTuning's default variants (fp8: widened in registers,
-    slot addressing; 16-bit: page addressing); the table's configuration also runs with each
-    other variant (``variant``: fp8_widen "dot_operand", the first release's fp8 code;
-    row_addressing "page" or "slot"; fp8_unscaled_values; fp8_late_values), so one run
+    Every configuration takes AttentionTuning's default row addressing (fp8: slot; 16-bit:
+    page); the table's configuration also runs with the other (``variant``), so one run
     compares them."""
     infos = {n: qsa_torch._launch.info(a) for n, a in arrays.items()}
     d = infos["q"].shape[2]
@@ -225,12 +183,6 @@ def sweep(qsa_torch, attention, arrays, smoke, quick=False, split_counts=()):
     default = AttentionTuning()
     addressing = "fp8_row_addressing" if fp8 else "row_addressing"
     variants = [{}] + [{addressing: mode} for mode in ROW_ADDRESSING_MODES if mode != getattr(default, addressing)]
-    if fp8:
-        variants += [dict(fp8_widen=mode) for mode in FP8_WIDEN_MODES if mode != default.fp8_widen]
-        variants += [dict(fp8_unscaled_values=not default.fp8_unscaled_values),
-                     dict(fp8_late_values=not default.fp8_late_values)]
-        # The first release's fp8 code as a whole: widened in the dot-operand layout, by page.
-        variants += [dict(fp8_widen="dot_operand", fp8_row_addressing="page")]
     configs = [(None, None, None, None, variant) for variant in variants]
     if split_counts:  # --splits: those split counts crossed with SPLIT_CANDIDATES, instead
         configs = [(None, None, None, None, {})] + [
@@ -239,8 +191,6 @@ def sweep(qsa_torch, attention, arrays, smoke, quick=False, split_counts=()):
     elif quick:  # fp8: the launch-table candidates; 16-bit: the variants only
         if fp8:
             configs += [(block_n, None, warps, stages, {}) for block_n, warps, stages in SWEEP_QUICK]
-            configs += [(block_n, None, warps, stages, dict(fp8_late_values=True))
-                        for block_n, warps, stages in SWEEP_QUICK_FP8_LATE]
     else:
         configs += [(block_n, None, warps, stages, {})
                     for block_n in SWEEP_BLOCK_N for warps in SWEEP_WARPS for stages in SWEEP_STAGES]
@@ -278,9 +228,6 @@ def main():
                         help="with --sweep: these split counts (e.g. 4,8,16) crossed with SPLIT_CANDIDATES")
     parser.add_argument("--fp8", action="store_true",
                         help="also read fp8 e4m3 caches (per-tensor scales) on FP8_SHAPES, side by side")
-    parser.add_argument("--merge", choices=("default", "fused", "unfused", "both"), default="default",
-                        help="split-K merge: AttentionTuning's default, in the launch, by a merge launch, or "
-                             "both side by side")
     parser.add_argument("--only", choices=("decode", "prefill"), help="run only these shapes")
     args = parser.parse_args()
     import jax
@@ -323,16 +270,7 @@ def main():
         f"prefill selection: shared N(0,1) block score + {PREFILL_NOISE} x N(0,1) per row; neighbour_overlap: "
         "fraction of a row's selected block tokens its previous row also selected",
         "seed_us: docs/design.md's H200 table (CUDA-graph replay); speedup_vs_seed uses torch_graph_us",
-        *(["every call merges split-K partials with a second launch (AttentionTuning(fused_merge=False))"]
-          if args.merge == "unfused" else []),
-        *(["fused_graph_us / unfused_graph_us: CUDA-graph µs of split shapes with the merge in the launch / "
-           "in a merge launch, one process; unfused_vs_fused = unfused / fused; merge_bitwise_equal: the two "
-           "outputs' bits; tickets_fill_graph_us: the fused path's [R, KH] int32 zero fill alone (torch.full)"]
-          if args.merge == "both" else []),
     ]
-    merge_override = contextlib.ExitStack()  # --merge fused / unfused: every plan of the run
-    if args.merge in ("fused", "unfused"):
-        merge_override.enter_context(tuning.override(attention=AttentionTuning(fused_merge=args.merge == "fused")))
     shapes = [("decode", r, c) for r in g["DECODE_ROWS"] for c in g["CONTEXTS"]]
     shapes += [("prefill", r, c) for r in g["PREFILL_ROWS"] for c in g["CONTEXTS"]]
     if args.only:
@@ -383,8 +321,6 @@ def main():
         for key in ("torch_us", "torch_graph_us"):
             row[key.replace("_us", "_gbps")] = common.gbps(nbytes, row[key])
             row[key.replace("_us", "_pct_peak")] = common.pct_peak(nbytes, row[key])
-        if args.merge == "both" and row["splits"] > 1:
-            row.update(compare_merges(torch, qsa_torch, arrays, args.smoke))
         seed = seed_us(mode, rows, context)
         if seed and not args.smoke:
             row["seed_us"] = seed
@@ -404,13 +340,6 @@ def main():
                 row["fp8_vs_bf16"] = row["fp8_torch_graph_us"] / row["torch_graph_us"]
             out16, out8 = call(), call8()
             row["fp8_rel_diff"] = float((out8.float() - out16.float()).norm() / out16.float().norm())
-            # The first release's fp8 code (widened in the dot-operand layout, by page), same call.
-            first = dataclasses.replace(tuning.current().attention, fp8_widen="dot_operand", fp8_row_addressing="page")
-            with tuning.override(attention=first):
-                us = common.torch_graph_us(call8, smoke=args.smoke)
-                row["fp8_first_release_graph_us"] = us
-                row["fp8_first_release_vs_bf16"] = us / row["torch_graph_us"] if us and row["torch_graph_us"] else None
-                row["fp8_first_release_equal"] = bool(torch.equal(call8(), out8))
             del out16, out8
 
         if (mode, rows, context) in g["JAX_SHAPES"]:
@@ -447,12 +376,8 @@ def main():
         "mode", "rows", "context", "splits", "block_n", "tiles_per_split", "bytes", "torch_us", "torch_graph_us",
         "torch_graph_gbps", "torch_graph_pct_peak", "seed_us", "speedup_vs_seed", "jax_wall_us", "jax_loop_us",
         "jax_vs_torch_device", "dense_graph_us", "sparse_speedup_vs_dense", "neighbour_overlap"]
-        + (["fp8_torch_graph_us", "fp8_torch_graph_pct_peak", "fp8_vs_bf16", "fp8_rel_diff",
-            "fp8_first_release_graph_us", "fp8_first_release_vs_bf16", "fp8_first_release_equal"] if args.fp8 else [])
-        + (["fused_graph_us", "unfused_graph_us", "unfused_vs_fused", "merge_bitwise_equal", "tickets_fill_graph_us"]
-           if args.merge == "both" else []))
-    merge_override.close()
-    suffix = {"default": "", "fused": "_fused", "unfused": "_unfused", "both": "_merge"}[args.merge] + (f"_{args.only}" if args.only else "")
+        + (["fp8_torch_graph_us", "fp8_torch_graph_pct_peak", "fp8_vs_bf16", "fp8_rel_diff"] if args.fp8 else []))
+    suffix = f"_{args.only}" if args.only else ""
     common.write_json(args.json.replace(".json", f"{suffix}.json"), "sparse_paged_attention", rows_out, notes)
 
 

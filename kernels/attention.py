@@ -11,16 +11,7 @@ With one split the program writes the output directly.  With several (few
 programs: decode), each split writes its normalised float32 partial output
 and log2-sum-exp, and the partials are weighted by ``2 ** (lse - max lse)``:
 exactly the softmax over the union of the splits.  A merge launch (one
-program per (row, head)) combines them, in the fixed order 0..S-1.  With
-``AttentionTuning(fused_merge=True)`` the merge runs in the split launch
-instead: after its stores each split takes a ticket for its (row, KV head)
-(an acq_rel atomic on a zero-filled ``[R, KH]`` int32 buffer), and the one
-that draws the last ticket merges the partials, in the same order (so the
-result does not depend on which split finishes last), and puts the ticket
-back to zero; both merge with the same code and give the same bits.  One
-launch fewer, but measured slower on the H200 (one program then reads all
-of its KV head's partials: 16.3 against 9.1 µs at one decode row), so off
-by default.
+program per (row, head)) combines them, in the fixed order 0..S-1.
 
 Numerics (the seed's): q.k in the cache dtype with float32 accumulation, the
 scale applied to the float32 scores, probabilities rounded to the value dtype
@@ -32,17 +23,15 @@ exactly (:func:`.fp8.widen_e4m3`: for bf16 on integer ops, not Triton's
 cast), so the dots are the same 16-bit tensor-core dots as for 16-bit caches
 (an fp8 dot would round q to fp8).  The tiles are widened in registers in
 the layout they were loaded in and reach the dots through shared memory as
-16-bit values, like 16-bit tiles (``AttentionTuning.fp8_widen``; Triton
-would otherwise stage the fp8 bytes and widen them in the dot-operand
-layout, reading V from shared memory one byte at a time).  ``k_scale`` is
+16-bit values, like 16-bit tiles (Triton would otherwise stage the fp8 bytes
+and widen them in the dot-operand layout, reading V from shared memory one
+byte at a time); V is widened after the softmax, so that its 16-bit tile
+reuses K's shared memory.  ``k_scale`` is
 folded into the float32 score scale, ``softmax_scale * k_scale * log2(e)``;
 ``v_scale`` multiplies each program's float32 output once (``acc /
 normaliser * v_scale``), never the values.  So the result is that of a
 16-bit cache holding the dequantised values, up to the rounding of those
-scale products.  (Variant
-``AttentionTuning.fp8_unscaled_values``: V enters P.V as V x 2**-120 and the
-probabilities as P x 2**120, exact in float32 and rounded to bf16 as P is:
-the same products, provided the tensor cores keep bf16 subnormal inputs.)
+scale products.
 """
 
 from __future__ import annotations
@@ -51,7 +40,7 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from .fp8 import bit_trick, in_registers, widen_e4m3
+from .fp8 import bit_trick, widen_e4m3
 from .launch import ArrayInfo, Buffer, Launch, Program
 from .stage import stage
 from .tuning import AttentionTuning
@@ -143,9 +132,11 @@ def sparse_attention_partial_kernel(
     # constexprs
     GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, WIDTH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
-    INTERPRET: tl.constexpr, FP8_CACHE: tl.constexpr, BIT_TRICK: tl.constexpr,
-    FP8_IN_REGISTERS: tl.constexpr, FP8_V_UNSCALED: tl.constexpr, FP8_V_LATE: tl.constexpr,
-    SLOT_ROWS: tl.constexpr, SAME_ROW_STRIDE: tl.constexpr,
+    INTERPRET: tl.constexpr,  # Triton's interpreter: fp32 dots (see _dot), fp8 widened by Triton's cast
+    FP8_CACHE: tl.constexpr,  # fp8 e4m3 caches (widened to q's dtype, scales applied)
+    BIT_TRICK: tl.constexpr,  # fp8 caches, bf16 q, compiled: fp8.widen_e4m3's integer widening
+    SLOT_ROWS: tl.constexpr,  # rows addressed by slot, not by page (AttentionTuning.row_addressing)
+    SAME_ROW_STRIDE: tl.constexpr,  # K and V rows share a stride: one slot offset for both
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
@@ -203,10 +194,8 @@ def sparse_attention_partial_kernel(
             v_rows = v_head + page * v_sb + offset * v_sp
         keys = tl.load(k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         values = tl.load(v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        if FP8_CACHE:  # widened to q's dtype (exact) for the 16-bit dots
-            keys = widen_e4m3(keys, q.dtype, BIT_TRICK, FP8_IN_REGISTERS)
-            if not FP8_V_LATE:
-                values = widen_e4m3(values, q.dtype, BIT_TRICK, FP8_IN_REGISTERS, FP8_V_UNSCALED)
+        if FP8_CACHE:  # widened to q's dtype (exact) for the 16-bit dots; in registers when compiled
+            keys = widen_e4m3(keys, q.dtype, BIT_TRICK, not INTERPRET)
 
         scores = _dot(q, tl.trans(keys), None, INTERPRET) * scale_log2
         scores = tl.where(valid[None, :], scores, MASKED_SCORE)
@@ -215,17 +204,12 @@ def sparse_attention_partial_kernel(
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         rescale = tl.math.exp2(running_max - new_max)
         probabilities = tl.where(valid[None, :], tl.math.exp2(scores - new_max[:, None]), 0.0)
-        if FP8_CACHE and FP8_V_LATE:
+        if FP8_CACHE:
             # Widened only now: the in-register widening keeps its place in the loop
             # (not pure), so V's 16-bit tile is not live across q.K and the softmax
             # (its shared memory is K's).
-            values = widen_e4m3(values, q.dtype, BIT_TRICK, FP8_IN_REGISTERS, FP8_V_UNSCALED)
-        if FP8_V_UNSCALED:
-            # values are V x 2**-120 (fp8.widen_e4m3): P x 2**120 is exact in float32
-            # (P <= 1) and its bf16 rounding is P's, so the products are those of P and V.
-            weights = (probabilities * 1.329227995784916e36).to(values.dtype)
-        else:
-            weights = probabilities.to(values.dtype)
+            values = widen_e4m3(values, q.dtype, BIT_TRICK, not INTERPRET)
+        weights = probabilities.to(values.dtype)
         acc = _dot(weights, values, acc * rescale[:, None], INTERPRET)
         normaliser = normaliser * rescale + tl.sum(probabilities, axis=1)
         running_max = new_max
@@ -268,24 +252,20 @@ def _merge_splits(
     partial_lse_ptr,  # [S, R, QH] float32: log2-sum-exps
     out_ptr,  # [R, QH, D] bf16/fp16
     row, heads, head_ok,  # the row, its BLOCK_H heads to merge and which of them exist
-    num_splits,  # NUM_SPLITS as a runtime value: the chunked loop's bound where RUNTIME_BOUND
     o_ss, o_sr, o_sh, lse_ss, lse_sr,  # out's row/head strides are the partials' (both contiguous)
     BLOCK_H: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
     CHUNKED_SPLITS: tl.constexpr,  # NUM_SPLITS rounded down to a multiple of SPLIT_CHUNK
-    RUNTIME_BOUND: tl.constexpr,
 ):
     """``out[row, heads]``: the partials weighted by ``2 ** (lse - max lse)``, an exact softmax merge.
 
     Splits are folded one at a time in the order 0..S-1, element by element
     (no reduction: the max is exact in any order), so the merge gives the
-    same bits whatever the tile of heads and whichever kernel runs it: the
-    fused epilogue and the merge launch agree bitwise.  SPLIT_CHUNK splits
-    are unrolled per step, so their loads are in flight together.  Per-head
-    values are ``[BLOCK_H, 1]`` columns that Triton lays out like the
-    ``[BLOCK_H, D]`` tiles they scale, as long as none comes out of a loop
-    (the max pass is unrolled): else every split would convert them
-    through shared memory, two barriers each.  Loads bypass L1 (``.cg``):
-    the fused epilogue reads partials that other programs wrote.
+    same bits whatever the chunk of splits.  SPLIT_CHUNK splits are unrolled
+    per step, so their loads are in flight together.  Per-head values are
+    ``[BLOCK_H, 1]`` columns that Triton lays out like the ``[BLOCK_H, D]``
+    tiles they scale, as long as none comes out of a loop (the max pass is
+    unrolled): else every split would convert them through shared memory,
+    two barriers each.  Loads bypass L1 (``.cg``): each partial is read once.
     """
     d = tl.arange(0, D)
     head_ok = head_ok[:, None]
@@ -303,18 +283,10 @@ def _merge_splits(
     at = row * o_sr + heads[:, None] * o_sh + d[None, :]
     denominator = tl.zeros((BLOCK_H, 1), tl.float32)
     merged = tl.zeros((BLOCK_H, D), tl.float32)
-    if RUNTIME_BOUND:
-        # A loop of a few known steps would be unrolled whole, every split's
-        # loads hoisted (registers).
-        for first in range(0, num_splits // SPLIT_CHUNK * SPLIT_CHUNK, SPLIT_CHUNK):
-            for j in tl.static_range(SPLIT_CHUNK):
-                denominator, merged = _merge_split(first + j, lse_at, partial_out_ptr + at, lse_max, no_weight,
-                                                   denominator, merged, head_ok, lse_ss, o_ss)
-    else:  # (the interpreter needs a Python int bound with NumPy >= 2.4)
-        for first in range(0, CHUNKED_SPLITS, SPLIT_CHUNK):
-            for j in tl.static_range(SPLIT_CHUNK):
-                denominator, merged = _merge_split(first + j, lse_at, partial_out_ptr + at, lse_max, no_weight,
-                                                   denominator, merged, head_ok, lse_ss, o_ss)
+    for first in range(0, CHUNKED_SPLITS, SPLIT_CHUNK):
+        for j in tl.static_range(SPLIT_CHUNK):
+            denominator, merged = _merge_split(first + j, lse_at, partial_out_ptr + at, lse_max, no_weight,
+                                               denominator, merged, head_ok, lse_ss, o_ss)
     for split in tl.static_range(CHUNKED_SPLITS, NUM_SPLITS):
         denominator, merged = _merge_split(split, lse_at, partial_out_ptr + at, lse_max, no_weight, denominator,
                                            merged, head_ok, lse_ss, o_ss)
@@ -335,63 +307,11 @@ def merge_splits_kernel(
     # constexprs
     D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, CHUNKED_SPLITS: tl.constexpr,
 ):
-    """The split-K merge as a launch of its own (``AttentionTuning.fused_merge=False``): one program per (row, head)."""
+    """The split-K merge, a launch of its own: one program per (row, head)."""
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) + tl.arange(0, 1)
-    _merge_splits(partial_out_ptr, partial_lse_ptr, out_ptr, row, heads, heads >= 0, NUM_SPLITS,
-                  o_ss, o_sr, o_sh, lse_ss, lse_sr, 1, D, NUM_SPLITS, SPLIT_CHUNK, CHUNKED_SPLITS, False)
-
-
-@triton.jit
-def sparse_attention_fused_merge_kernel(
-    # inputs
-    q_ptr, k_cache_ptr, v_cache_ptr, token_indices_ptr, block_table_ptr, token_to_req_ptr,
-    k_scale_ptr, v_scale_ptr,  # as sparse_attention_partial_kernel's
-    tickets_in_ptr,  # [R, KH] int32 zeros: tickets_ptr's memory (JAX aliases them; read through tickets_ptr)
-    # outputs
-    partial_out_ptr,  # [S, R, QH, D] float32
-    partial_lse_ptr,  # [S, R, QH] float32
-    out_ptr,  # [R, QH, D] q's dtype
-    tickets_ptr,  # [R, KH] int32: splits of each (row, KV head) done; back to zero when merged
-    # sizes, strides, scale (the partial kernel's, then the tickets' row stride)
-    num_blocks, num_requests, table_width, scale_log2,
-    q_sr, q_sh, k_sb, k_sp, k_sh, v_sb, v_sp, v_sh, ti_sr, bt_sr,
-    o_ss, o_sr, o_sh, lse_ss, lse_sr, tickets_sr,
-    # constexprs
-    GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, WIDTH: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
-    INTERPRET: tl.constexpr, FP8_CACHE: tl.constexpr, BIT_TRICK: tl.constexpr,
-    FP8_IN_REGISTERS: tl.constexpr, FP8_V_UNSCALED: tl.constexpr, FP8_V_LATE: tl.constexpr,
-    SLOT_ROWS: tl.constexpr, SAME_ROW_STRIDE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, CHUNKED_SPLITS: tl.constexpr,
-):
-    """Split-K in one launch: each split writes its partial, the last of a (row, KV head) to finish merges.
-
-    (Triton's interpreter runs the programs one after another: there the
-    last split in launch order merges, so CPU tests run this path too.)
-    """
-    sparse_attention_partial_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, token_indices_ptr, block_table_ptr, token_to_req_ptr,
-        k_scale_ptr, v_scale_ptr, partial_out_ptr, partial_lse_ptr,
-        num_blocks, num_requests, table_width, scale_log2,
-        q_sr, q_sh, k_sb, k_sp, k_sh, v_sb, v_sp, v_sh, ti_sr, bt_sr,
-        o_ss, o_sr, o_sh, lse_ss, lse_sr,
-        GROUP, D, PAGE, WIDTH, BLOCK_M, BLOCK_N, TILES_PER_SPLIT, INTERPRET, FP8_CACHE, BIT_TRICK,
-        FP8_IN_REGISTERS, FP8_V_UNSCALED, FP8_V_LATE, SLOT_ROWS, SAME_ROW_STRIDE)
-    # Every thread's partial stores come before the ticket (one thread takes
-    # it): acq_rel at GPU scope publishes them to the program that draws the
-    # last ticket, and makes the other splits' partials visible to it.
-    tl.debug_barrier()
-    row = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(2)
-    ticket_at = tickets_ptr + row * tickets_sr + kv_head
-    if tl.atomic_add(ticket_at, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-        group_offsets = tl.arange(0, BLOCK_M)
-        _merge_splits(partial_out_ptr, partial_lse_ptr, out_ptr, row, kv_head * GROUP + group_offsets,
-                      group_offsets < GROUP, tl.num_programs(1), o_ss, o_sr, o_sh, lse_ss, lse_sr,
-                      BLOCK_M, D, NUM_SPLITS, SPLIT_CHUNK, CHUNKED_SPLITS, not INTERPRET)
-        # Every split of this (row, KV head) has drawn: the ticket is free again.
-        tl.store(ticket_at, 0)
+    _merge_splits(partial_out_ptr, partial_lse_ptr, out_ptr, row, heads, heads >= 0,
+                  o_ss, o_sr, o_sh, lse_ss, lse_sr, 1, D, NUM_SPLITS, SPLIT_CHUNK, CHUNKED_SPLITS)
 
 
 def _check_cache_dtypes(check: Checker, q, k_cache, v_cache, k_scale, v_scale) -> bool:
@@ -449,9 +369,7 @@ def plan_sparse_paged_attention(
     """Validate stage-4 arguments and describe the launches (see docs/api.md).
 
     ``tuning`` (default: the current :class:`~qsa_kernels.tuning.AttentionTuning`)
-    holds the launch table; its ``num_splits`` forces the split count (tests),
-    and ``fused_merge`` merges several splits in their launch (one launch,
-    the default) or in a second one.
+    holds the launch table; its ``num_splits`` forces the split count (tests).
     """
     check = Checker(FUNCTION)
     check.rank("q", q, 3, "[R, QH, D]")
@@ -520,32 +438,16 @@ def plan_sparse_paged_attention(
     constexprs = dict(
         GROUP=group, D=d, PAGE=page, WIDTH=width, BLOCK_M=block_m, BLOCK_N=block_n,
         TILES_PER_SPLIT=tiles_per_split, INTERPRET=runtime.INTERPRETED, FP8_CACHE=fp8,
-        BIT_TRICK=bit_trick(fp8, q.dtype), FP8_IN_REGISTERS=in_registers(fp8, tuning.fp8_widen),
-        FP8_V_UNSCALED=(tuning.fp8_unscaled_values and bit_trick(fp8, q.dtype)
-                        and in_registers(fp8, tuning.fp8_widen)),
-        FP8_V_LATE=tuning.fp8_late_values and in_registers(fp8, tuning.fp8_widen),
-        SLOT_ROWS=slot_rows, SAME_ROW_STRIDE=k_cache.strides[1] == v_cache.strides[1],
+        BIT_TRICK=bit_trick(fp8, q.dtype), SLOT_ROWS=slot_rows,
+        SAME_ROW_STRIDE=k_cache.strides[1] == v_cache.strides[1],
     )
     # Rows vary fastest (see the table).
     grid = (rows, splits, kh)
-    if splits > 1 and tuning.fused_merge:
-        # One launch: the last split of each (row, KV head) to finish merges.
-        # The tickets start at zero (Buffer.fill) and are left at zero.
-        tickets = Buffer("tickets", (rows, kh), "int32", fill=0)
-        buffers += (tickets,)
-        chunk = min(splits, max(1, tuning.fused_merge_chunk_elements // (block_m * d)))
-        launches = (Launch(
-            kernel=sparse_attention_fused_merge_kernel, grid=grid, inputs=inputs + (tickets.name,),
-            outputs=(partial_out.name, partial_lse.name, out.name, tickets.name),
-            scalars=dict(scalars, tickets_sr=tickets.info.strides[0]),
-            constexprs=dict(constexprs, NUM_SPLITS=splits, SPLIT_CHUNK=chunk, CHUNKED_SPLITS=splits // chunk * chunk),
-            num_warps=num_warps, num_stages=num_stages),)
-    else:
-        launches = (Launch(
-            kernel=sparse_attention_partial_kernel, grid=grid, inputs=inputs,
-            outputs=(partial_out.name, partial_lse.name), scalars=scalars, constexprs=constexprs,
-            num_warps=num_warps, num_stages=num_stages),)
-    if splits > 1 and not tuning.fused_merge:
+    launches = (Launch(
+        kernel=sparse_attention_partial_kernel, grid=grid, inputs=inputs,
+        outputs=(partial_out.name, partial_lse.name), scalars=scalars, constexprs=constexprs,
+        num_warps=num_warps, num_stages=num_stages),)
+    if splits > 1:
         chunk = min(splits, max(1, tuning.merge_chunk_elements // d))
         launches += (Launch(
             kernel=merge_splits_kernel,

@@ -11,22 +11,16 @@ import triton.language as tl
 
 from . import runtime
 
-#: Widen fp8 to bf16 with integer ops instead of Triton's cast (see
-#: :func:`widen_e4m3`); read when a plan is made.  Set False to fall back to
-#: Triton's cast (e.g. on a GPU without bf16x2 fma, sm < 80).
-FP8_BIT_TRICK = True
 
-
-def in_registers(fp8: bool, widen: str) -> bool:
-    """Whether a reader's ``IN_REGISTERS`` constexpr is on: fp8 cache, widening "registers"
-    (a tuning), compiled (no inline asm under the interpreter)."""
-    return fp8 and widen == "registers" and not runtime.INTERPRETED
+def in_registers(fp8: bool) -> bool:
+    """Whether a reader's ``IN_REGISTERS`` constexpr is on: fp8 cache, compiled (inline asm; the
+    interpreter takes Triton's cast)."""
+    return fp8 and not runtime.INTERPRETED
 
 
 def bit_trick(fp8: bool, q_dtype: str) -> bool:
-    """Whether a reader's ``BIT_TRICK`` constexpr is on: fp8 cache, bf16 q, compiled (no inline asm
-    under the interpreter)."""
-    return fp8 and q_dtype == "bfloat16" and FP8_BIT_TRICK and not runtime.INTERPRETED
+    """Whether a reader's ``BIT_TRICK`` constexpr is on: in registers (:func:`in_registers`) and bf16 q."""
+    return in_registers(fp8) and q_dtype == "bfloat16"
 
 
 @triton.jit
@@ -46,44 +40,22 @@ def _opaque(x):
 
 
 @triton.jit
-def widen_e4m3(x, dtype: tl.constexpr, BIT_TRICK: tl.constexpr, IN_REGISTERS: tl.constexpr = False,
-               UNSCALED: tl.constexpr = False):
+def widen_e4m3(x, dtype: tl.constexpr, BIT_TRICK: tl.constexpr, IN_REGISTERS: tl.constexpr):
     """fp8 e4m3 ``x`` as ``dtype`` (bf16 or fp16), exactly for every finite value.
-
-    Triton's own fp8 -> bf16 cast goes through fp16 with one F2F conversion
-    per element, on the slow conversion pipe (as many cycles per tile as its
-    loads take at full bandwidth, measured offline in the sm_90 SASS: 256
-    F2F + 128 F2FP per thread and tile at decode).  ``BIT_TRICK`` (compiled
-    bf16 only) works on integer ops instead: byte ``s eeee mmm`` becomes the
-    bf16 bits ``s 0000eeee mmm0000``, whose value is the e4m3 value times
-    2**-120 (normal: 2**(e-127) (1 + m/8) against 2**(e-7) (1 + m/8);
-    subnormal: m/8 2**-126 against m/8 2**-6), and one bf16x2 fma per two
-    elements multiplies by 2**120: exact (a power of two, no overflow, and
-    bf16 fma keeps subnormal inputs).  The two NaN codes come out as +-480;
-    stage 1 and store_cache_rows saturate, so they never write them.
 
     ``IN_REGISTERS`` (compiled only: inline asm): widen here, in the layout
     ``x`` was loaded in, never in a dot-operand layout (see :func:`_opaque`).
-    Its bit trick places each byte with its sign replicated above it
-    (``prmt``), so one shift and one mask give the bf16 bits: 4 ops per two
-    elements instead of 5.  ``UNSCALED`` (with both): leave out the fma, so
-    the bf16 values are the e4m3 values times 2**-120 (exactly, e4m3
-    subnormals as bf16 subnormals): the caller owes the factor 2**120.
+    ``BIT_TRICK`` (with it, bf16 only): integer ops instead of Triton's cast,
+    which goes through fp16 with one F2F per element on the slow conversion
+    pipe.  Byte ``s eeee mmm`` becomes the bf16 bits ``s 0000eeee mmm0000``,
+    the e4m3 value times 2**-120, and one bf16x2 fma per two elements
+    multiplies by 2**120: exact (a power of two; bf16 fma keeps subnormal
+    inputs).  The two NaN codes come out as +-480; stage 1 and
+    store_cache_rows saturate, so they never write them.  Without
+    ``IN_REGISTERS`` (the interpreter): Triton's cast.  (docs/design.md,
+    "Retired variants": the other widenings measured.)
     """
-    if IN_REGISTERS and BIT_TRICK and UNSCALED:
-        widened = tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 a<2>;
-            prmt.b32 a0, $2, 0, 0x9180;
-            prmt.b32 a1, $2, 0, 0xb3a2;
-            shl.b32 a0, a0, 4;
-            shl.b32 a1, a1, 4;
-            and.b32 $0, a0, 0x87f087f0;
-            and.b32 $1, a1, 0x87f087f0;
-            }""",
-            constraints="=r,=r,r", args=[x.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
-            is_pure=False, pack=4)
-    elif IN_REGISTERS:
+    if IN_REGISTERS:
         if BIT_TRICK:
             # prmt selector nibbles 8-b: the sign of byte 0-3 replicated; << 4 puts
             # e and m at bits 10..4 and a sign bit at 15, the mask clears the rest.
@@ -105,25 +77,6 @@ def widen_e4m3(x, dtype: tl.constexpr, BIT_TRICK: tl.constexpr, IN_REGISTERS: tl
                 is_pure=False, pack=4)
         else:
             widened = _opaque(x.to(tl.uint8, bitcast=True)).to(tl.float8e4nv, bitcast=True).to(dtype)
-    elif BIT_TRICK:
-        widened = tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 a<2>, b<2>, scale, zero;
-            prmt.b32 a0, 0, $2, 0x5040;
-            prmt.b32 a1, 0, $2, 0x7060;
-            and.b32 b0, a0, 0x7fff7fff;
-            and.b32 b1, a1, 0x7fff7fff;
-            shr.b32 b0, b0, 4;
-            shr.b32 b1, b1, 4;
-            lop3.b32 b0, b0, 0x80008000, a0, 0xf8;
-            lop3.b32 b1, b1, 0x80008000, a1, 0xf8;
-            mov.b32 scale, 0x7b807b80;
-            mov.b32 zero, 0x80008000;
-            fma.rn.bf16x2 $0, b0, scale, zero;
-            fma.rn.bf16x2 $1, b1, scale, zero;
-            }""",
-            constraints="=r,=r,r", args=[x.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
-            is_pure=True, pack=4)
     else:
         widened = x.to(dtype)
     return widened

@@ -301,8 +301,9 @@ def scorer_arguments(q, k_cache, page_table, compress_ratio, num_columns, score_
                    score_divisor=float(score_divisor))
     constexprs = dict(HEADS=heads, HEADS_P=max(16, triton.next_power_of_2(heads)), D=dim,
                       BLOCK_D=max(16, triton.next_power_of_2(dim)), PAGE=k_cache.shape[1], RATIO=compress_ratio,
-                      BLOCK_N=block_n, UPCAST=upcast, FP8_KEYS=fp8_keys, BIT_TRICK=bit_trick(fp8_keys, q.dtype),
-                      IN_REGISTERS=in_registers(fp8_keys, tuning.fp8_widen))
+                      BLOCK_N=block_n, UPCAST=upcast, FP8_KEYS=fp8_keys,
+                      # fp8 keys: fp8.widen_e4m3's widening (in registers when compiled, by its bit trick for bf16 q)
+                      BIT_TRICK=bit_trick(fp8_keys, q.dtype), IN_REGISTERS=in_registers(fp8_keys))
     upcast_exact = q.dtype == "float32"  # fp32 queries: the exact fp32 dot (8 warps)
     warps = tuning.fp8_row_warps if fp8_keys and block_r == 1 and not upcast_exact else 8
     return block_r, block_n, scalars, constexprs, warps

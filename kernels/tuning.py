@@ -66,27 +66,12 @@ class AttentionTuning:
     so that no split is empty), so that a decode batch too small to fill the
     H200's 132 SMs still fills it; no split (and no merge pass) once
     programs > 132 (their rows' targets are below twice their programs).
-    Swept on the H200 (CUDA-graph replay, 24 Q / 2 KV heads x d256, bf16, W
-    = 2051; ``benchmarks/bench_sparse_attention.py --sweep``, best of 18
-    configurations per shape; ``--sweep --splits``, the split counts
-    crossed with 5 configurations, for 8 and 64 rows):
-
-    | programs | K/V tile | warps | stages | target | measured on | us (table before) |
-    |----------|----------|-------|--------|--------|-------------|-------------------|
-    | <= 4     | 32 KB    | 8     | 3      | 264    | decode 1 row (33 splits) | 9.5 (10.9) |
-    | 5-16     | 16 KB    | 4     | 3      | 512    | decode 8 rows (22 splits) | 18.1 (21.4) |
-    | 17-64    | 32 KB    | 8     | 3      | 264    | (the previous table's) | decode 16 rows: 35.6 |
-    | 65-132   | 16 KB    | 2     | 3      | 512    | decode 64 rows (4 splits) | 93.0 (100.0) |
-    | 133-4095 | 16 KB    | 2     | 3      | 264    | decode 256 rows     | 285 (386)         |
-    | >= 4096  | 32 KB    | 2     | 2      | 264    | prefill 2048 rows   | 1206 (2193)       |
-
-    (32 KB of K or V is BLOCK_N = 64 tokens at D = 256.)  Many small
-    programs favour 2 warps: more of them fit on an SM, so more gathers are
-    in flight.  (The 8-, 16- and 64-row figures are ``--sweep --splits``
-    runs that timed the table before in the same run.  At 16 rows the
-    8-row configuration took 40.3 us and 32 KB tiles on 4 warps, 2 stages,
-    11 splits 32.8: a candidate not yet checked against the reference on
-    the GPU, so 17-64 programs keep the previous table's row.)
+    Many small programs favour 2 warps: more of them fit on an SM, so more
+    gathers are in flight.  Each row was measured on the H200
+    (``bench_sparse_attention.py --sweep`` and ``--sweep --splits``:
+    benchmarks/results/sparse_attention_sweep.json,
+    sparse_attention_splits_{8,16,64}.json); the figures are in
+    docs/design.md, "Measured tuning values".
 
     ``tile_bytes`` forces the tile of every row (sweeps); ``num_splits``
     forces the split count (tests), capped so that no split is empty.
@@ -102,61 +87,18 @@ class AttentionTuning:
     )
     tile_bytes: int | None = None
     num_splits: int | None = None
-    #: Split-K (programs <= 132) in one launch: the last split of each (row,
-    #: KV head) to finish merges the partials (an atomic ticket).  False:
-    #: a second launch merges them (one program per (row, head)).  Measured
-    #: on the H200 (CUDA graphs, bench_sparse_attention.py --merge both):
-    #: fused / two launches 16.3 / 9.1 us at 1 row (33 splits: one program
-    #: reads all 33 partials of its KV head from L2), 28.1 / 23.1 at 8 rows,
-    #: 100.6 / 99.8 at 64; the ticket fill is 1.1 us more.  So off.
-    fused_merge: bool = False
-    #: float32 partial elements a fused merge loads per step (SPLIT_CHUNK x
-    #: BLOCK_M x D; 16384 at 8 warps: 64 registers per thread).
-    fused_merge_chunk_elements: int = 16384
     #: float32 elements of one merge launch's chunk (SPLIT_CHUNK x D): 32 registers per thread.
     merge_chunk_elements: int = 4096
     #: fp8 caches: tiles sized as for 16-bit ones (BLOCK_N from the tile bytes
-    #: at 2 bytes an element: fp8 tiles move half the bytes).  Not yet swept on
-    #: the H200 (``bench_sparse_attention.py --sweep --fp8`` times the
-    #: candidates).  Compiled for sm_90 offline with the defaults below
-    #: (registers / shared memory -> programs per SM; SASS instructions of the
-    #: main loop per warp and token): decode 256, 32-token tiles, 2 warps, 3
-    #: stages (this table): 254 / 57 KB -> 4 (8 warps); 102.  Candidates: 4
-    #: warps, 2 stages: 166 / 57 KB -> 3 (12 warps); 99.  16-token tiles, 2
-    #: warps, 2 stages: 196 / 33 KB -> 5 (10 warps); 103.  Decode 64 (the
-    #: first row): 172 / 105 KB; 105.  Prefill (16 KB tiles): 251 registers;
-    #: 64-token tiles on 2 warps now compile without spills too (255, 104 KB).
-    #: 64-token tiles take far fewer instructions a token on 2 warps: at decode
-    #: 256, 2 stages, 255 / 104 KB -> 2 (4 warps); 61; with fp8_late_values
-    #: 255 / 74 KB -> 3 (6 warps); 62.  4 warps: 168 / 104 KB -> 2; 90 (late
-    #: values: 200 / 75 KB).  (fp8_late_values at the table's rows: decode 256
-    #: 252 / 41 KB, decode 64 186 / 75 KB, prefill 236 / 41 KB.)
-    #: Swept on the H200 (``--sweep --quick --fp8``, CUDA graphs, 128K): at
-    #: decode 64 the first row went from 64-token tiles, 8 warps, 3 stages
-    #: (123.5 us) to 4 warps, 2 stages (88.6 us; bf16 99.3); at decode 256
-    #: the second row is the fastest of the candidates once fp8_late_values
-    #: is on (279 us; 389.5 without it; 64-token tiles 306-309; bf16 294).
+    #: at 2 bytes an element: fp8 tiles move half the bytes).  Swept on the H200
+    #: (``--sweep --quick --fp8``, benchmarks/results/sparse_attention_fp8_sweep.json):
+    #: decode 64 x 128K 88.6 us (bf16 99.3), decode 256 279 us (bf16 294); the
+    #: candidates' sm_90 registers and shared memory: docs/design.md, "Measured tuning values".
     fp8_launch_table: tuple = (
         (132, 32 * 1024, 4, 2, 264),
         (4095, 16 * 1024, 2, 3, 264),
         (None, 16 * 1024, 2, 2, 264),
     )
-    #: fp8 caches: where K/V tiles are widened to q's dtype.  "registers": right
-    #: after the load, in its layout; the dots then read 16-bit tiles from
-    #: shared memory with ldmatrix, as for 16-bit caches.  "dot_operand" (the
-    #: first release's code, kept to compare): Triton stages the fp8 bytes in
-    #: shared memory and widens them in the dot-operand layout, so V (the P.V
-    #: operand, tokens not contiguous) is read one byte at a time.
-    #:
-    #: sm_90 SASS of the main loop, decode 256 rows (32-token tiles, 2 warps,
-    #: 3 stages), instructions per thread and tile / registers / shared memory:
-    #: fp8 first release ("dot_operand", "page") 2875 / 255 / 26 KB (128
-    #: LDS.U8); "registers", "page" 1751 / 253 / 57 KB; "registers", "slot"
-    #: (the defaults) 1636 / 254 / 57 KB; with fp8_unscaled_values 1565 / 250.
-    #: bf16: "page" 1867 / 201 / 42 KB, "slot" 1620 / 216.  Decode 64 (64-token
-    #: tiles, 8 warps): fp8 first release 1485 / 182, defaults 840 / 172; bf16
-    #: 957 / 128.
-    fp8_widen: str = "registers"
     #: How a gathered K/V row's address is computed, for 16-bit and for fp8
     #: caches.  "slot" (where each page is a run of rows and the cache has
     #: < 2**31 rows; else "page"): the token's int32 slot (page x P + offset)
@@ -167,34 +109,15 @@ class AttentionTuning:
     #: "slot" takes 15 more registers at decode 256 (5 -> 4 programs per SM).
     row_addressing: str = "page"
     fp8_row_addressing: str = "slot"
-    #: fp8 caches, bf16 q, widened in registers: V's bit trick leaves out its
-    #: multiply by 2**120 (V enters the dot as V x 2**-120, e4m3 subnormals as
-    #: bf16 subnormals) and the probabilities are multiplied by 2**120 in
-    #: float32 before their bf16 rounding: the same products if the tensor
-    #: cores keep bf16 subnormal inputs (the GPU tests check it bitwise), 64
-    #: fewer instructions per thread and tile at decode 256.  Off until the
-    #: GPU tests pass with it.
-    fp8_unscaled_values: bool = False
-    #: fp8 caches widened in registers: widen V after the softmax, right
-    #: before P.V, instead of beside K (its 16-bit tile then reuses K's shared
-    #: memory).  See fp8_launch_table's notes for its registers and memory.
-    #: On: measured on the H200 at decode 256 x 128K, 279 against 389.5 us
-    #: (three programs an SM instead of two); at decode 64 a tie (89.2 / 88.6).
-    fp8_late_values: bool = True
 
     def __post_init__(self):
         _positive_int("AttentionTuning", "tile_bytes", self.tile_bytes, optional=True)
         _positive_int("AttentionTuning", "num_splits", self.num_splits, optional=True)
         _positive_int("AttentionTuning", "merge_chunk_elements", self.merge_chunk_elements)
-        _positive_int("AttentionTuning", "fused_merge_chunk_elements", self.fused_merge_chunk_elements)
-        object.__setattr__(self, "fused_merge", BOOL.canonical("AttentionTuning", "fused_merge", self.fused_merge))
         for name in ("row_addressing", "fp8_row_addressing"):
             if getattr(self, name) not in ROW_ADDRESSING_MODES:
                 raise ValueError(f"AttentionTuning: {name} must be one of "
                                  f"{', '.join(map(repr, ROW_ADDRESSING_MODES))}, got {getattr(self, name)!r}")
-        if self.fp8_widen not in FP8_WIDEN_MODES:
-            raise ValueError(f"AttentionTuning: fp8_widen must be one of {', '.join(map(repr, FP8_WIDEN_MODES))}, "
-                             f"got {self.fp8_widen!r}")
         for name in ("launch_table", "fp8_launch_table"):
             table = tuple(tuple(row) for row in getattr(self, name))
             object.__setattr__(self, name, table)
@@ -334,8 +257,6 @@ class TopkTuning:
                                  f"{32 // self.radix_bits}, got {getattr(self, name)!r}")
 
 
-#: The values of ``AttentionTuning.fp8_widen``.
-FP8_WIDEN_MODES = ("registers", "dot_operand")
 #: The values of ``AttentionTuning.row_addressing``.
 ROW_ADDRESSING_MODES = ("slot", "page")
 
@@ -353,18 +274,11 @@ class SelectTuning:
 
     #: Logits of one chunk of rows stay under this many bytes (rows are processed in chunks).
     logits_workspace_bytes: int = 128 * 1024 * 1024
-    #: The scorer (``mqa_paged_scores``, and the selection's) with fp8 keys:
-    #: where key tiles are widened (as ``AttentionTuning.fp8_widen``), and the
-    #: columns and warps of a program that scores one row (decode; columns a
-    #: power of two >= 128).  The first release's: "dot_operand", 256 columns
-    #: (as many key bytes a program as with bf16 keys), 8 warps.  sm_90 SASS at
-    #: decode 256 x 128K (instructions per warp and column, registers,
-    #: programs per SM): first release 32, 96, 2 (no pipelining: few
-    #: programs hide little latency); 128 columns, "registers", 8 warps: 36,
-    #: 40, 6 (36 KB of shared memory each); 4 warps (the defaults): 28, 70, 6;
-    #: 2 warps: 25, 107, 6; "dot_operand", 4 warps: 33, 88, 5.  bf16 keys
-    #: (128 columns, 8 warps): 31, 63, 4.  Not yet measured on the H200.
-    fp8_widen: str = "registers"
+    #: The scorer (``mqa_paged_scores``, and the selection's) with fp8 keys, a
+    #: row a program (decode): its columns (a power of two >= 128) and warps.
+    #: Measured on the H200 (benchmarks/results/select_fp8_grid.json, decode
+    #: 256 x 128K, CUDA graphs): 432.5 us; 256 columns 485.0, 8 warps 529.7, 2
+    #: warps 466.3 (sm_90 registers: docs/design.md, "Measured tuning values").
     fp8_row_columns: int = 128
     fp8_row_warps: int = 4
     #: Decode rows whose top-k takes the ticketed path are scored, ranked and
@@ -373,16 +287,10 @@ class SelectTuning:
     #: Up to ``fused_max_rows`` rows of at most ``fused_max_columns``
     #: compressed blocks; ``fused_warps`` warps, each scoring program
     #: ``fused_score_columns`` columns (a power of two, at least the scorer's
-    #: tile).  Measured on the H200 (bench_select.py --fused-sweep, CUDA
-    #: graphs, us, rows x columns: fused at 8 warps and 256 columns / the
-    #: three launches, same run): 1 x 8192 20.4 / 21.7, 8 x 8192 26.2 /
-    #: 25.1, 1 x 32768 22.1 / 23.5, 2 x 32768 25.5 / 27.6, 4 x 32768 31.5 /
-    #: 32.7, 8 x 32768 47.2 / 49.2, 16 x 32768 71.7 / 71.6, 1 x 131072 38.7 /
-    #: 37.3, 8 x 131072 124.7 / 116.2 (the selection's registers leave room
-    #: for 2 programs an SM where the scorer runs 4: fewer loads in flight).
-    #: 16 warps (103 registers, no spill; 8 warps spill 18 at ptxas's 128):
-    #: the best 16-warp variant is slower than the best 8-warp one at every
-    #: shape.
+    #: tile).  Measured on the H200 (benchmarks/results/select_fused_sweep.json,
+    #: CUDA graphs, rows x columns, fused / three launches): 1 x 32768 22.1 / 23.5 us, 8 x 32768
+    #: 47.2 / 49.2, past the bounds 8 x 131072 124.7 / 116.2; 16 warps slower
+    #: than 8 at every shape (docs/performance.md, "Fused selection").
     fused: bool = True
     fused_max_rows: int = 8
     fused_max_columns: int = 32768
@@ -398,9 +306,6 @@ class SelectTuning:
             value = getattr(self, name)
             if value < 128 or value & (value - 1):
                 raise ValueError(f"SelectTuning: {name} must be a power of two >= 128, got {value!r}")
-        if self.fp8_widen not in FP8_WIDEN_MODES:
-            raise ValueError(f"SelectTuning: fp8_widen must be one of {', '.join(map(repr, FP8_WIDEN_MODES))}, "
-                             f"got {self.fp8_widen!r}")
 
 
 @_tuning_value

@@ -137,9 +137,6 @@ _TARGET = {"ffi": FFI_TARGET, "legacy": "triton_kernel_call"}
 # rule below changes only those, so other jax-triton users in the process see
 # jax-triton's own lowering.
 _NAME_PREFIX = "qsa:"
-#: Whether our launches carry slimmed call protos (see _slim_call_proto); a
-#: switch for the dispatch benchmark, which measures both.
-SLIM_CALL_PROTO = True
 
 
 def _install_lowering(jax_triton) -> None:
@@ -166,17 +163,12 @@ def _install_lowering(jax_triton) -> None:
         if not name.startswith(_NAME_PREFIX):  # not ours: jax-triton's lowering, untouched
             return legacy_rule(ctx, *operands, name=name, custom_call_target_name=custom_call_target_name,
                                input_output_aliases=input_output_aliases, **params)
-        if SLIM_CALL_PROTO:
-            with triton.knobs.compilation.scope():  # line info: debug text only, the code is the same
-                triton.knobs.compilation.disable_line_info = True
-                results = lower()
-        else:
+        with triton.knobs.compilation.scope():  # line info: debug text only, the code is the same
+            triton.knobs.compilation.disable_line_info = True
             results = lower()
         legacy_op = results[0].owner
-        proto = ir.StringAttr(legacy_op.attributes["backend_config"]).value_bytes
+        proto = _slim_call_proto(ir.StringAttr(legacy_op.attributes["backend_config"]).value_bytes)
         legacy_op.erase()
-        if SLIM_CALL_PROTO:
-            proto = _slim_call_proto(proto)
         aliases = dict(input_output_aliases)
         if custom_call_target_name == FFI_TARGET:
             return jax.ffi.ffi_lowering(FFI_TARGET, api_version=4, operand_output_aliases=aliases)(

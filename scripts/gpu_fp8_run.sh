@@ -2,8 +2,7 @@
 # fp8 speed (issue 15) on the H200: the GPU tests of every fp8 variant, then the
 # benchmarks that time the variants side by side (JSON and logs under $OUT).
 #   bash scripts/gpu_fp8_run.sh
-# Files: gpu.txt, pytest.log, bench.log, sparse_attention.json (fp8 columns,
-# fp8_first_release_* = the first release's code), sparse_attention_fp8_sweep.json
+# Files: gpu.txt, pytest.log, bench.log, sparse_attention.json (fp8 columns), sparse_attention_fp8_sweep.json
 # and sparse_attention_sweep.json (--sweep --quick: variants + launch candidates),
 # select.json (fp8_scorer_<variant>_* columns).
 set -u

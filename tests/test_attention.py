@@ -256,20 +256,12 @@ def test_launch_table():
             a((rows, width), "int32"), a((8, 2048), "int32"), a((rows,), "int32"),
             tuning=tuning.AttentionTuning(**tuned))
 
-    partial, merge = plan(1).launches  # split-K, then the merge launch (fused_merge's default: measured faster)
+    partial, merge = plan(1).launches  # split-K, then the merge launch
     assert partial.kernel is attention.sparse_attention_partial_kernel and merge.kernel is attention.merge_splits_kernel
     assert partial.grid == (1, 33, 2) and merge.grid == (1, 24)
     assert partial.constexprs["BLOCK_N"] == 64 and partial.constexprs["TILES_PER_SPLIT"] == 1  # one tile per split
     assert (partial.num_warps, partial.num_stages) == (8, 3)
-    assert plan(1).buffer("tickets") is None
-    decode_one = plan(1, fused_merge=True)
-    (fused,) = decode_one.launches  # split-K and its merge in one launch
-    assert fused.kernel is attention.sparse_attention_fused_merge_kernel
-    assert fused.grid == (1, 33, 2) and fused.constexprs["NUM_SPLITS"] == 33
-    tickets = decode_one.buffer("tickets")  # one per (row, KV head), zero-filled by the executor
-    assert (tickets.shape, tickets.dtype, tickets.fill) == ((1, 2), "int32", 0)
-    assert "tickets" in decode_one.filled_buffers and "tickets" in fused.inputs and "tickets" in fused.outputs
-    assert plan(64, fused_merge=True).launches[0].grid == (64, 4, 2) and len(plan(64, fused_merge=True).launches) == 1
+    assert merge.constexprs["NUM_SPLITS"] == 33 and merge.constexprs["SPLIT_CHUNK"] == 16  # 4096 elements // D
     # 8 / 16 / 32 / 64 rows (16 / 32 / 64 / 128 programs): the table's rows (tiles, warps, stages,
     # and splits toward 512 programs, 264 at 16 and 32 rows; 65 tiles of 32 tokens: 22 splits of 3).
     for rows, splits, block_n, warps, stages in ((8, 22, 32, 4, 3), (16, 7, 64, 8, 3), (32, 4, 64, 8, 3),
@@ -277,15 +269,14 @@ def test_launch_table():
         partial, merge = plan(rows).launches
         assert partial.grid == (rows, splits, 2) and merge.kernel is attention.merge_splits_kernel
         assert partial.constexprs["BLOCK_N"] == block_n and (partial.num_warps, partial.num_stages) == (warps, stages)
-    for fused_merge in (True, False):
-        decode_256 = plan(256, fused_merge=fused_merge)
-        assert [launch.grid for launch in decode_256.launches] == [(256, 1, 2)]  # no split, no merge, no tickets
-        assert decode_256.launches[0].kernel is attention.sparse_attention_partial_kernel
-        assert decode_256.buffer("tickets") is None
+    decode_256 = plan(256)
+    assert [launch.grid for launch in decode_256.launches] == [(256, 1, 2)]  # no split, no merge
+    assert decode_256.launches[0].kernel is attention.sparse_attention_partial_kernel
+    assert decode_256.buffer("partial_out") is None
     decode_256 = decode_256.launches
     assert decode_256[0].constexprs["BLOCK_N"] == 32 and (decode_256[0].num_warps, decode_256[0].num_stages) == (2, 3)
     prefill = plan(2048)
-    assert prefill.buffer("partial_out") is None and prefill.buffer("tickets") is None
+    assert prefill.buffer("partial_out") is None
     assert prefill.launches[0].constexprs["BLOCK_N"] == 64 and (prefill.launches[0].num_warps, prefill.launches[0].num_stages) == (2, 2)
     assert plan(4, d=64, qh=8).launches[0].constexprs["BLOCK_N"] == 128
     assert plan(4, width=10).launches[0].constexprs["BLOCK_N"] == 16  # capped by the width
@@ -331,7 +322,7 @@ def test_slot_addressing_only_where_pages_are_runs_of_rows():
 
 
 # --------------------------------------------------------------------------
-# Split-K merged in its launch (the last split to take a ticket) or by a second launch
+# Split-K merged by the merge launch, in chunks of splits
 # --------------------------------------------------------------------------
 
 #: 5 tiles of 16 tokens per row (MERGE_TILE_BYTES at D = 64): 2 or 5 splits.
@@ -352,70 +343,33 @@ def merge_inputs():
     return args, ref
 
 
-def merge_tuning(splits, fused, small_chunks):
-    # Small chunks: the fused merge folds 2 splits per step (16 x 64 elements
-    # each) and the merge launch 2 (x 64), so 5 splits end with a tail.
-    chunks = dict(fused_merge_chunk_elements=2 * 16 * 64, merge_chunk_elements=2 * 64) if small_chunks else {}
-    return tuning.AttentionTuning(num_splits=splits, fused_merge=fused, tile_bytes=MERGE_TILE_BYTES, **chunks)
-
-
 @pytest.mark.parametrize("splits", [2, 5])
-def test_fused_merge_is_the_merge_launch_bitwise(splits):
-    """One launch (the last split to finish merges) and two (a merge launch) fold the
-    splits in the same order with the same code: the same bits, run to run, near the
-    float64 reference, with splits that hold no valid token and rows that hold none."""
+def test_merge_chunks_give_the_same_bits(splits):
+    """The merge launch folds the splits in order 0..S-1 whatever its chunk of splits (2 per
+    step: 5 splits end with a tail): the same bits, run to run, near the float64 reference,
+    with splits that hold no valid token and rows that hold none."""
     args, ref = merge_inputs()
     infos = {n: qsa_torch._launch.info(args[n]) for n in ARGUMENTS}
     outputs = {}
-    for fused in (True, False):
-        for small_chunks in (False, True):
-            tuned = merge_tuning(splits, fused, small_chunks)
-            program = attention.plan_sparse_paged_attention(**infos, tuning=tuned)
-            assert len(program.launches) == (1 if fused else 2) and program.launches[0].grid[1] == splits
-            chunk = program.launches[-1].constexprs["SPLIT_CHUNK"]
-            assert chunk == (min(2, splits) if small_chunks else splits), chunk
-            with tuning.override(attention=tuned):
-                first = qsa_torch.sparse_paged_attention(**args)
-                if not small_chunks:
-                    assert_bitwise_equal(qsa_torch.sparse_paged_attention(**args), first, f"{fused=}: run to run")
-            what = f"{'fused' if fused else 'merge launch'}, {splits} splits, chunk {chunk}"
-            assert_close(first, ref, tolerance(MERGE_CASE.dtype), f"{what} vs reference")
-            assert not f64(first)[1:4].any(), f"{what}: rows without a valid token must be zeros"
-            outputs[what] = first
-    expected = outputs.pop(f"merge launch, {splits} splits, chunk {splits}")
-    for what, out in outputs.items():
-        assert_bitwise_equal(out, expected, f"{what} vs the merge launch")
+    for small_chunks in (False, True):
+        tuned = tuning.AttentionTuning(num_splits=splits, tile_bytes=MERGE_TILE_BYTES,
+                                       **(dict(merge_chunk_elements=2 * 64) if small_chunks else {}))
+        program = attention.plan_sparse_paged_attention(**infos, tuning=tuned)
+        assert len(program.launches) == 2 and program.launches[0].grid[1] == splits
+        chunk = program.launches[-1].constexprs["SPLIT_CHUNK"]
+        assert chunk == (min(2, splits) if small_chunks else splits), chunk
+        with tuning.override(attention=tuned):
+            first = qsa_torch.sparse_paged_attention(**args)
+            if not small_chunks:
+                assert_bitwise_equal(qsa_torch.sparse_paged_attention(**args), first, "run to run")
+        what = f"{splits} splits, chunk {chunk}"
+        assert_close(first, ref, tolerance(MERGE_CASE.dtype), f"{what} vs reference")
+        assert not f64(first)[1:4].any(), f"{what}: rows without a valid token must be zeros"
+        outputs[small_chunks] = first
+    assert_bitwise_equal(outputs[True], outputs[False], "chunks of 2 splits vs all splits at once")
     if splits == 5:
-        with tuning.override(attention=merge_tuning(splits, True, False)):
-            assert_bitwise_equal(run_jax(args), expected, "JAX (fused) vs torch")
-
-
-def test_fused_merge_leaves_its_tickets_zero():
-    """The merging split puts its ticket back to zero: the zero-filled ticket buffer could be
-    a workspace kept across calls, and a second run over the same tickets gives the same bits."""
-    from qsa_kernels import runtime
-    from qsa_kernels.launch import execute
-
-    args, ref = merge_inputs()
-    infos = {n: qsa_torch._launch.info(args[n]) for n in ARGUMENTS}
-    program = attention.plan_sparse_paged_attention(
-        **infos, tuning=tuning.AttentionTuning(num_splits=3, tile_bytes=MERGE_TILE_BYTES, fused_merge=True))
-    allocate = qsa_torch._launch._Allocate(args["q"].device)
-    kept = {}
-
-    def keep_tickets(buffer, fill):
-        if buffer.name == "tickets" and "tickets" in kept:
-            return kept["tickets"]  # reused as is: what the previous run left
-        kept[buffer.name] = allocate(buffer, fill)
-        return kept[buffer.name]
-
-    guard = (lambda: runtime.interpreter_lock) if runtime.INTERPRETED else None
-    outputs = [execute(program, args, adapter="torch", allocate=keep_tickets, launch=qsa_torch._launch.launch_kernel,
-                       guard=guard)[0] for _ in range(2)]
-    assert kept["tickets"].shape == (MERGE_CASE.R, MERGE_CASE.KH)
-    assert not kept["tickets"].any(), "every ticket must be back to zero"
-    assert_close(outputs[0], ref, tolerance(MERGE_CASE.dtype), "fused merge vs reference")
-    assert_bitwise_equal(outputs[1], outputs[0], "second run over the same tickets")
+        with tuning.override(attention=tuning.AttentionTuning(num_splits=splits, tile_bytes=MERGE_TILE_BYTES)):
+            assert_bitwise_equal(run_jax(args), outputs[False], "JAX vs torch")
 
 
 # --------------------------------------------------------------------------
@@ -433,26 +387,6 @@ def test_production_decode_shape():
         (out,) = qsa_torch._launch.run(program, args, args["q"].device)
         assert_close(out, ref, tolerance(c.dtype), f"splits={splits}")
     assert_bitwise_equal(run_jax(args), qsa_torch.sparse_paged_attention(**args), "torch vs JAX")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 8, 64])
-def test_production_decode_fused_merge_is_the_merge_launch(rows):
-    """33 / 22 / 4 splits of 2051 tokens: merged in the launch by whichever split finishes
-    last (it varies from run to run), the same bits every run and as the merge launch's."""
-    c = Case(R=rows, QH=24, KH=2, D=256, P=64, W=2051, requests=rows, pages_per_request=40, seed=rows)
-    args = make_inputs(c)
-    infos = {n: qsa_torch._launch.info(args[n]) for n in ARGUMENTS}
-    outputs = {}
-    for fused in (True, False):
-        program = attention.plan_sparse_paged_attention(**infos, tuning=tuning.AttentionTuning(fused_merge=fused))
-        assert len(program.launches) == (1 if fused else 2) and program.launches[0].grid[1] == {1: 33, 8: 22, 64: 4}[rows]
-        runs = [qsa_torch._launch.run(program, args, args["q"].device)[0] for _ in range(5 if fused else 1)]
-        for run in runs[1:]:
-            assert_bitwise_equal(run, runs[0], "fused merge, run to run")
-        outputs[fused] = runs[0]
-    assert_bitwise_equal(outputs[True], outputs[False], "merged in the launch vs by the merge launch")
-    assert_close(outputs[True], reference_for(args), tolerance(c.dtype), f"{rows} rows")
 
 
 @pytest.mark.gpu

@@ -192,9 +192,6 @@ CASES = {
     "scores/fp8-prefill-2048-128k": _scores(2048, 1, 1 << 17, k=FP8),
     "scores/fp8-fp16-prefill-256-d64": _scores(256, 1, 1 << 15, heads=8, d=64, q=FP16, k=FP8),
     "scores/fp8-fp32-queries": _scores(8, 8, 1 << 15, q=FP32, k=FP8),
-    "scores/fp8-decode-256-128k-first-release": _scores(256, 256, 1 << 17, k=FP8,
-                                                        tuning=dict(fp8_widen="dot_operand", fp8_row_columns=256,
-                                                                    fp8_row_warps=8)),
     "scores/fp8-decode-256-128k-8-warps": _scores(256, 256, 1 << 17, k=FP8, tuning=dict(fp8_row_warps=8)),
     "scores/fp8-decode-256-128k-256-columns": _scores(256, 256, 1 << 17, k=FP8, tuning=dict(fp8_row_columns=256)),
     # Stage 3: top-k (a top-k set takes ~20 s of compiling: few shapes).
@@ -254,13 +251,9 @@ CASES = {
     "select/fused-fp8-decode-1-128k": _select(1, 1, 1 << 17, k=FP8),
     "select/fused-fp16-16-heads-decode-3-32k-topk1024": _select(3, 3, 1 << 15, token_topk=1024, q=FP16, k=FP16,
                                                                heads=16),
-    # Stage 4: sparse_paged_attention (split-K where programs are few, merged
-    # in its launch; the merge launch kept for comparison).
+    # Stage 4: sparse_paged_attention (split-K where programs are few, then a merge launch).
     "attention/decode-1": _attention(1),
-    "attention/decode-8-22-splits": _attention(8),  # merge chunks of 16 (launch) and 4 (fused), with tails
-    "attention/decode-1-merge-launch": _attention(1, fused_merge=False),
-    "attention/fp8-decode-64": _attention(64, cache=FP8),
-    "attention/fp8-decode-64-merge-launch": _attention(64, cache=FP8, fused_merge=False),
+    "attention/decode-8-22-splits": _attention(8),  # merge chunks of 16 splits, with a tail
     "attention/decode-16": _attention(16),
     "attention/decode-32": _attention(32),
     "attention/decode-64": _attention(64),
@@ -274,12 +267,8 @@ CASES = {
     "attention/fp8-decode-64": _attention(64, cache=FP8),
     "attention/fp8-decode-256": _attention(256, cache=FP8),
     "attention/fp8-prefill-2048": _attention(2048, cache=FP8),
-    # The first release's fp8 code (widened in the dot-operand layout, by page).
-    "attention/fp8-decode-256-first-release": _attention(256, cache=FP8, fp8_widen="dot_operand",
-                                                         fp8_row_addressing="page"),
-    "attention/fp8-decode-256-unscaled-values": _attention(256, cache=FP8, fp8_unscaled_values=True),
-    "attention/fp8-decode-256-late-values-64-token-tiles": _attention(256, cache=FP8, fp8_late_values=True,
-                                                                      tile_bytes=32 * 1024),
+    # A candidate of the fp8 table's sweep (64-token tiles on 2 warps).
+    "attention/fp8-decode-256-64-token-tiles": _attention(256, cache=FP8, tile_bytes=32 * 1024),
     "attention/fp8-fp16-decode-64-page-addressing": _attention(64, dtype=FP16, cache=FP8, fp8_row_addressing="page"),
     "attention/fp8-fp16-d64-int64": _attention(8, qh=16, kh=4, d=64, dtype=FP16, index=I64, page=16, cache=FP8),
 }

@@ -74,8 +74,8 @@ def _widen_kernel(x_ptr, bf16_ptr, fp16_ptr, N: tl.constexpr, BIT_TRICK: tl.cons
 
 
 @pytest.mark.parametrize("bit_trick, in_registers", [
-    (False, False), pytest.param(True, False, marks=pytest.mark.gpu),
-    # The in-register widening (inline asm: compiled only): its own bit trick, and the cast.
+    (False, False),  # Triton's cast: the interpreter's
+    # The in-register widening (inline asm: compiled only): its bit trick (bf16), and the cast.
     pytest.param(True, True, marks=pytest.mark.gpu), pytest.param(False, True, marks=pytest.mark.gpu)])
 def test_every_finite_e4m3_value_widens_exactly(bit_trick, in_registers):
     """The readers' widening (Triton's cast, or the bf16 bit tricks the GPU uses): every finite
@@ -125,16 +125,11 @@ FP8_ATTENTION_CASES = {
 }
 
 
-#: AttentionTuning's fp8 variants besides the default, on the GPU only (under
-#: the interpreter the widening modes run the same code; both addressing modes
-#: are compared on the CPU in test_attention.py).
+#: AttentionTuning's fp8 variants besides the default, on the GPU only (both
+#: addressing modes are compared on the CPU in test_attention.py).
 FP8_VARIANTS = [pytest.param({}, id="default")] + [
     pytest.param(variant, id=name, marks=pytest.mark.gpu) for name, variant in (
-        ("first_release", dict(fp8_widen="dot_operand", fp8_row_addressing="page")),
-        ("dot_operand", dict(fp8_widen="dot_operand")),
-        ("page_addressing", dict(fp8_row_addressing="page")),
-        ("unscaled_values", dict(fp8_unscaled_values=True)),
-        ("late_values", dict(fp8_late_values=True)))]
+        ("page_addressing", dict(fp8_row_addressing="page")),)]
 
 
 @contextlib.contextmanager
@@ -168,8 +163,7 @@ def test_attention_fp8_matches_dequantised_reference(name, variant, force_splits
 @pytest.mark.parametrize("dtype, splits", [(torch.bfloat16, 1), (torch.float16, 3)])
 def test_attention_fp8_equals_16bit_cache_of_its_values(dtype, splits, variant, force_splits):  # noqa: F811
     """Power-of-two scales: exactly the 16-bit kernel on the dequantised caches (scale 4 puts
-    about 5% of the values on e4m3 subnormals: fp8_unscaled_values feeds them to the tensor
-    cores as bf16 subnormals)."""
+    about 5% of the values on e4m3 subnormals)."""
     c = Case(QH=12, KH=1, D=128, W=300, R=4, dtype=dtype, splits=splits)
     args, scales, (k_scale, v_scale) = fp8_attention_inputs(c, 0.125, 4.0)
     widened = dict(args, k_cache=(args["k_cache"].to(dtype) * k_scale).to(dtype),
@@ -192,11 +186,10 @@ def fp8_scoring_case(seed, scale, **kwargs):
     return case
 
 
-#: SelectTuning's fp8 scorer variants besides the default (GPU only: under the
-#: interpreter the widening modes run the same code).
+#: SelectTuning's fp8 scorer variants besides the default (GPU only: the
+#: interpreter is slow).
 SCORER_VARIANTS = [pytest.param({}, id="default")] + [
     pytest.param(variant, id=name, marks=pytest.mark.gpu) for name, variant in (
-        ("first_release", dict(fp8_widen="dot_operand", fp8_row_columns=256, fp8_row_warps=8)),
         ("256_columns", dict(fp8_row_columns=256)), ("8_warps", dict(fp8_row_warps=8)))]
 
 

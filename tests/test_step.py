@@ -785,8 +785,7 @@ def test_decode_step_launch_count():
 
     Unfused: RoPE + KV (1), compress_groups, the ring store, the pooled keys'
     RoPE, their store, the index queries' RoPE (5), score + top-k + expand
-    (3), attention (2: partial + split merge; 1 with AttentionTuning's
-    fused_merge) = 11.  Fused: 1 + 1 + the fused selection (1) + attention = 5.
+    (3), attention (2: partial + split merge) = 11.  Fused: 1 + 1 + the fused selection (1) + attention = 5.
     """
     from qsa_kernels.launch import kernel_name
 

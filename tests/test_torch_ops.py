@@ -37,7 +37,7 @@ CASES = {  # test id -> (sanitize case, option changes)
     "topk": ("topk_decode_ties", {}),
     "expand": ("expand", {}),
     "select": ("select_decode", {}),
-    "attention": ("attention_decode_split_k", {}),  # split-K, merged in the launch (tickets buffer)
+    "attention": ("attention_decode_split_k", {}),  # split-K, then the merge launch
 }
 
 

@@ -373,8 +373,7 @@ def test_override_and_tuning_values_are_checked():
             pass
     for make, message in ((lambda: tuning.AttentionTuning(num_splits=0), "AttentionTuning: num_splits must be a positive int or None, got 0"),
                           (lambda: tuning.AttentionTuning(tile_bytes=True), "AttentionTuning: tile_bytes must be a positive int or None, got True"),
-                          (lambda: tuning.AttentionTuning(fused_merge=1), "AttentionTuning: fused_merge must be a bool, got 1"),
-                          (lambda: tuning.AttentionTuning(fused_merge_chunk_elements=0), "AttentionTuning: fused_merge_chunk_elements must be a positive int, got 0"),
+                          (lambda: tuning.AttentionTuning(merge_chunk_elements=0), "AttentionTuning: merge_chunk_elements must be a positive int, got 0"),
                           (lambda: tuning.TopkTuning(radix_bits=5), "TopkTuning: radix_bits must divide 32, got 5"),
                           (lambda: tuning.RopeCacheTuning(num_warps=2.0), "RopeCacheTuning: num_warps must be a positive int, got 2.0"),
                           (lambda: tuning.AttentionTuning(launch_table=((8, 1024, 4, 2, 264),)), "AttentionTuning: launch_table must end with a row whose bound is None"),
