@@ -46,6 +46,7 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the card
 
 import common  # noqa: E402
+from qsa_kernels import tuning  # noqa: E402
 from qsa_kernels.tuning import ROW_ADDRESSING_MODES, AttentionTuning  # noqa: E402
 
 QH, KH, D, PAGE = 24, 2, 256, 64
@@ -159,8 +160,7 @@ def dense_baseline(torch, g, mode, rows, context, q, device):
 
 
 def plan_choice(qsa_torch, attention, arrays):
-    infos = {n: qsa_torch._launch.info(a) for n, a in arrays.items()}
-    partial = attention.plan_sparse_paged_attention(**infos).launches[0]
+    partial = qsa_torch.sparse_paged_attention.plan(**arrays).launches[0]
     return dict(splits=partial.grid[1], block_n=partial.constexprs["BLOCK_N"],
                 tiles_per_split=partial.constexprs["TILES_PER_SPLIT"],
                 warps=partial.num_warps, stages=partial.num_stages)
@@ -176,10 +176,9 @@ def sweep(qsa_torch, attention, arrays, smoke, quick=False, split_counts=()):
     Every configuration takes AttentionTuning's default row addressing (fp8: slot; 16-bit:
     page); the table's configuration also runs with the other (``variant``), so one run
     compares them."""
-    infos = {n: qsa_torch._launch.info(a) for n, a in arrays.items()}
-    d = infos["q"].shape[2]
-    planned = attention.plan_sparse_paged_attention(**infos).launches[0].grid[1]
-    fp8 = infos["k_cache"].dtype == "float8_e4m3fn"
+    d = arrays["q"].shape[2]
+    planned = qsa_torch.sparse_paged_attention.plan(**arrays).launches[0].grid[1]
+    fp8 = "float8_e4m3fn" in str(arrays["k_cache"].dtype)
     default = AttentionTuning()
     addressing = "fp8_row_addressing" if fp8 else "row_addressing"
     variants = [{}] + [{addressing: mode} for mode in ROW_ADDRESSING_MODES if mode != getattr(default, addressing)]
@@ -200,7 +199,8 @@ def sweep(qsa_torch, attention, arrays, smoke, quick=False, split_counts=()):
     for block_n, splits, warps, stages, variant in configs[:2] if smoke else configs:
         # The tuning is part of the plan's memo key: nothing to restore or clear afterwards.
         forced = AttentionTuning(tile_bytes=block_n * 2 * d if block_n else None, num_splits=splits, **variant)
-        program = attention.plan_sparse_paged_attention(**infos, tuning=forced)
+        with tuning.override(attention=forced):
+            program = qsa_torch.sparse_paged_attention.plan(**arrays)
         partial = program.launches[0]
         partial = dataclasses.replace(partial, num_warps=warps or partial.num_warps,
                                       num_stages=stages or partial.num_stages)
@@ -209,7 +209,7 @@ def sweep(qsa_torch, attention, arrays, smoke, quick=False, split_counts=()):
                       tiles_per_split=partial.constexprs["TILES_PER_SPLIT"],
                       warps=partial.num_warps, stages=partial.num_stages,
                       variant=",".join(f"{k}={v}" for k, v in variant.items()) or "default")
-        call = lambda: qsa_torch._launch.run(program, arrays, arrays["q"].device)  # noqa: E731
+        call = lambda: qsa_torch.run_program(program, arrays)  # noqa: E731
         try:
             # Without CUDA (smoke): the wall clock, to check the path runs.
             result["graph_us"] = common.torch_graph_us(call, smoke=smoke) or common.torch_median_us(call, smoke)

@@ -126,10 +126,14 @@ def force_splits():
         yield force
 
 
+def plan_with(args, forced: tuning.AttentionTuning):
+    """The Program a call with ``args`` runs under ``forced``."""
+    with tuning.override(attention=forced):
+        return qsa_torch.sparse_paged_attention.plan(**{n: args[n] for n in ARGUMENTS})
+
+
 def planned_splits(args, num_splits=None) -> int:
-    infos = {n: qsa_torch._launch.info(args[n]) for n in ARGUMENTS}
-    program = attention.plan_sparse_paged_attention(**infos, tuning=with_splits(num_splits))
-    return program.launches[0].grid[1]
+    return plan_with(args, with_splits(num_splits)).launches[0].grid[1]
 
 
 def check_case(c: Case, force_splits):
@@ -293,13 +297,11 @@ def test_row_addressing_modes_give_the_same_output(name):
     """AttentionTuning.row_addressing: by slot or by page, the same rows are gathered."""
     c = ADDRESSING_CASES[name]
     args = make_inputs(c)
-    infos = {n: qsa_torch._launch.info(args[n]) for n in ARGUMENTS}
     outs = {}
     for mode in tuning.ROW_ADDRESSING_MODES:
-        forced = tuning.AttentionTuning(num_splits=c.splits, row_addressing=mode)
-        program = attention.plan_sparse_paged_attention(**infos, tuning=forced)
+        program = plan_with(args, tuning.AttentionTuning(num_splits=c.splits, row_addressing=mode))
         assert program.launches[0].constexprs["SLOT_ROWS"] == (mode == "slot")
-        (outs[mode],) = qsa_torch._launch.run(program, args, args["q"].device)
+        (outs[mode],) = qsa_torch.run_program(program, args)
     assert np.abs(f64(outs["page"])).sum() > 0, "the case attends nothing: it tests nothing"
     assert_bitwise_equal(outs["slot"], outs["page"], "slot vs page addressing")
 
@@ -349,12 +351,11 @@ def test_merge_chunks_give_the_same_bits(splits):
     step: 5 splits end with a tail): the same bits, run to run, near the float64 reference,
     with splits that hold no valid token and rows that hold none."""
     args, ref = merge_inputs()
-    infos = {n: qsa_torch._launch.info(args[n]) for n in ARGUMENTS}
     outputs = {}
     for small_chunks in (False, True):
         tuned = tuning.AttentionTuning(num_splits=splits, tile_bytes=MERGE_TILE_BYTES,
                                        **(dict(merge_chunk_elements=2 * 64) if small_chunks else {}))
-        program = attention.plan_sparse_paged_attention(**infos, tuning=tuned)
+        program = plan_with(args, tuned)
         assert len(program.launches) == 2 and program.launches[0].grid[1] == splits
         chunk = program.launches[-1].constexprs["SPLIT_CHUNK"]
         assert chunk == (min(2, splits) if small_chunks else splits), chunk
@@ -381,10 +382,8 @@ def test_production_decode_shape():
     c = Case(R=64, QH=24, KH=2, D=256, P=64, W=2051, requests=64, pages_per_request=40)
     args = make_inputs(c)
     ref = reference_for(args)
-    infos = {n: qsa_torch._launch.info(args[n]) for n in ARGUMENTS}
     for splits in (None, 1):
-        program = attention.plan_sparse_paged_attention(**infos, tuning=with_splits(splits))
-        (out,) = qsa_torch._launch.run(program, args, args["q"].device)
+        (out,) = qsa_torch.run_program(plan_with(args, with_splits(splits)), args)
         assert_close(out, ref, tolerance(c.dtype), f"splits={splits}")
     assert_bitwise_equal(run_jax(args), qsa_torch.sparse_paged_attention(**args), "torch vs JAX")
 

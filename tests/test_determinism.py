@@ -249,10 +249,7 @@ def assert_split_k(call: Call) -> None:
     """The call takes the split-K path: its tokens split across programs whose partial
     outputs are merged (by a merge launch, or in the launch by the last split to finish,
     which varies from run to run on a GPU)."""
-    from qsa_kernels.attention import plan_sparse_paged_attention
-    from qsa_torch._launch import metadata
-
-    program = plan_sparse_paged_attention(**metadata(call.function, call.arrays))
+    program = getattr(qsa_torch, call.function).plan(**call.arrays)
     assert program.launches[0].grid[1] > 1, "the case must split its tokens across programs"
 
 

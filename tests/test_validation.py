@@ -72,10 +72,9 @@ def test_an_earlier_valid_call_does_not_make_an_equal_invalid_value_valid(functi
 def test_numpy_scalars_are_canonical_and_share_the_plan():
     """np.int32(3) means 3: the same plan (one memo entry) and the same result."""
     arrays, _ = BASES["topk_blocks"]()
-    infos = {n: qsa_torch._launch.info(a) for n, a in arrays.items()}
-    first = topk.plan_topk_blocks(**infos, k=3)
+    first = qsa_torch.topk_blocks.plan(**arrays, k=3)
     for k in (np.int32(3), np.int64(3), np.uint8(3)):
-        assert topk.plan_topk_blocks(**infos, k=k) is first
+        assert qsa_torch.topk_blocks.plan(**arrays, k=k) is first
     out = qsa_torch.topk_blocks(**arrays, k=3)
     assert_bitwise_equal(qsa_torch.topk_blocks(**arrays, k=np.int64(3)), out, "np.int64 k")
     assert_bitwise_equal(qsa_jax.topk_blocks(**_jax_inputs(arrays, {})[0], k=np.int32(3)), out, "np.int32 k in JAX")
@@ -391,12 +390,11 @@ def test_override_and_tuning_values_are_checked():
 
 def test_compress_tuning_reaches_both_stage_2_plans():
     arrays, options = BASES["compress_groups"]()
-    infos = {n: qsa_torch._launch.info(a) for n, a in arrays.items()}
-    default = compress.plan_compress_groups(**infos, **options).launches[0].constexprs["BLOCK_R"]
+    default = qsa_torch.compress_groups.plan(**arrays, **options).launches[0].constexprs["BLOCK_R"]
     with tuning.override(compress=tuning.CompressTuning(tile_elements=8)):
-        assert compress.plan_compress_groups(**infos, **options).launches[0].constexprs["BLOCK_R"] == 1 < default
-        store = {n: qsa_torch._launch.info(a) for n, a in BASES["store_cache_rows"]()[0].items()}
-        assert compress.plan_store_cache_rows(**store).launches[0].constexprs["BLOCK_R"] == 1
+        assert qsa_torch.compress_groups.plan(**arrays, **options).launches[0].constexprs["BLOCK_R"] == 1 < default
+        store = BASES["store_cache_rows"]()[0]
+        assert qsa_torch.store_cache_rows.plan(**store).launches[0].constexprs["BLOCK_R"] == 1
 
 
 def test_plans_reject_undeclared_options():
