@@ -75,9 +75,11 @@ def test_a_plan_seen_by_a_public_function_is_the_calls_program():
 
     from qsa_kernels.launch import observe_launches
 
-    cache = torch.randn(3, 4, 1, 8)
-    slots = torch.tensor([5, -1, 0], dtype=torch.int32)
-    rows = torch.randn(3, 8)
+    from .util import DEVICE
+
+    cache = torch.randn(3, 4, 1, 8, device=DEVICE)
+    slots = torch.tensor([5, -1, 0], dtype=torch.int32, device=DEVICE)
+    rows = torch.randn(3, 8, device=DEVICE)
     program = qsa_torch.store_cache_rows.plan(cache, slots, rows)
     with observe_launches() as events:
         qsa_torch.store_cache_rows(cache, slots, rows)

@@ -186,7 +186,7 @@ def test_topk_split_rows(kind):
         logits = topk_logits(4, rows, columns, special=kind == "special")
     visible = torch.tensor([columns, 150, 77], dtype=torch.int32)
     with tuning.override(topk=tuning.TopkTuning(path="sliced", tile=16, min_candidates=8)):
-        program = qsa_torch.topk_blocks.plan(logits, visible, k)
+        program = qsa_torch.topk_blocks.plan(logits.to(DEVICE), visible.to(DEVICE), k)
         assert program.launches[0].scalars["slices"] > 1
         check_topk(logits, visible, k)
 

@@ -112,7 +112,8 @@ def test_the_steps_own_metadata_passes_the_geometry_checks():
         geometry = CacheGeometry(page_size=page, num_pages=8, compress_ratio=2, compressed_page_size=compressed_page,
                                  num_compressed_pages=12, max_context=16, max_requests=2)
         arguments = step_arguments()
-        state = qsa_torch.QSAState(**{name: torch.randn(shape, dtype=getattr(arguments["state"], name).dtype)
+        state = qsa_torch.QSAState(**{name: torch.randn(shape, dtype=getattr(arguments["state"], name).dtype,
+                                                        device=DEVICE)
                                       for name, shape in geometry.state_shapes(2, 16, 16).items()})
         metadata = qsa_torch.StepMetadata.from_host(PagedRequests(geometry).step({"a": 3, "b": 2}), DEVICE)
         out, _ = qsa_torch.qsa_attention_step(**{**arguments, "state": state, "metadata": metadata})
@@ -153,9 +154,9 @@ def test_a_kernel_that_cannot_be_built_fails_the_call_before_any_launch():
     from qsa_kernels import compress
 
     rng = np.random.default_rng(3)
-    cache = torch.from_numpy(rng.standard_normal((3, 4, 1, 8)).astype(np.float32))
-    slots = torch.tensor([5, -1, 0], dtype=torch.int32)
-    rows = torch.from_numpy(rng.standard_normal((3, 8)).astype(np.float32))
+    cache = torch.from_numpy(rng.standard_normal((3, 4, 1, 8)).astype(np.float32)).to(DEVICE)
+    slots = torch.tensor([5, -1, 0], dtype=torch.int32, device=DEVICE)
+    rows = torch.from_numpy(rng.standard_normal((3, 8)).astype(np.float32)).to(DEVICE)
     (store,) = qsa_torch.store_cache_rows.plan(cache, slots, rows).launches
     program = Program("two_stores", (), (store, store), ("cache",))
     before = cache.clone()
