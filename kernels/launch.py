@@ -34,9 +34,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
-__all__ = ["ArrayInfo", "Buffer", "Launch", "LaunchEvent", "Program", "cached_plan", "clear_plan_caches",
-           "contiguous_strides", "execute", "kernel_name", "labelled", "observe_launches", "split_arguments",
-           "triton_launch"]
+__all__ = ["ArrayInfo", "Buffer", "Launch", "LaunchEvent", "Program", "contiguous_strides", "execute", "kernel_name",
+           "labelled", "observe_launches", "split_arguments", "triton_launch"]
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -347,5 +346,3 @@ def split_arguments(plan, arguments: Mapping[str, Any]) -> tuple[dict, dict]:
     options = {name: value for name, value in arguments.items() if name not in arrays}
     return arrays, options
 
-
-from .memo import cached_plan, clear_plan_caches  # noqa: E402,F401  (moved to memo.py; imports keep working)

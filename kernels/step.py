@@ -40,7 +40,8 @@ import numpy as np
 
 from .attention import plan_sparse_paged_attention
 from .compress import plan_compress_groups, plan_compress_rotate_store, plan_store_cache_rows
-from .launch import ArrayInfo, Buffer, Launch, Program, cached_plan
+from .launch import ArrayInfo, Buffer, Launch, Program
+from .memo import cached_plan
 from .paging import METADATA_FIELDS, STATE_FIELDS
 from .rope_cache import plan_rope_reshape_and_cache
 from .select import plan_select_paged_tokens

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
-if TYPE_CHECKING:  # only for annotations: launch imports memo, which imports this module
-    from .launch import ArrayInfo
+from .launch import ArrayInfo
 
 FLOAT_DTYPES = ("bfloat16", "float16", "float32")
 INDEX_DTYPES = ("int32", "int64")
