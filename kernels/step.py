@@ -39,7 +39,8 @@ from typing import Any
 import numpy as np
 
 from .attention import plan_sparse_paged_attention
-from .compress import plan_compress_groups, plan_compress_rotate_store, plan_store_cache_rows
+from .compress import plan_compress_groups, plan_store_cache_rows
+from .fused import plan_compress_rotate_store
 from .launch import ArrayInfo, Buffer, Launch, Program
 from .memo import cached_plan
 from .paging import METADATA_FIELDS, STATE_FIELDS

@@ -31,7 +31,8 @@ import pytest
 import triton
 
 from qsa_kernels.attention import plan_sparse_paged_attention
-from qsa_kernels.compress import plan_compress_groups, plan_compress_rotate_store, plan_store_cache_rows
+from qsa_kernels.compress import plan_compress_groups, plan_store_cache_rows
+from qsa_kernels.fused import plan_compress_rotate_store
 from qsa_kernels.launch import ArrayInfo, Launch
 from qsa_kernels.rope_cache import plan_rope_reshape_and_cache
 from qsa_kernels.expand import plan_expand_block_indices
