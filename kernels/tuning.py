@@ -248,7 +248,7 @@ class TopkTuning:
     #: The register path's select: "histogram" (``register_radix_bits``-bit
     #: digits by ``tl.histogram``) or "count" (2-bit digits, counting the
     #: keys at or above each of 3 thresholds: about half the instructions a
-    #: key on sm_90, 4x the passes; see ``topk._kth_largest_counted``).
+    #: key on sm_90, 4x the passes; see ``topk.register._kth_largest_counted``).
     #: Which wins is for ``bench_topk.py --register-sweep`` to say.
     register_select: str = "histogram"
     #: Bits per radix pass of the register path's histograms (a divisor of 32, at most 8;
@@ -297,7 +297,7 @@ class TopkTuning:
     #: The ticketed path's group-maximum bound: "fixed" (``bound_passes``
     #: radix passes from the top bit, truncated, as the row path) or
     #: "scaled" (``ticketed_bound_passes`` passes of digits fitted to the
-    #: maxima's span: ``topk._scaled_lower_bound``; one resolves about what
+    #: maxima's span: ``topk.ticketed._scaled_lower_bound``; one resolves about what
     #: two fixed ones do).
     ticketed_bound: str = "scaled"
     ticketed_bound_passes: int = 1
