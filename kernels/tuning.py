@@ -245,12 +245,6 @@ class TopkTuning:
     #: this, at most ``register_max_warps``; past that the keys per thread grow).
     register_keys_per_thread: int = 16
     register_max_warps: int = 32
-    #: The register path's select: "histogram" (``register_radix_bits``-bit
-    #: digits by ``tl.histogram``) or "count" (2-bit digits, counting the
-    #: keys at or above each of 3 thresholds: about half the instructions a
-    #: key on sm_90, 4x the passes; see ``topk.register._kth_largest_counted``).
-    #: Which wins is for ``bench_topk.py --register-sweep`` to say.
-    register_select: str = "histogram"
     #: Bits per radix pass of the register path's histograms (a divisor of 32, at most 8;
     #: ``tl.histogram`` costs about the same per bit at 4 and 8 bits, and 8
     #: makes half the passes, each with its block-wide reductions).
@@ -304,7 +298,7 @@ class TopkTuning:
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
-            if field.name not in ("path", "register_select", "ticketed_bound"):  # the choices, below
+            if field.name not in ("path", "ticketed_bound"):  # the choices, below
                 _positive_int("TopkTuning", field.name, getattr(self, field.name))
         for name in ("radix_bits", "register_radix_bits"):
             value = getattr(self, name)
@@ -312,8 +306,7 @@ class TopkTuning:
                 raise ValueError(f"TopkTuning: {name} must divide 32, got {value!r}")
             if value > 8:  # a digit's counts (up to 2**bits) are packed in 16 bits
                 raise ValueError(f"TopkTuning: {name} must be at most 8, got {value!r}")
-        for name, choices in (("register_select", REGISTER_SELECTS), ("ticketed_bound", TICKETED_BOUNDS),
-                              ("path", TOPK_PATHS)):
+        for name, choices in (("ticketed_bound", TICKETED_BOUNDS), ("path", TOPK_PATHS)):
             value = getattr(self, name)
             if not isinstance(value, str) or value not in choices:
                 raise ValueError(f"TopkTuning: {name} must be one of {', '.join(map(repr, choices))}, "
@@ -341,8 +334,6 @@ ROW_ADDRESSING_MODES = ("slot", "page")
 
 #: The values of ``TopkTuning.path``.
 TOPK_PATHS = ("auto", "register", "row", "ticketed", "sliced")
-#: The values of ``TopkTuning.register_select``.
-REGISTER_SELECTS = ("histogram", "count")
 #: The values of ``TopkTuning.ticketed_bound``.
 TICKETED_BOUNDS = ("scaled", "fixed")
 

@@ -5,10 +5,8 @@ and at most :data:`REGISTER_MAX_TILE` when forced; no workspace.  The
 program loads its row once into registers (16 keys a thread: 4 warps at 2048
 columns, 32 at 16384), skips the radix passes of the leading digits that the
 row's smallest and largest keys share, runs the others on the registers
-(passes stop once a digit's keys are exactly those left to take; or, with
-``TopkTuning.register_select = "count"``, 2-bit digits by counting the keys
-at or above three thresholds: :func:`_kth_largest_counted`), and writes the
-selection with one prefix sum over column order, then ``-1`` padding.
+(passes stop once a digit's keys are exactly those left to take), and writes
+the selection with one prefix sum over column order, then ``-1`` padding.
 No global round trip between phases, which is what the row path pays for on
 short rows; but every pass costs every key of the row (about 75
 instructions a key an 8-bit pass on sm_90), so past ~8192 columns the row
@@ -33,64 +31,16 @@ REGISTER_MAX_TILE = 16384
 
 
 @triton.jit
-def _counted_digit(keys, prefix, k, SHIFT: tl.constexpr):
-    """One pass of :func:`_kth_largest_counted`: the prefix extended by the
-    digit at SHIFT, and whether exactly k keys are at or above it."""
-    # The prefix's digits from this one down are 0: adding d * step sets this one.
-    step = tl.full((), 1 << SHIFT, tl.uint32)
-    # Counts below 2**15 (TILE <= 16384): two share an int32.
-    # (A key at or above the second threshold is at or above the first.)
-    low_two = tl.where(keys >= prefix + 2 * step, 0x8001, tl.where(keys >= prefix + step, 1, 0))
-    top = tl.where(keys >= prefix + 3 * step, 1, 0)
-    packed = tl.sum(low_two, 0)
-    at_least_3 = tl.sum(top, 0)
-    at_least_1 = packed & 0x7FFF
-    at_least_2 = packed >> 15
-    digit = (at_least_1 >= k).to(tl.int32) + (at_least_2 >= k).to(tl.int32) + (at_least_3 >= k).to(tl.int32)
-    reached = tl.where(digit == 3, at_least_3, tl.where(digit == 2, at_least_2, at_least_1))
-    return prefix + digit.to(tl.uint32) * step, ((digit > 0) & (reached == k)).to(tl.int32)
-
-
-@triton.jit
-def _kth_largest_counted(keys, k, lo, hi):
-    """:func:`kth_largest_between` by counting instead of histograms: the
-    k-th largest of a register tensor of more than k valid keys (invalid
-    ones 0) whose valid keys lie in ``[lo, hi]``, as a (threshold, equal
-    keys to take) pair for :func:`place_tile`.
-
-    Two bits a pass: the keys >= ``prefix + d * 2**shift`` are counted for
-    d = 1, 2, 3 (three compares a key, no prefix mask: a key above the
-    prefix counts for every d, one below for none; the invalid keys, 0, for
-    none), and the digit is how many of those counts reach k.  A pass costs
-    ~10 instructions a key on sm_90, against ~75 for an 8-bit
-    ``tl.histogram`` (4x the bits): about half the instructions, for 4x the
-    passes (each two block-wide sums).  Passes of the
-    digits ``lo`` and ``hi`` share are skipped, and so are those after a
-    count of exactly k (every key at or above that threshold is taken)."""
-    prefix = tl.full((), 0, tl.uint32)
-    shared = lo ^ hi
-    done = tl.full((), 0, tl.int32)
-    for p in tl.static_range(16):
-        if (shared >> (30 - 2 * p)) == 0:
-            prefix = (hi >> (30 - 2 * p)) << (30 - 2 * p)
-        elif done == 0:
-            prefix, done = _counted_digit(keys, prefix, k, 30 - 2 * p)
-    above = tl.sum((keys > prefix).to(tl.int32), 0)
-    return prefix, k - above
-
-
-@triton.jit
 def topk_register_kernel(
     logits_ptr,  # [rows, C] float32/bf16/fp16 (row stride lg_sr)
     visible_ptr,  # [rows] int32/int64
     out_ptr,  # [rows, K] int32: selected columns, then -1
     num_columns, lg_sr,
-    K: tl.constexpr, TILE: tl.constexpr, BITS: tl.constexpr, COUNTED: tl.constexpr, PAD_TILE: tl.constexpr,
+    K: tl.constexpr, TILE: tl.constexpr, BITS: tl.constexpr, PAD_TILE: tl.constexpr,
 ):
     """The whole top-k of one row held in registers (module docstring,
     register path): one load, a radix select over the registers (BITS-bit
-    histograms, or COUNTED: 2-bit digits by counting), one placement; no
-    workspace.  TILE >= C (the plan makes sure)."""
+    histograms), one placement; no workspace.  TILE >= C (the plan makes sure)."""
     row = tl.program_id(0).to(tl.int64)
     logits_row = logits_ptr + row * lg_sr
     cols = tl.arange(0, TILE)
@@ -109,10 +59,7 @@ def topk_register_kernel(
     if width > K:
         highest = tl.max(keys, 0)
         lowest = tl.min(tl.where(valid, keys, tl.full((), 0xFFFFFFFF, tl.uint32)), 0)
-        if COUNTED:
-            threshold, take_equal = _kth_largest_counted(keys, K, lowest, highest)
-        else:
-            threshold, take_equal = kth_largest_between(keys, valid, K, lowest, highest, 32 // BITS, BITS)
+        threshold, take_equal = kth_largest_between(keys, valid, K, lowest, highest, 32 // BITS, BITS)
     # TILE <= 16384: the two prefix counts fit the 16-bit halves of an int32.
     place_tile(keys, cols, valid, threshold, take_equal, zero, zero, out_row)
     pad(out_row, tl.minimum(width, K), K, PAD_TILE)
@@ -133,8 +80,7 @@ def register_parts(rows, columns, k, logits_stride, row_counts, logits, visible,
     launches = tuple(
         Launch(topk_register_kernel, (count,), (logits, visible), (out,),
                dict(num_columns=columns, lg_sr=logits_stride),
-               dict(K=k, TILE=tile, BITS=tuning.register_radix_bits, COUNTED=tuning.register_select == "count",
-                    PAD_TILE=min(1024, triton.next_power_of_2(k))),
+               dict(K=k, TILE=tile, BITS=tuning.register_radix_bits, PAD_TILE=min(1024, triton.next_power_of_2(k))),
                num_warps=warps, num_stages=1)
         for count in row_counts)
     return (), launches
