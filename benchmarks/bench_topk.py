@@ -28,8 +28,8 @@ the achieved bandwidth).  The summary gives median speedups over the grid.
 
 ``--sweep`` instead times the row path's tuning (``TopkTuning.row_warps`` x
 ``row_keys_per_thread`` x ``bound_passes``) on a few shapes;
-``--register-sweep`` the register path's (``register_select`` x
-``register_keys_per_thread`` x ``register_radix_bits``); ``--ticketed-sweep``
+``--register-sweep`` the register path's (``register_keys_per_thread`` x
+``register_radix_bits``); ``--ticketed-sweep``
 the ticketed path's (``ticketed_slice`` x ``ticketed_warps`` x ``ticketed_bound``).
 """
 
@@ -85,8 +85,7 @@ def lax_topk_us(jax, logits, k, smoke):
 SWEEP_SHAPES = [(1, 32768), (64, 262144), (2048, 2048), (2048, 32768)]
 SWEEP = dict(row_warps=[8, 16], row_keys_per_thread=[8, 16], bound_passes=[1, 2])  # TopkTuning fields
 REGISTER_SWEEP_SHAPES = [(1, 2048), (1, 8192), (1, 16384), (256, 8192), (2048, 2048), (2048, 8192)]
-REGISTER_SWEEP = dict(register_select=["histogram", "count"], register_keys_per_thread=[8, 16],
-                      register_radix_bits=[4, 8])  # "count" ignores register_radix_bits
+REGISTER_SWEEP = dict(register_keys_per_thread=[8, 16], register_radix_bits=[4, 8])
 TICKETED_SWEEP_SHAPES = [(1, 8192), (1, 32768), (8, 32768), (8, 131072)]
 TICKETED_SWEEP = dict(ticketed_slice=[2048, 4096], ticketed_warps=[4, 8], ticketed_bound=["scaled", "fixed"])
 

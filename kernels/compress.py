@@ -22,9 +22,8 @@ import triton.language as tl
 
 from .launch import ArrayInfo, Buffer, Launch, Program
 from .stage import stage
-from .rope_cache import _rope_cos_sin, _rope_pairs, _rope_query_heads, _rotate, check_rope_rows
-from .tuning import CompressTuning, RopeCacheTuning
-from .validate import BOOL, FLOAT_DTYPES, FP8_DTYPE, INDEX_DTYPES, POSITIVE_INT, Checker
+from .tuning import CompressTuning
+from .validate import FLOAT_DTYPES, FP8_DTYPE, INDEX_DTYPES, POSITIVE_INT, Checker
 
 COMPRESS_GROUPS_DOC = """\
 Mean-pool the key groups that end at this step's rows.
@@ -108,7 +107,7 @@ def _row_tile(rows: int, width: int, tuning: CompressTuning) -> tuple[int, int, 
 
 
 @triton.jit
-def _windows(token_to_req_ptr, query_start_loc_ptr, logical_positions_ptr, compressed_slots_ptr, block_table_ptr,
+def windows(token_to_req_ptr, query_start_loc_ptr, logical_positions_ptr, compressed_slots_ptr, block_table_ptr,
              rows, in_batch, num_requests, num_ring_blocks, table_sr, RATIO: tl.constexpr):
     """``(end, start, block, ring_ok, pooled_row)`` of int64 ``rows [R]``: each row's
     position, its request's first row and ring block (and whether that block
@@ -127,7 +126,7 @@ def _windows(token_to_req_ptr, query_start_loc_ptr, logical_positions_ptr, compr
 
 
 @triton.jit
-def _pool(raw_keys_ptr, ring_ptr, rows, dims, dim_ok, end, start, block, ring_ok, pooled_row,
+def pool(raw_keys_ptr, ring_ptr, rows, dims, dim_ok, end, start, block, ring_ok, pooled_row,
           raw_sr, ring_sb, ring_sp, RATIO: tl.constexpr, RING: tl.constexpr):
     """float32 ``[R, len(dims)]``: the mean of each pooled row's window at columns ``dims``
     (zeros for rows not pooled): members in this chunk from ``raw_keys``, older
@@ -151,13 +150,13 @@ def _pool(raw_keys_ptr, ring_ptr, rows, dims, dim_ok, end, start, block, ring_ok
 
 
 @triton.jit
-def _window_start(end, pooled_row, RATIO: tl.constexpr):
+def window_start(end, pooled_row, RATIO: tl.constexpr):
     """The first position of each pooled row's window (0 for rows not pooled), int64."""
     return tl.where(pooled_row, end - (RATIO - 1), 0)
 
 
 @triton.jit
-def _cache_rows(slot_mapping_ptr, rows, in_batch, num_slots, cache_sb, cache_sp, PAGE: tl.constexpr):
+def cache_rows(slot_mapping_ptr, rows, in_batch, num_slots, cache_sb, cache_sp, PAGE: tl.constexpr):
     """``(write, cache_row)`` of int64 ``rows``: whether each row is stored (its slot is
     not -1 nor out of range) and the int64 offset of its cache row."""
     slot = tl.load(slot_mapping_ptr + rows, mask=in_batch, other=-1).to(tl.int64)
@@ -166,7 +165,7 @@ def _cache_rows(slot_mapping_ptr, rows, in_batch, num_slots, cache_sb, cache_sp,
 
 
 @triton.jit
-def _quantise(values, scale_ptr, dtype: tl.constexpr):
+def quantise(values, scale_ptr, dtype: tl.constexpr):
     """Values into an fp8 cache of one per-tensor scale: value / scale in float32,
     saturated to +-448, rounded to ``dtype``.
 
@@ -205,10 +204,10 @@ def compress_groups_kernel(
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < D
 
-    end, start, block, ring_ok, pooled_row = _windows(
+    end, start, block, ring_ok, pooled_row = windows(
         token_to_req_ptr, query_start_loc_ptr, logical_positions_ptr, compressed_slots_ptr, block_table_ptr,
         rows, in_batch, num_requests, num_ring_blocks, table_sr, RATIO)
-    mean = _pool(raw_keys_ptr, ring_ptr, rows, dims, dim_ok, end, start, block, ring_ok, pooled_row,
+    mean = pool(raw_keys_ptr, ring_ptr, rows, dims, dim_ok, end, start, block, ring_ok, pooled_row,
                  raw_sr, ring_sb, ring_sp, RATIO, RING)
     tl.store(pooled_ptr + rows[:, None] * D + dims[None, :], mean.to(pooled_ptr.dtype.element_ty),
              mask=in_batch[:, None] & dim_ok[None, :])
@@ -226,7 +225,7 @@ def compress_groups_kernel(
                       mask=(pooled_row & ~from_chunk & ring_ok)[:, None] & col_ok[None, :], other=0)
         values = tl.where(from_chunk[:, None], fresh, old)
     else:
-        values = tl.broadcast_to(_window_start(end, pooled_row, RATIO)[:, None], (BLOCK_R, 4))
+        values = tl.broadcast_to(window_start(end, pooled_row, RATIO)[:, None], (BLOCK_R, 4))
     tl.store(first_positions_ptr + rows[:, None] * 3 + cols[None, :],
              values.to(first_positions_ptr.dtype.element_ty),
              mask=in_batch[:, None] & col_ok[None, :])
@@ -251,101 +250,12 @@ def store_cache_rows_kernel(
     in_batch = rows < R
     rows = rows.to(tl.int64)
     cols = tl.arange(0, BLOCK_W)
-    write, cache_row = _cache_rows(slot_mapping_ptr, rows, in_batch, num_slots, cache_sb, cache_sp, PAGE)
+    write, cache_row = cache_rows(slot_mapping_ptr, rows, in_batch, num_slots, cache_sb, cache_sp, PAGE)
     mask = write[:, None] & (cols < W)[None, :]
     values = tl.load(rows_ptr + rows[:, None] * rows_sr + cols[None, :], mask=mask)
     if QUANTISE:  # as stage 1 writes fp8
-        values = _quantise(values, scale_ptr, cache_out_ptr.dtype.element_ty)
+        values = quantise(values, scale_ptr, cache_out_ptr.dtype.element_ty)
     tl.store(cache_out_ptr + cache_row[:, None] + cols[None, :], values, mask=mask)
-
-
-@triton.jit
-def compress_rotate_store_kernel(
-    # inputs
-    raw_keys_ptr,  # [T, 1, D] bf16/fp16/fp32: this step's raw index keys
-    ring_ptr,  # [blocks, RING, 1, D] raw_keys' dtype (compressor_state_cache)
-    block_table_ptr,  # [>= B, >= 1] int32/int64: column 0, each request's ring block
-    token_to_req_ptr,  # [T] int32/int64
-    query_start_loc_ptr,  # [B + 1] int32/int64
-    positions_ptr,  # [T] int32/int64 (contiguous)
-    compressed_slots_ptr,  # [T] int32/int64
-    ring_slots_ptr,  # [T] int32/int64 (compressor_state_slots)
-    compressed_ptr,  # [pages, CPAGE, 1, D] raw_keys' dtype or fp8 (read only through its alias)
-    cos_sin_ptr,  # [max_position, 2*F] raw_keys' dtype or fp32 (index_cos_sin)
-    scale_ptr,  # [] or [1] float (QUANTISE; else a stand-in, never read)
-    index_q_ptr,  # [T, IH, D] raw_keys' dtype
-    # outputs (the caches are the inputs' aliases)
-    ring_out_ptr,  # compressor_state_cache
-    compressed_out_ptr,  # compressed key cache
-    index_q_out_ptr,  # [T, IH, D] index_q's dtype
-    # sizes and strides
-    T, num_requests, num_ring_blocks, num_ring_slots, num_compressed_slots, max_position,
-    raw_sr, ring_sb, ring_sp, table_sr, ck_sb, ck_sp, cs_sr, q_sr, q_sh, qo_sr, qo_sh,
-    # constexprs
-    D: tl.constexpr, F: tl.constexpr, BLOCK_R: tl.constexpr, RATIO: tl.constexpr, RING: tl.constexpr,
-    CPAGE: tl.constexpr, IS_NEOX: tl.constexpr, QUANTISE: tl.constexpr, WIDE_FIRST_POSITIONS: tl.constexpr,
-    IH: tl.constexpr, BLOCK_H: tl.constexpr, NUM_Q_TILES: tl.constexpr,
-):
-    """The composed step's compression stage in one launch (see plan_compress_rotate_store).
-
-    Program 0 holds every row of the step: it pools, rotates and stores the
-    compressed keys, then (after a barrier: every ring read is done) stores
-    this step's raw keys into the ring.  Program ``1 + t`` rotates index_q's
-    row ``t``.  Each value is what the separate launches give, bit for bit:
-    the same helpers, the same roundings in the same order.
-    """
-    program = tl.program_id(0)
-    i, d_a, d_b, freq_a, freq_b = _rope_pairs(D, F, IS_NEOX)
-    if program == 0:
-        rows = tl.arange(0, BLOCK_R)
-        in_batch = rows < T
-        rows = rows.to(tl.int64)
-        end, start, block, ring_ok, pooled_row = _windows(
-            token_to_req_ptr, query_start_loc_ptr, positions_ptr, compressed_slots_ptr, block_table_ptr,
-            rows, in_batch, num_requests, num_ring_blocks, table_sr, RATIO)
-        # compress_groups' pooled rows (in raw_keys' dtype), in rotation pairs.
-        half_ok = i < D // 2
-        key_dtype = raw_keys_ptr.dtype.element_ty
-        pooled_a = _pool(raw_keys_ptr, ring_ptr, rows, d_a, half_ok, end, start, block, ring_ok, pooled_row,
-                         raw_sr, ring_sb, ring_sp, RATIO, RING).to(key_dtype).to(tl.float32)
-        pooled_b = _pool(raw_keys_ptr, ring_ptr, rows, d_b, half_ok, end, start, block, ring_ok, pooled_row,
-                         raw_sr, ring_sb, ring_sp, RATIO, RING).to(key_dtype).to(tl.float32)
-        # RoPE at the window's first position as compress_groups' first_positions[:, 0]
-        # holds it (raw_positions' dtype), as stage 1 rotates a query row.
-        first = _window_start(end, pooled_row, RATIO)
-        if not WIDE_FIRST_POSITIONS:
-            first = first.to(tl.int32)
-        # (Names differ from the other branch's: Triton types a name across both.)
-        _first_ok, cos_a, sin_a, cos_b, sin_b = _rope_cos_sin(
-            cos_sin_ptr, first.to(tl.int64)[:, None], True, in_batch[:, None] & half_ok[None, :], max_position,
-            cs_sr, freq_a[None, :], freq_b[None, :], F)
-        rotated_a, rotated_b = _rotate(pooled_a, pooled_b, cos_a, sin_a, cos_b, sin_b)
-        rotated_a = rotated_a.to(key_dtype)
-        rotated_b = rotated_b.to(key_dtype)
-        # store_cache_rows into the compressed-key cache.
-        write, cache_row = _cache_rows(compressed_slots_ptr, rows, in_batch, num_compressed_slots, ck_sb, ck_sp, CPAGE)
-        if QUANTISE:
-            rotated_a = _quantise(rotated_a, scale_ptr, compressed_out_ptr.dtype.element_ty)
-            rotated_b = _quantise(rotated_b, scale_ptr, compressed_out_ptr.dtype.element_ty)
-        tl.store(compressed_out_ptr + cache_row[:, None] + d_a[None, :], rotated_a, mask=write[:, None])
-        tl.store(compressed_out_ptr + cache_row[:, None] + d_b[None, :], rotated_b, mask=write[:, None])
-        # Pool first, then overwrite the ring: no thread stores a ring row before
-        # every thread's ring loads are done (the loads' values are used above).
-        tl.debug_barrier()
-        write, ring_row = _cache_rows(ring_slots_ptr, rows, in_batch, num_ring_slots, ring_sb, ring_sp, RING)
-        cols = tl.arange(0, D)
-        values = tl.load(raw_keys_ptr + rows[:, None] * raw_sr + cols[None, :], mask=write[:, None])
-        tl.store(ring_out_ptr + ring_row[:, None] + cols[None, :], values, mask=write[:, None])
-    else:
-        # Stage 1's query path over index_q's row t (its heads in tiles of BLOCK_H).
-        t = (program - 1).to(tl.int64)
-        position = tl.load(positions_ptr + t).to(tl.int64)
-        _position_ok, q_cos_a, q_sin_a, q_cos_b, q_sin_b = _rope_cos_sin(
-            cos_sin_ptr, position, True, i < D // 2, max_position, cs_sr, freq_a, freq_b, F)
-        for head_tile in tl.static_range(NUM_Q_TILES):
-            _rope_query_heads(index_q_ptr, index_q_out_ptr, index_q_out_ptr, t, head_tile, d_a, d_b,
-                              q_cos_a[None, :], q_sin_a[None, :], q_cos_b[None, :], q_sin_b[None, :],
-                              q_sr, q_sh, qo_sr, qo_sh, IH, BLOCK_H, False)
 
 
 def check_compress_groups(check: Checker, raw_keys: ArrayInfo, raw_positions: ArrayInfo,
@@ -496,86 +406,3 @@ def plan_store_cache_rows(cache: ArrayInfo, slot_mapping: ArrayInfo, rows: Array
         num_stages=1,
     )
     return Program("store_cache_rows", (), (launch,), ("cache",))
-
-
-
-@stage(
-    arrays=("raw_keys", "raw_positions", "compressor_state_cache", "compressor_state_block_table",
-            "token_to_req", "query_start_loc", "logical_positions", "compressed_slots",
-            "compressor_state_slots", "compressed_key_cache", "cos_sin", "index_q", "scale"),
-    options=dict(compress_ratio=POSITIVE_INT, is_neox=BOOL),
-    updates=("compressor_state_cache", "compressed_key_cache"), tuning=dict(tuning="rope_cache"))
-def plan_compress_rotate_store(
-    raw_keys: ArrayInfo, raw_positions: ArrayInfo,
-    compressor_state_cache: ArrayInfo, compressor_state_block_table: ArrayInfo,
-    token_to_req: ArrayInfo, query_start_loc: ArrayInfo, logical_positions: ArrayInfo,
-    compressed_slots: ArrayInfo, compressor_state_slots: ArrayInfo, compressed_key_cache: ArrayInfo,
-    cos_sin: ArrayInfo, index_q: ArrayInfo, compress_ratio: int, is_neox: bool,
-    scale: ArrayInfo | None = None, *, tuning: RopeCacheTuning | None = None,
-) -> Program:
-    """The composed step's stage 2 and its index-query RoPE as one launch (kernels/step.py).
-
-    Gives bit for bit what these launches give in turn: ``compress_groups``
-    (no ``rope_cache``); ``store_cache_rows`` of the raw keys into the ring at
-    ``compressor_state_slots``; RoPE of the pooled keys at
-    ``first_positions[:, 0]`` by ``cos_sin`` (stage 1's query path);
-    ``store_cache_rows`` of them into ``compressed_key_cache`` at
-    ``compressed_slots`` (quantised with ``scale`` into an fp8 cache); and
-    RoPE of ``index_q`` at ``logical_positions``.  Results:
-    ``compressor_state_cache``, ``compressed_key_cache`` (in place) and the
-    rotated ``index_q``.
-
-    Not a public stage; it makes the checks of the launches it stands for
-    (under the step's names), so the step's errors are the same either
-    way.  One program pools every row, so the ring is read
-    before it is written whatever the slots (see ``_fuses_compression`` in
-    kernels/step.py for when the step uses it).
-    """
-    # The checks of the launches it stands for, naming their arguments as its own.
-    check = Checker("compress_rotate_store")
-    rows, d, blocks, ring_size, _ = check_compress_groups(
-        check, raw_keys, raw_positions, compressor_state_cache, compressor_state_block_table, token_to_req,
-        query_start_loc, logical_positions, compressed_slots, compress_ratio)
-    check_store_cache_rows(check.renamed(cache="compressor_state_cache", slot_mapping="compressor_state_slots",
-                                         rows="raw_keys"), compressor_state_cache, compressor_state_slots, raw_keys, None)
-    # compress_groups' results: the pooled keys, rotated at column 0 of first_positions.
-    pooled = ArrayInfo.contiguous(raw_keys.shape, raw_keys.dtype)
-    first_positions = ArrayInfo.contiguous((rows, 3), raw_positions.dtype)
-    check_rope_rows(check.renamed(x="raw_keys", positions="raw_positions"), pooled, first_positions, cos_sin)
-    check_store_cache_rows(check.renamed(cache="compressed_key_cache", slot_mapping="compressed_slots", rows="raw_keys"),
-                           compressed_key_cache, compressed_slots, pooled, scale)
-    check_rope_rows(check.renamed(x="index_q", positions="logical_positions"), index_q, logical_positions, cos_sin)
-    ring = compressor_state_cache
-    pages, page = compressed_key_cache.shape[:2]
-    heads = index_q.shape[1]
-    block_h = min(triton.next_power_of_2(heads), max(1, tuning.tile_elements // d))
-    block_r = triton.next_power_of_2(rows)
-    index_q_out = Buffer("index_q_out", index_q.shape, index_q.dtype)
-    iq_sr, iq_sh, _ = index_q_out.info.strides
-    launch = Launch(
-        kernel=compress_rotate_store_kernel,
-        grid=(1 + rows,),
-        inputs=("raw_keys", "compressor_state_cache", "compressor_state_block_table", "token_to_req",
-                "query_start_loc", "logical_positions", "compressed_slots", "compressor_state_slots",
-                "compressed_key_cache", "cos_sin",
-                # Without a scale: a stand-in pointer QUANTISE never reads.
-                "scale" if scale is not None else "cos_sin", "index_q"),
-        outputs=("compressor_state_cache", "compressed_key_cache", "index_q_out"),
-        scalars=dict(
-            T=rows, num_requests=query_start_loc.shape[0] - 1, num_ring_blocks=blocks,
-            num_ring_slots=blocks * ring_size, num_compressed_slots=pages * page, max_position=cos_sin.shape[0],
-            raw_sr=raw_keys.strides[0], ring_sb=ring.strides[0], ring_sp=ring.strides[1],
-            table_sr=compressor_state_block_table.strides[0], ck_sb=compressed_key_cache.strides[0],
-            ck_sp=compressed_key_cache.strides[1], cs_sr=cos_sin.strides[0],
-            q_sr=index_q.strides[0], q_sh=index_q.strides[1], qo_sr=iq_sr, qo_sh=iq_sh),
-        constexprs=dict(D=d, F=cos_sin.shape[1] // 2, BLOCK_R=block_r, RATIO=compress_ratio, RING=ring_size,
-                        CPAGE=page, IS_NEOX=is_neox, QUANTISE=scale is not None,
-                        WIDE_FIRST_POSITIONS=raw_positions.dtype == "int64",
-                        IH=heads, BLOCK_H=block_h, NUM_Q_TILES=triton.cdiv(heads, block_h)),
-        # Program 0's tile is [BLOCK_R, D/2] twice, RATIO member loads of each in flight.
-        num_warps=min(8, max(1, block_r * d // 512)),
-        num_stages=1,
-    )
-    return Program("compress_rotate_store", (index_q_out,), (launch,),
-                   ("compressor_state_cache", "compressed_key_cache", "index_q_out"))
-

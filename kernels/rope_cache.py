@@ -70,16 +70,16 @@ def _rotate_pair(x_row, d_a, d_b, cos_a, sin_a, cos_b, sin_b):
     """
     a = tl.load(x_row + d_a[None, :]).to(tl.float32)
     b = tl.load(x_row + d_b[None, :]).to(tl.float32)
-    rot_a, rot_b = _rotate(a, b, cos_a, sin_a, cos_b, sin_b)
+    rot_a, rot_b = rotate(a, b, cos_a, sin_a, cos_b, sin_b)
     return a, b, rot_a, rot_b
 
 
 @triton.jit
-def _rotate(a, b, cos_a, sin_a, cos_b, sin_b):
+def rotate(a, b, cos_a, sin_a, cos_b, sin_b):
     """The rotation of float32 pairs (a, b): (a cos_a - b sin_a, b cos_b + a sin_b).
 
     The one place of RoPE's arithmetic: stage 1 and the composed step's fused
-    compression launch (kernels/compress.py) round identically through it.
+    compression launch (kernels/fused.py) round identically through it.
     The fused multiply-adds are explicit: left to LLVM's contraction, which
     product gets fused depends on the surrounding code, and the two kernels
     differed in the last bit on the H200 (float32 keys).
@@ -88,7 +88,7 @@ def _rotate(a, b, cos_a, sin_a, cos_b, sin_b):
 
 
 @triton.jit
-def _rope_pairs(D: tl.constexpr, F: tl.constexpr, IS_NEOX: tl.constexpr):
+def rope_pairs(D: tl.constexpr, F: tl.constexpr, IS_NEOX: tl.constexpr):
     """``(i, d_a, d_b, freq_a, freq_b)``, each ``[D/2]``: element ``d_a[i]`` rotates with
     ``d_b[i]`` (contiguous halves for NeoX, neighbours for GPT-J), by the table's
     frequency columns ``freq_a[i]`` / ``freq_b[i]`` (``F == D``: one per element)."""
@@ -110,7 +110,7 @@ def _rope_pairs(D: tl.constexpr, F: tl.constexpr, IS_NEOX: tl.constexpr):
 
 
 @triton.jit
-def _rope_cos_sin(cos_sin_ptr, position, position_ok, read, max_position, cs_sr, freq_a, freq_b,
+def rope_cos_sin(cos_sin_ptr, position, position_ok, read, max_position, cs_sr, freq_a, freq_b,
                   F: tl.constexpr):
     """``(position_ok, cos_a, sin_a, cos_b, sin_b)`` float32 of the table row at ``position``.
 
@@ -185,7 +185,7 @@ def rope_cache_kernel(
     is_query_tile = head_tile < NUM_Q_TILES
     # Query tiles of KV-only rows (t >= T) have nothing to do.
     if (t < T) | (head_tile == NUM_Q_TILES):
-        i, d_a, d_b, freq_a, freq_b = _rope_pairs(D, F, IS_NEOX)
+        i, d_a, d_b, freq_a, freq_b = rope_pairs(D, F, IS_NEOX)
         rope_row = t < T
         position = tl.load(positions_ptr + t, mask=rope_row, other=0).to(tl.int64)
         position_ok = True
@@ -196,12 +196,12 @@ def rope_cache_kernel(
             position_ok = ~((position < 0) == (offset < 0)) | ((total < 0) == (position < 0))
             position = total
         # A position outside the table is never read: its rows come out NaN.
-        position_ok, cos_a, sin_a, cos_b, sin_b = _rope_cos_sin(
+        position_ok, cos_a, sin_a, cos_b, sin_b = rope_cos_sin(
             cos_sin_ptr, position, position_ok, (i < D // 2) & rope_row, max_position, cs_sr, freq_a, freq_b, F)
         cos_a, sin_a, cos_b, sin_b = cos_a[None, :], sin_a[None, :], cos_b[None, :], sin_b[None, :]
 
         if is_query_tile:
-            _rope_query_heads(q_ptr, q_out_ptr, zeros_ptr, t, head_tile, d_a, d_b,
+            rope_query_heads(q_ptr, q_out_ptr, zeros_ptr, t, head_tile, d_a, d_b,
                               cos_a, sin_a, cos_b, sin_b, q_sr, q_sh, qo_sr, qo_sh,
                               QH, BLOCK_H, WRITE_ZEROS)
         else:
@@ -217,7 +217,7 @@ def rope_cache_kernel(
 
 
 @triton.jit
-def _rope_query_heads(q_ptr, q_out_ptr, zeros_ptr, t, head_tile, d_a, d_b,
+def rope_query_heads(q_ptr, q_out_ptr, zeros_ptr, t, head_tile, d_a, d_b,
                       cos_a, sin_a, cos_b, sin_b, q_sr, q_sh, qo_sr, qo_sh,
                       QH: tl.constexpr, BLOCK_H: tl.constexpr, WRITE_ZEROS: tl.constexpr):
     heads = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -484,11 +484,11 @@ def rope_rows_kernel(
     # Stage 1's query tiles, without the KV tile: the same helpers, so the same bits.
     t = tl.program_id(0).to(tl.int64)
     head_tile = tl.program_id(1)
-    i, d_a, d_b, freq_a, freq_b = _rope_pairs(D, F, IS_NEOX)
+    i, d_a, d_b, freq_a, freq_b = rope_pairs(D, F, IS_NEOX)
     position = tl.load(positions_ptr + t * pos_sr).to(tl.int64)
-    _, cos_a, sin_a, cos_b, sin_b = _rope_cos_sin(
+    _, cos_a, sin_a, cos_b, sin_b = rope_cos_sin(
         cos_sin_ptr, position, True, i < D // 2, max_position, cs_sr, freq_a, freq_b, F)
-    _rope_query_heads(x_ptr, out_ptr, out_ptr, t, head_tile, d_a, d_b,
+    rope_query_heads(x_ptr, out_ptr, out_ptr, t, head_tile, d_a, d_b,
                       cos_a[None, :], sin_a[None, :], cos_b[None, :], sin_b[None, :],
                       x_sr, x_sh, o_sr, o_sh, H, BLOCK_H, False)
 

@@ -32,8 +32,8 @@ from .stage import stage
 from .rows import count_visible_blocks, row_request
 from .score import (SCALE_DOC, SCORES_DOC_ARGS, SCORING_OPTIONS, check_key_scale, check_scoring, exact_dot,
                     score_launches, score_row_tile, score_tiling, scorer_arguments)
-from .topk import (order_key, ticketed_buffers, ticketed_compact_and_select, ticketed_layout, ticketed_publish,
-                   topk_parts, topk_path, wait_for)
+from .tickets import publish as ticketed_publish, wait_for
+from .topk import order_key, ticketed_buffers, ticketed_compact_and_select, ticketed_layout, topk_parts, topk_path
 from .tuning import SelectTuning, TopkTuning
 from .validate import Checker
 

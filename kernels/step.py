@@ -25,7 +25,7 @@ Order within a step (every write lands before the read that needs it):
 4. sparse attention over the selected tokens.
 
 With at most ``StepTuning.fused_max_rows`` rows, stage 2 and the index
-queries' RoPE are one launch (``compress.plan_compress_rotate_store``) in
+queries' RoPE are one launch (``fused.plan_compress_rotate_store``) in
 that order, bit for bit the separate launches (:func:`_fuses_compression`).
 """
 
@@ -38,7 +38,8 @@ from typing import Any
 import numpy as np
 
 from .attention import plan_sparse_paged_attention
-from .compress import plan_compress_groups, plan_compress_rotate_store, plan_store_cache_rows
+from .compress import plan_compress_groups, plan_store_cache_rows
+from .fused import plan_compress_rotate_store
 from .launch import ArrayInfo, Buffer, Launch, Program
 from .paging import METADATA_FIELDS, STATE_FIELDS
 from .rope_cache import plan_rope_reshape_and_cache, plan_rope_rows

@@ -2,7 +2,7 @@
 
 A plan reads its stage's knobs from a frozen dataclass passed to it (the
 ``tuning`` / ``topk_tuning`` keywords of the plan functions).  Callers never
-pass them: the memo wrapper (:mod:`.memo`) fills in :func:`current` values
+pass them: the stage's memo (:class:`.stage.Stage`) fills in :func:`current` values
 *before* the memo lookup, so a plan memoised under one tuning is never
 reused under another, and nothing needs clearing after a sweep::
 
@@ -155,37 +155,23 @@ class TopkTuning:
     #: "row", "ticketed" or "sliced" (forced; benchmarks compare them;
     #: "register" holds at most ``topk.REGISTER_MAX_TILE`` columns).
     path: str = "auto"
-    #: The register path for rows at most this wide, whatever the rows.  Its
-    #: cost is the radix passes over every key of the row, about 75
-    #: instructions a key a pass on sm_90 (``tl.histogram`` of 8-bit
-    #: digits).  Measured on the H200 (bench_topk.py, k = 512, CUDA graphs,
-    #: register / row / torch.topk us): 1 x 2048 9.0 / 14.4 / 17.1, 256 x
-    #: 2048 13.8 / 24.5 / 31.5, 2048 x 2048 70.5 / 113.3 / 106.6; but 1 x
-    #: 8192 20.0 / 19.4, 256 x 8192 44.3 / 40.1, 2048 x 8192 308.9 / 178.8 /
-    #: 268.0: so rows up to 2048 columns.
+    #: The register path for rows at most this wide, whatever the rows: on
+    #: the H200 it wins at 2048 columns (2048 rows: 69.9 vs the row path's
+    #: 113.1 us) and loses from 8192 (309.6 vs 179.1; benchmarks/results/topk.json).
     register_max_columns: int = 2048
     #: A register-path program's keys per thread (warps = row tile / 32 /
     #: this, at most ``register_max_warps``; past that the keys per thread grow).
     register_keys_per_thread: int = 16
     register_max_warps: int = 32
-    #: The register path's select: "histogram" (``register_radix_bits``-bit
-    #: digits by ``tl.histogram``) or "count" (2-bit digits, counting the
-    #: keys at or above each of 3 thresholds: about half the instructions a
-    #: key on sm_90, 4x the passes; see ``topk._kth_largest_counted``).
-    #: Which wins is for ``bench_topk.py --register-sweep`` to say.
-    register_select: str = "histogram"
     #: Bits per radix pass of the register path's histograms (a divisor of 32, at most 8;
     #: ``tl.histogram`` costs about the same per bit at 4 and 8 bits, and 8
     #: makes half the passes, each with its block-wide reductions).
     register_radix_bits: int = 8
     #: One program per row for rows at most this wide, or for any width once
     #: there are this many rows (enough programs to fill an H200 without
-    #: slicing); else the ticketed path.  Measured on the H200
-    #: (benchmarks/results/topk.json, k = 512, row / ticketed us): with 1-8
-    #: rows the row path loses from 8192 columns (19.4 / 17.7) and by far from
-    #: 32768 (39.5 / 17.9: one program streams the whole row); from 64 rows it
-    #: wins at every width (64 x 32768: 41.7 / 57.4).  4096 columns, between
-    #: the measured widths, stays with the row path.
+    #: slicing); else the ticketed path.  Row / ticketed us on the H200
+    #: (benchmarks/results/topk.json): 1 x 8192 19.4 / 16.0, 1 x 32768 39.6 /
+    #: 16.2, but 64 x 32768 41.5 / 45.7; 4096 (unmeasured) stays with the row path.
     row_max_columns: int = 4096
     row_min_rows: int = 32
     #: A row program's warps, and the keys each of its threads handles per
@@ -202,32 +188,26 @@ class TopkTuning:
     #: The ticketed path's columns per slice program (held in registers), and
     #: its programs' warps (raised where a tile needs more: 16 keys a thread).
     #: Past ``ticketed_max_slices`` slices a row, slices widen (to 4096
-    #: columns at most).  Measured on the H200 (bench_topk.py
-    #: --ticketed-sweep, k = 512, us for 4 / 8 / 16 warps): 1 x 32768 with
-    #: slices of 1024 columns 20.4 / 19.9 / 19.7, 2048 20.8 / 17.9 / 18.7,
-    #: 4096 20.2 / 20.0 / 20.0; 8 x 32768: 2048 23.1 / 21.8 / 19.8, 4096
-    #: 20.6 / 20.6 / 20.8; 8 x 131072: 2048 44.8 / 40.2 / 51.2, 4096 36.6 /
-    #: 36.7 / 36.6.
+    #: columns at most).  Swept on the H200 (bench_topk.py --ticketed-sweep:
+    #: benchmarks/results/topk_ticketed_sweep.json, docs/performance.md).
     ticketed_slice: int = 2048
     ticketed_max_slices: int = 16
     ticketed_warps: int = 8
-    #: Few rows wider than this take the sliced path: measured (bench_topk.py,
-    #: ticketed / sliced us) 1 x 131072 19.5 / 26.6, 8 x 131072 32.6 / 35.3,
-    #: but 1 x 262144 30.0 / 28.1, 8 x 262144 60.5 / 48.8 (64 slices of 4096
-    #: columns a row: the atomic group maxima and the selection's gather grow
-    #: with the slices).
+    #: Few rows wider than this take the sliced path: ticketed / sliced us
+    #: 8 x 131072 32.3 / 34.9, but 8 x 262144 60.1 / 48.6 (benchmarks/results/topk.json).
     ticketed_max_columns: int = 131072
     #: The ticketed path's group-maximum bound: "fixed" (``bound_passes``
     #: radix passes from the top bit, truncated, as the row path) or
     #: "scaled" (``ticketed_bound_passes`` passes of digits fitted to the
-    #: maxima's span: ``topk._scaled_lower_bound``; one resolves about what
-    #: two fixed ones do).
+    #: maxima's span: ``topk.ticketed._scaled_lower_bound``; 16.1 vs 17.6 us at
+    #: 1 x 32768, benchmarks/results/topk_ticketed_sweep.json).  With fewer
+    #: than k group maxima the plan takes "fixed" whatever this says.
     ticketed_bound: str = "scaled"
     ticketed_bound_passes: int = 1
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
-            if field.name not in ("path", "register_select", "ticketed_bound"):  # the choices, below
+            if field.name not in ("path", "ticketed_bound"):  # the choices, below
                 _positive_int("TopkTuning", field.name, getattr(self, field.name))
         for name in ("radix_bits", "register_radix_bits"):
             value = getattr(self, name)
@@ -235,8 +215,7 @@ class TopkTuning:
                 raise ValueError(f"TopkTuning: {name} must divide 32, got {value!r}")
             if value > 8:  # a digit's counts (up to 2**bits) are packed in 16 bits
                 raise ValueError(f"TopkTuning: {name} must be at most 8, got {value!r}")
-        for name, choices in (("register_select", REGISTER_SELECTS), ("ticketed_bound", TICKETED_BOUNDS),
-                              ("path", TOPK_PATHS)):
+        for name, choices in (("ticketed_bound", TICKETED_BOUNDS), ("path", TOPK_PATHS)):
             value = getattr(self, name)
             if not isinstance(value, str) or value not in choices:
                 raise ValueError(f"TopkTuning: {name} must be one of {', '.join(map(repr, choices))}, "
@@ -262,8 +241,6 @@ ROW_ADDRESSING_MODES = ("slot", "page")
 
 #: The values of ``TopkTuning.path``.
 TOPK_PATHS = ("auto", "register", "row", "ticketed", "sliced")
-#: The values of ``TopkTuning.register_select``.
-REGISTER_SELECTS = ("histogram", "count")
 #: The values of ``TopkTuning.ticketed_bound``.
 TICKETED_BOUNDS = ("scaled", "fixed")
 
@@ -349,7 +326,7 @@ class StepTuning:
     ``fuse_stages``: with at most ``fused_max_rows`` rows, the step runs its
     compression stage (pooling, the ring store, the pooled keys' RoPE and
     their store) and the index queries' RoPE as one launch
-    (``compress.plan_compress_rotate_store``) instead of five; bit for bit the
+    (``fused.plan_compress_rotate_store``) instead of five; bit for bit the
     same results.  One program of that launch holds every row (so that the
     ring is read before it is overwritten), hence the bound.  Off: the
     separate launches (tests compare the two).  The bound is not yet measured
@@ -380,8 +357,6 @@ class Tuning:
 #: Stage name (a :class:`Tuning` field) -> its tuning class.
 STAGES = {"attention": AttentionTuning, "topk": TopkTuning, "select": SelectTuning,
           "rope_cache": RopeCacheTuning, "compress": CompressTuning, "step": StepTuning}
-#: Tuning class name -> stage: the memo wrapper fills plan parameters so annotated.
-STAGE_OF = {cls.__name__: stage for stage, cls in STAGES.items()}
 
 #: The measured tables (what plans use outside any ``override``).
 DEFAULT = Tuning()

@@ -15,12 +15,11 @@ import contextlib
 import contextvars
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
-if TYPE_CHECKING:  # only for annotations: launch imports memo, which imports this module
-    from .launch import ArrayInfo
+from .launch import ArrayInfo
 
 FLOAT_DTYPES = ("bfloat16", "float16", "float32")
 INDEX_DTYPES = ("int32", "int64")

@@ -31,7 +31,8 @@ import pytest
 import triton
 
 from qsa_kernels.attention import plan_sparse_paged_attention
-from qsa_kernels.compress import plan_compress_groups, plan_compress_rotate_store, plan_store_cache_rows
+from qsa_kernels.compress import plan_compress_groups, plan_store_cache_rows
+from qsa_kernels.fused import plan_compress_rotate_store
 from qsa_kernels.launch import ArrayInfo, Launch
 from qsa_kernels.rope_cache import plan_rope_reshape_and_cache
 from qsa_kernels.expand import plan_expand_block_indices
@@ -233,9 +234,6 @@ CASES = {
                                                            row_keys_per_thread=8, bound_passes=1),
     "topk/register-4-bit-digits-8-keys-1-8k": _topk(1, 1 << 13, 512, register_radix_bits=4,
                                                     register_keys_per_thread=8),
-    "topk/register-count-decode-1-32k-k512": _topk(1, 1 << 13, 512, register_select="count"),
-    "topk/register-count-forced-1-64k-k512": _topk(1, 1 << 14, 512, path="register", register_select="count"),
-    "topk/register-count-prefill-2048-8k-k512": _topk(2048, 1 << 11, 512, register_select="count"),
     # Stage 3: expansion, and the whole selection (chunked past 128 MiB of
     # logits).  Shapes shared with the cases above compile once.
     "expand/decode-256-topk2048": _expand(256, 2048),

@@ -10,7 +10,6 @@ from __future__ import annotations
 import inspect
 import os
 import re
-import subprocess
 
 import qsa_jax
 import qsa_torch
@@ -84,45 +83,3 @@ def test_a_plan_seen_by_a_public_function_is_the_calls_program():
     with observe_launches() as events:
         qsa_torch.store_cache_rows(cache, slots, rows)
     assert [e.launch for e in events] == list(program.runnable_launches)
-
-
-def test_kernels_import_graph_has_no_circle():
-    """Every intra-package import of qsa_kernels, function-level and TYPE_CHECKING ones included."""
-    code = r"""
-import ast, os, sys
-root = sys.argv[1]
-graph = {}
-for directory, _, files in os.walk(root):
-    for name in files:
-        if not name.endswith(".py"):
-            continue
-        path = os.path.join(directory, name)
-        module = os.path.relpath(path, root)[:-3].replace(os.sep, ".").removesuffix("__init__").rstrip(".")
-        package = module if name == "__init__.py" else module.rpartition(".")[0]
-        edges = graph.setdefault(module, set())
-        for node in ast.walk(ast.parse(open(path).read())):
-            if isinstance(node, ast.ImportFrom) and node.level:
-                base = package.split(".") if package else []
-                base = base[:len(base) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
-                for alias in node.names:
-                    full = f"{target}.{alias.name}".strip(".")
-                    edges.add(full if os.path.exists(os.path.join(root, *full.split(".")) + ".py") else target)
-def cycle(start, node, seen):
-    for nxt in graph.get(node, ()):
-        if nxt == start:
-            return [node]
-        if nxt not in seen:
-            seen.add(nxt)
-            found = cycle(start, nxt, seen)
-            if found:
-                return [node] + found
-for module in graph:
-    found = cycle(module, module, set())
-    if found:
-        print(" -> ".join(found + [module]))
-        sys.exit(1)
-print("ok")
-"""
-    result = subprocess.run(["python3", "-c", code, os.path.join(ROOT, "kernels")], capture_output=True, text=True)
-    assert result.stdout.strip() == "ok", result.stdout + result.stderr

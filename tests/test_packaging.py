@@ -76,8 +76,8 @@ def test_wheel_holds_the_three_packages_and_nothing_else(wheel):
     dist_info = f"qsa_kernels-{_source_version()}.dist-info"
     assert top == {"qsa_kernels", "qsa_torch", "qsa_jax", dist_info}, top  # no `kernels`, no `tests`
     for package, directory in PACKAGES.items():
-        modules = {f"{package}/{p.name}" for p in directory.glob("*.py")}
-        assert modules <= set(names), sorted(modules - set(names))
+        modules = {f"{package}/{p.relative_to(directory).as_posix()}" for p in _sources(directory)}
+        assert modules <= set(names), sorted(modules - set(names))  # subpackages too (pyproject's packages)
         assert f"{package}/py.typed" in names
     assert {f"{dist_info}/licenses/LICENSE", f"{dist_info}/licenses/NOTICE"} <= set(names)
     assert not any("/tests/" in name or name.startswith("tests/") for name in names)
@@ -124,21 +124,74 @@ def test_wheel_metadata(wheel):
 # The import graph: the adapters are siblings, the kernels need neither framework
 # --------------------------------------------------------------------------
 
-def _imports(package: str, directory: Path) -> dict[str, set[str]]:
-    """Every module each file imports, anywhere in it (function bodies too), relative ones resolved."""
-    found = {}
-    for path in sorted(directory.glob("*.py")):
-        names = set()
+def _sources(directory: Path) -> list[Path]:
+    """The package's Python files, its subpackages' too."""
+    return sorted(p for p in directory.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _module_name(package: str, directory: Path, path: Path) -> str:
+    parts = [package, *path.relative_to(directory).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_statements(package: str, directory: Path):
+    """``(file, module, names)`` of every import in the package's files, anywhere in them
+    (function bodies and ``if TYPE_CHECKING:`` blocks too), relative ones resolved
+    (``import m``: names empty; ``from m import n``: names ``(n,)``)."""
+    for path in _sources(directory):
+        here = _module_name(package, directory, path).split(".")
+        if path.name != "__init__.py":
+            here = here[:-1]  # the package a relative import starts from
+        file = path.relative_to(directory).as_posix()
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.Import):
-                names.update(alias.name for alias in node.names)
+                for alias in node.names:
+                    yield file, alias.name, ()
             elif isinstance(node, ast.ImportFrom):
-                base = package if node.level else ""
-                module = ".".join(filter(None, [base, node.module]))
-                names.add(module)
-                names.update(f"{module}.{alias.name}" for alias in node.names)
-        found[path.name] = names
+                base = here[:len(here) - (node.level - 1)] if node.level else []
+                yield file, ".".join(filter(None, [*base, node.module])), tuple(a.name for a in node.names)
+
+
+def _imports(package: str, directory: Path) -> dict[str, set[str]]:
+    """Every module each file (by its path in the package) imports: ``m``, and ``m.n`` for ``from m import n``."""
+    found = {path.relative_to(directory).as_posix(): set() for path in _sources(directory)}
+    for file, module, names in _import_statements(package, directory):
+        found[file].add(module)
+        found[file].update(f"{module}.{name}" for name in names)
     return found
+
+
+def _module_graph(package: str, directory: Path) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports: ``from m import n`` imports ``m.n``
+    where that is a module (``from . import runtime``), else ``m``."""
+    modules = {p.relative_to(directory).as_posix(): _module_name(package, directory, p) for p in _sources(directory)}
+    graph = {module: set() for module in modules.values()}
+    for file, module, names in _import_statements(package, directory):
+        submodules = {f"{module}.{name}" for name in names} & graph.keys()
+        targets = submodules | ({module} & graph.keys() if len(submodules) < len(names) or not names else set())
+        graph[modules[file]].update(targets - {modules[file]})
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``graph`` (each once, from its first module in sorted order)."""
+    found, done = set(), set()
+
+    def visit(module, path):
+        if module in path:
+            circle = path[path.index(module):]
+            first = circle.index(min(circle))
+            found.add(tuple(circle[first:] + circle[:first]))
+            return
+        if module in done:
+            return
+        for imported in sorted(graph.get(module, ())):
+            visit(imported, path + [module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    return [list(circle) for circle in sorted(found)]
 
 
 def _crossings(package: str, forbidden: tuple[str, ...]) -> list[str]:
@@ -154,6 +207,31 @@ def test_import_graph_sees_imports_inside_functions(tmp_path):
     imports = _imports("qsa_jax", tmp_path)["_launch.py"]
     assert {"qsa_jax._step", "qsa_torch", "qsa_torch._launch", "torch.nn"} <= imports
     assert _imports("qsa_jax", PACKAGES["qsa_jax"])["__init__.py"] >= {"qsa_kernels.runtime"}
+
+
+def test_import_graph_finds_circles(tmp_path):
+    """The circle check itself: function-level and TYPE_CHECKING imports close circles; a
+    subpackage's relative imports resolve; ``from . import m`` is an edge to ``m``."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.py").write_text("def f():\n    from .sub import b\n")
+    (tmp_path / "sub" / "__init__.py").write_text("")
+    (tmp_path / "sub" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                           "    from ..c import C\n")
+    (tmp_path / "c.py").write_text("from . import a\n")
+    (tmp_path / "d.py").write_text("from . import c\n")
+    graph = _module_graph("pkg", tmp_path)
+    assert graph["pkg.a"] == {"pkg.sub.b"} and graph["pkg.d"] == {"pkg.c"}
+    assert _cycles(graph) == [["pkg.a", "pkg.sub.b", "pkg.c"]]
+
+
+def test_kernels_have_no_import_circle():
+    assert _cycles(_module_graph("qsa_kernels", PACKAGES["qsa_kernels"])) == []
+
+
+def test_no_kernels_module_is_over_650_lines():
+    """Modules a reader can hold: split by algorithm past this (docs/design.md, "Layout")."""
+    lengths = {p.relative_to(ROOT).as_posix(): len(p.read_text().splitlines()) for p in _sources(PACKAGES["qsa_kernels"])}
+    assert {name: n for name, n in lengths.items() if n > 650} == {}
 
 
 def test_kernels_import_neither_framework_nor_an_adapter():

@@ -122,10 +122,10 @@ def test_the_steps_own_metadata_passes_the_geometry_checks():
 
 def test_each_stage_is_planned_once_per_step_plan(monkeypatch):
     """Issue 22: the fused stage-2 launch used to be planned beside the separate stages' plans."""
-    from qsa_kernels import compress, rope_cache, step
+    from qsa_kernels import compress, fused, rope_cache, step
 
     planned = []
-    for module in (compress, rope_cache):
+    for module in (compress, fused, rope_cache):
         for name in dir(module):
             stage = getattr(module, name)
             if name.startswith("plan_") and hasattr(stage, "_plan"):

@@ -201,15 +201,15 @@ def test_row_path_branches(small_tiles, kind, k, branch):
     check_topk(logits, visible, k)
 
 
-@pytest.fixture(params=["row", "register-histogram", "register-count"])
+@pytest.fixture(params=["row", "register"])
 def one_program_a_row(request):
     """Each path with one program a row: the row path with small_tiles' tiles,
-    or the register path forced, with each of its selects."""
+    or the register path forced."""
     if request.param == "row":
         with retuned(**SMALL_TILES):
             yield
     else:
-        with retuned(path="register", register_select=request.param.split("-")[1]):
+        with retuned(path="register"):
             yield
 
 
@@ -405,10 +405,10 @@ def test_ticketed_state_is_reused_by_later_runs():
 # The register path, at small widths
 # --------------------------------------------------------------------------
 
-@pytest.fixture(params=["histogram", "count"])
-def register_path(request):
-    """The register path forced, with each of its selects."""
-    with retuned(path="register", register_select=request.param):
+@pytest.fixture
+def register_path():
+    """The register path forced."""
+    with retuned(path="register"):
         yield
 
 
@@ -430,24 +430,22 @@ def test_register_path_data(register_path, kind):
     with retuned(register_radix_bits=4, register_keys_per_thread=2, register_max_warps=2):
         (launch,) = plan(3, 200, 5).launches
         assert launch.constexprs["BITS"] == 4 and launch.num_warps == 2
-        assert launch.constexprs["COUNTED"] is (tuning.current().topk.register_select == "count")
         check_topk(logits, visible, 5)
 
 
 def test_register_path_equals_the_other_paths(small_tiles):
-    """Forced register (both selects), row and sliced paths: bitwise the
-    same columns, the reference's."""
+    """Forced register, row, ticketed and sliced paths: bitwise the same
+    columns, the reference's."""
     logits = topk_logits(42, 4, 150, special=True).to(DEVICE)
     visible = torch.tensor([150, 149, 30, 1], dtype=torch.int32, device=DEVICE)
     outs = {}
-    for path, select in (("register", "histogram"), ("register", "count"), ("row", "histogram"),
-                         ("ticketed", "histogram"), ("sliced", "histogram")):
-        with retuned(path=path, tile=64, ticketed_slice=32, register_select=select):
+    for path in ("register", "row", "ticketed", "sliced"):
+        with retuned(path=path, tile=64, ticketed_slice=32):
             assert topk_plans.topk_path(4, 150, 9, tuning.current().topk) == path
-            outs[path, select] = host(qsa_torch.topk_blocks(logits, visible, 9))
+            outs[path] = host(qsa_torch.topk_blocks(logits, visible, 9))
     expected = reference.topk_blocks(host(logits).astype(np.float64), host(visible), 9)
-    for (path, select), out in outs.items():
-        assert np.array_equal(out, expected), (path, select)
+    for path, out in outs.items():
+        assert np.array_equal(out, expected), path
 
 
 def test_register_switch_shapes():
@@ -529,8 +527,6 @@ def test_topk_tuning_is_checked():
                             (dict(register_radix_bits=3), "TopkTuning: register_radix_bits must divide 32, got 3"),
                             (dict(register_radix_bits=16), "TopkTuning: register_radix_bits must be at most 8"),
                             (dict(register_max_columns=0), "TopkTuning: register_max_columns must be a positive int"),
-                            (dict(register_select="counts"), "TopkTuning: register_select must be one of "
-                                                             "'histogram', 'count', got 'counts'"),
                             (dict(row_warps=12), "TopkTuning: row_warps must be a power of two, got 12"),
                             (dict(row_warps=64), "TopkTuning: row_warps must be at most 32, got 64"),
                             (dict(row_keys_per_thread=3), "TopkTuning: row_keys_per_thread must be a power of two"),
@@ -615,8 +611,7 @@ def test_register_path_equals_row_path_production(rows, columns, k):
     visible[-1] = columns // 3
     visible = visible.to(DEVICE)
     expected = sorted_reference(host(logits), host(visible), k)
-    for fields in (dict(path="register"), dict(path="register", register_select="count"),
-                   dict(path="register", register_radix_bits=4), dict(path="row"), dict(path="ticketed"),
+    for fields in (dict(path="register"), dict(path="register", register_radix_bits=4), dict(path="row"), dict(path="ticketed"),
                    dict(path="sliced")):
         with tuning.override(topk=TopkTuning(**fields)):
             assert np.array_equal(host(qsa_torch.topk_blocks(logits, visible, k)), expected), fields

@@ -1,0 +1,277 @@
+"""Top-k ticketed path: one launch of 2 x S programs a row, roles by ticket.
+
+For a few rows wider than the row path takes, up to
+``TopkTuning.ticketed_max_columns``.  A program's role is its start ticket
+(:mod:`..tickets`), so a program waits only for programs that started
+before it (docs/design.md, "Numerics and determinism").
+
+1. the first S programs to start each fold one slice (``ticketed_slice``
+   columns, in registers) into the row's G >= 2k strided group maxima by
+   atomic max, then count themselves done (release);
+2. the other S wait for that count (acquire), each derives the same bound
+   ``L`` <= the k-th largest key from the maxima (one pass of digits fitted
+   to the maxima's span, :func:`_scaled_lower_bound`, or the row path's
+   truncated radix where there are fewer than k maxima or
+   ``TopkTuning.ticketed_bound`` says so), and compacts its slice's keys
+   >= ``L`` (~1.4k a row) into its own region of the candidate buffers, in
+   column order;
+3. the last of those to finish (an acq_rel ticket) gathers the regions in
+   slice order (so column order) into registers and selects, or, when the
+   candidates overflow its tile, selects from the row (placing directly when
+   ``T == L``); then ``-1`` padding, and the row's state back to zero.
+
+What bounds it (the last program's four histogram passes over ~1.4k
+candidates), from a timeline of one call: docs/performance.md.
+:func:`ticketed_compact_and_select` is also the fused selection's
+(``select.select_fused_kernel``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..launch import Buffer, Launch
+from ..tickets import finish_ticket, publish, start_ticket, wait_for
+from ..tuning import TopkTuning
+from .common import (digit_of_kth, kth_largest_between, order_key, pad, place, place_tile, row_width,
+                     select_and_place, topk_groups)
+
+
+@triton.jit
+def _scaled_lower_bound(keys, k, lo, hi, PASSES: tl.constexpr, BITS: tl.constexpr):
+    """A lower bound of the k-th largest of keys lying in ``[lo, hi]`` (at
+    least k of them), by digits of ``key - lo`` fitted to the range: each
+    pass histograms the BITS bits below the top bit of the range's span and
+    narrows the range to the chosen digit's, whose lowest key value is the
+    bound.  One pass over keys spanning 24 bits resolves what two 8-bit
+    passes from the top bit do (the first holds the bits all keys share)."""
+    remaining = tl.full((), 0, tl.int32) + k
+    done = (lo == hi).to(tl.int32)
+    for p in tl.static_range(PASSES):
+        if done == 0:
+            # Bit length of the span from its float32 exponent (rounded up at
+            # worst: a digit a bit coarser, never wrong).
+            span = hi - lo
+            length = ((span.to(tl.float32).to(tl.uint32, bitcast=True) >> 23) - 126).to(tl.int32)
+            shift = tl.maximum(length - BITS, 0).to(tl.uint32)
+            match = (keys >= lo) & (keys <= hi)
+            digits = ((keys - lo) >> shift).to(tl.int32)
+            digit, above, exact = digit_of_kth(tl.histogram(digits, 1 << BITS, mask=match), remaining, BITS)
+            lo = lo + (digit.to(tl.uint32) << shift)  # <= the digit's keys <= hi: no overflow
+            # The digit's keys lie below lo + 2**shift (when that fits 32 bits) and at most hi.
+            last = lo + ((tl.full((), 1, tl.uint32) << shift) - 1)
+            hi = tl.where(last >= lo, tl.minimum(hi, last), hi)
+            remaining -= above
+            # Exact: the k-th largest is the digit's lowest key, lo or above.
+            done = (exact | (lo == hi)).to(tl.int32)
+    return lo
+
+
+@triton.jit
+def _ticketed_group_maxima(logits_row, maxima, slice_id, width, num_columns,
+                           SLICE: tl.constexpr, GROUPS: tl.constexpr):
+    """Folds the slice's keys into the row's G strided group maxima (column
+    ``c`` in group ``c % G``; invisible columns key 0): atomic maxima, so
+    the result is every slice's, whatever their order."""
+    SPAN: tl.constexpr = min(SLICE, GROUPS)  # groups one slice row covers
+    # The slice viewed as [SLICE // SPAN, SPAN]: a column of the view is one group.
+    first = slice_id * SLICE
+    span = tl.arange(0, SPAN)
+    offsets = first + tl.arange(0, SLICE // SPAN)[:, None] * SPAN + span[None, :]
+    raw = tl.load(logits_row + offsets, mask=offsets < num_columns, other=0.0)
+    keys = tl.where(offsets < width, order_key(raw.to(tl.float32)), 0)
+    tl.atomic_max(maxima + (first + span) % GROUPS, tl.max(keys, 0), sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _ticketed_finish(logits_row, counts_row, cand_keys, cand_cols, out_row, width, bound, top,
+                     K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr, REGION: tl.constexpr,
+                     CAND_TILE: tl.constexpr, COUNTS_TILE: tl.constexpr, BITS: tl.constexpr):
+    """The selection from every slice's candidates (keys >= bound, each
+    slice's in its REGION of the buffers, in column order), held in
+    registers; or, when they do not fit CAND_TILE, from the row itself."""
+    s = tl.arange(0, COUNTS_TILE)
+    # (.cg: written by other programs of this launch.)
+    at_least = tl.load(counts_row + s, mask=s < SLICES, other=0, cache_modifier=".cg")
+    above = tl.load(counts_row + SLICES + s, mask=s < SLICES, other=0, cache_modifier=".cg")
+    total = tl.sum(at_least, 0)
+    zero = tl.full((), 0, tl.int32)
+    UNROLL: tl.constexpr = 8
+    if total <= CAND_TILE:  # then no slice overflowed its region (REGION >= min(SLICE, CAND_TILE))
+        # Entry i of the concatenation lies in the region of the slice whose
+        # candidates it reaches: skip the unused rest of every region before.
+        # (UNROLL slices a step, unrolled: their loads do not wait for one another.
+        # Steps past the last slice move only entries >= total, never loaded.)
+        idx = tl.arange(0, CAND_TILE)
+        src = idx
+        first = zero
+        for base in range(0, SLICES, UNROLL):
+            for j in tl.static_range(UNROLL):
+                count = tl.load(counts_row + base + j, mask=base + j < SLICES, other=0, cache_modifier=".cg")
+                first += count
+                src = tl.where(idx >= first, src + (REGION - count), src)
+        valid = idx < total
+        keys = tl.load(cand_keys + src, mask=valid, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+        cols = tl.load(cand_cols + src, mask=valid, other=-1, cache_modifier=".cg")
+        threshold = tl.full((), 0, tl.uint32)
+        take_equal = zero + K
+        if total > K:
+            threshold, take_equal = kth_largest_between(keys, valid, K, bound, top, 32 // BITS, BITS)
+        place_tile(keys, cols, valid, threshold, take_equal, zero, zero, out_row)
+    elif tl.sum(above, 0) < K:
+        # Too many keys equal the bound, and it is the k-th largest: all keys
+        # above it, then the first K - above equal to it.
+        place(logits_row, logits_row, zero, width, bound, K - tl.sum(above, 0), zero, zero,
+               out_row, out_row, SLICE, True, False)
+    else:
+        select_and_place(logits_row, logits_row, width, K, tl.full((), 0, tl.uint32),
+                          tl.full((), 0xFFFFFFFF, tl.uint32), out_row, True, SLICE, BITS, False)
+
+
+@triton.jit
+def ticketed_compact_and_select(logits_row, raw, cols, tickets, maxima, counts_row, cand_keys, cand_cols, out_row,
+                                width, slice_id,
+                                K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr, GROUPS: tl.constexpr,
+                                REGION: tl.constexpr, CAND_TILE: tl.constexpr, COUNTS_TILE: tl.constexpr,
+                                BITS: tl.constexpr, BOUND_PASSES: tl.constexpr, SCALED: tl.constexpr,
+                                PAD_TILE: tl.constexpr):
+    """Steps 2 and 3 of the ticketed path for slice ``slice_id`` (its keys
+    ``raw`` at columns ``cols``), once the group maxima are all folded.
+    Returns whether this program was the row's last: it selected into
+    ``out_row``, padded it, and put the row's state back to zero."""
+    # Every such program derives the same bound L <= the k-th largest key
+    # (k groups have a maximum >= L); empty groups (0) only lower it.
+    groups = tl.arange(0, GROUPS)
+    group_maxima = tl.load(maxima + groups, cache_modifier=".cg")
+    top = tl.max(group_maxima, 0)
+    if SCALED:
+        # (Empty groups, 0, widen the span: a looser bound, never a wrong one.)
+        bound = _scaled_lower_bound(group_maxima, K, tl.min(group_maxima, 0), top, BOUND_PASSES, BITS)
+    else:
+        bound, _remaining = kth_largest_between(group_maxima, groups < GROUPS, K, tl.min(group_maxima, 0),
+                                                 top, BOUND_PASSES, BITS)
+    # The slice's keys >= L, in column order, into its region.
+    valid = cols < width
+    keys = tl.where(valid, order_key(raw.to(tl.float32)), 0)
+    at_least = (valid & (keys >= bound)).to(tl.int32)
+    slot = tl.cumsum(at_least, 0) - at_least
+    keep = (at_least != 0) & (slot < REGION)
+    region = slice_id * REGION
+    tl.store(cand_keys + region + slot, keys.to(tl.int32, bitcast=True), mask=keep)
+    tl.store(cand_cols + region + slot, cols, mask=keep)
+    # SLICE <= 16384: both counts fit the 16-bit halves of one sum.
+    totals = tl.sum(at_least + ((valid & (keys > bound)).to(tl.int32) << 16), 0)
+    tl.store(counts_row + slice_id, totals & 0xFFFF)
+    tl.store(counts_row + SLICES + slice_id, totals >> 16)
+    # Every thread's stores before the ticket; the last slice to draw sees them all.
+    tl.debug_barrier()
+    last = finish_ticket(tickets + 2) == SLICES - 1
+    if last:
+        _ticketed_finish(logits_row, counts_row, cand_keys, cand_cols, out_row, width, bound, top,
+                         K, SLICES, SLICE, REGION, CAND_TILE, COUNTS_TILE, BITS)
+        pad(out_row, tl.minimum(width, K), K, PAD_TILE)
+        # Every program of the row has started and is past its waits:
+        # the state is free again (select_paged_tokens' chunks reuse it).
+        tl.store(tickets + tl.arange(0, 4), tl.zeros((4,), tl.int32))
+        tl.store(maxima + groups, tl.zeros((GROUPS,), tl.uint32))
+    return last
+
+
+@triton.jit
+def topk_ticketed_kernel(
+    logits_ptr,  # [rows, C] float32/bf16/fp16 (row stride lg_sr)
+    visible_ptr,  # [rows] int32/int64
+    state_in_ptr,  # [rows, 4 + GROUPS] int32 zeros: state_ptr's memory (JAX aliases them; read through state_ptr)
+    out_ptr,  # [rows, K] int32: selected columns, then -1
+    counts_ptr,  # [rows, 2, SLICES] int32: each slice's keys >= L, then its keys > L
+    cand_key_ptr,  # [rows, SLICES, REGION] int32: candidate order keys, a region per slice
+    cand_col_ptr,  # [rows, SLICES, REGION] int32: their columns
+    state_ptr,  # [rows, 4 + GROUPS] int32: tickets (programs started, maxima folded, slices compacted, unused),
+                # then the group maxima (order keys); zero again when the row is done
+    num_columns, lg_sr,
+    K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr, GROUPS: tl.constexpr,
+    REGION: tl.constexpr, CAND_TILE: tl.constexpr, COUNTS_TILE: tl.constexpr,
+    BITS: tl.constexpr, BOUND_PASSES: tl.constexpr, SCALED: tl.constexpr, PAD_TILE: tl.constexpr,
+):
+    """The whole top-k of one row by its 2 x SLICES programs (module
+    docstring, ticketed path).
+
+    A program's role is its start ticket, not its program id: the first
+    SLICES to start fold their slice into the group maxima; the others wait
+    for those, derive the bound and compact their slice's candidates; the
+    last of them to finish selects.  A program only waits for programs that
+    started before it, which therefore run: no deadlock however the GPU
+    schedules them, and Triton's interpreter (programs one after another)
+    finds every wait already met.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    tickets = state_ptr + row * (4 + GROUPS)
+    maxima = (tickets + 4).to(tl.pointer_type(tl.uint32))
+    role = start_ticket(tickets)
+    width = row_width(visible_ptr, row, num_columns)
+    logits_row = logits_ptr + row * lg_sr
+    if role < SLICES:
+        _ticketed_group_maxima(logits_row, maxima, role, width, num_columns, SLICE, GROUPS)
+        publish(tickets + 1)
+    else:
+        slice_id = role - SLICES
+        cols = slice_id * SLICE + tl.arange(0, SLICE)
+        # Loaded before the wait: the row does not depend on the other programs.
+        raw = tl.load(logits_row + cols, mask=cols < num_columns, other=0.0)
+        wait_for(tickets + 1, SLICES)
+        ticketed_compact_and_select(logits_row, raw, cols, tickets, maxima, counts_ptr + row * (2 * SLICES),
+                                    cand_key_ptr + row * (SLICES * REGION), cand_col_ptr + row * (SLICES * REGION),
+                                    out_ptr + row * K, width, slice_id, K, SLICES, SLICE, GROUPS, REGION,
+                                    CAND_TILE, COUNTS_TILE, BITS, BOUND_PASSES, SCALED, PAD_TILE)
+
+
+def ticketed_layout(columns: int, k: int, tuning: TopkTuning, widest_slice: int = 4096) -> tuple[dict, int]:
+    """(constexprs, least warps its registers need) of the ticketed path's
+    selection of a row of ``columns`` (the fused selection's too, with
+    slices to ``widest_slice`` columns)."""
+    width = max(columns, 1)
+    # Wider slices (to widest_slice columns) past ticketed_max_slices a row.
+    slice_columns = max(tuning.ticketed_slice,
+                        min(widest_slice, triton.next_power_of_2(triton.cdiv(width, tuning.ticketed_max_slices))))
+    slice_columns = min(slice_columns, max(16, triton.next_power_of_2(width)))
+    slices = triton.cdiv(width, slice_columns)
+    groups = topk_groups(columns, k, tuning)
+    # About 1.4k keys of a long row reach the bound (G = 2k groups: each
+    # has a maximum >= L with probability 1/2, so a key with 1 - 2**(-G/C)):
+    # 4k fit, or 4096 (16 warps, 8 keys a thread: registers) for k > 512.
+    cand_tile = min(4096, max(16, triton.next_power_of_2(4 * k)))
+    # A slice with more candidates than fit the tile sends the row to the fallback anyway.
+    region = min(slice_columns, cand_tile)
+    # 16 keys a thread in tiles of 2048 (4 warps), 8 in wider ones (registers).
+    widest = max(slice_columns, cand_tile, groups)
+    least_warps = max(1, widest // (32 * (16 if widest <= 2048 else 8)))
+    # The scaled bound needs k maxima (fewer: the fixed radix's bound is 0, as it must be).
+    scaled = tuning.ticketed_bound == "scaled" and groups >= k
+    constexprs = dict(K=k, SLICES=slices, SLICE=slice_columns, GROUPS=groups, REGION=region, CAND_TILE=cand_tile,
+                      COUNTS_TILE=triton.next_power_of_2(slices), BITS=tuning.radix_bits,
+                      BOUND_PASSES=tuning.ticketed_bound_passes if scaled else tuning.bound_passes, SCALED=scaled,
+                      PAD_TILE=min(1024, triton.next_power_of_2(k)))
+    return constexprs, least_warps
+
+
+def ticketed_buffers(rows: int, layout: dict) -> tuple[Buffer, ...]:
+    """The ticketed path's state (zeros, left at zero) and workspaces for ``rows`` rows."""
+    slices, region = layout["SLICES"], layout["REGION"]
+    return (Buffer("topk_state", (rows, 4 + layout["GROUPS"]), "int32", fill=0),
+            Buffer("topk_counts", (rows, 2, slices), "int32"),
+            Buffer("topk_cand_key", (rows, slices, region), "int32"),
+            Buffer("topk_cand_col", (rows, slices, region), "int32"))
+
+
+def ticketed_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out, tuning: TopkTuning):
+    """The ticketed path: one launch of 2 x slices programs per row."""
+    layout, least_warps = ticketed_layout(columns, k, tuning)
+    buffers = ticketed_buffers(rows, layout)
+    state, workspaces = buffers[0].name, tuple(buffer.name for buffer in buffers[1:])
+    launches = tuple(
+        Launch(topk_ticketed_kernel, (count, 2 * layout["SLICES"]), (logits, visible, state),
+               (out, *workspaces, state), dict(num_columns=columns, lg_sr=logits_stride), layout,
+               num_warps=max(tuning.ticketed_warps, least_warps), num_stages=1)
+        for count in row_counts)
+    return buffers, launches
