@@ -1,15 +1,19 @@
 """Plot benchmarks/results/step.json (bench_step.py): step time against context, one line per path.
 
-    python benchmarks/plot_step.py [step.json [step.png]]
+    python benchmarks/plot_step.py [step.json [step.png]] [--overlay later.json ...]
 
-One panel per batch size; log-log axes.  Needs matplotlib (not a test dependency).
+One panel per batch size; log-log axes.  ``--overlay`` draws the points of
+later runs (of some shapes only) over the lines as stars, labelled with their
+file.  With no arguments it redraws the committed figure: step.json's grid,
+with step_128k.json (this release's run at 128K, the figures the README
+cites) over it.  Needs matplotlib (not a test dependency).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 PATHS = [  # (column, label, style)
@@ -20,16 +24,23 @@ PATHS = [  # (column, label, style)
     ("torch_eager_us", "torch step (eager)", dict(color="tab:orange", marker="s", linestyle=":")),
     ("dense_graph_us", "dense attention layer (SDPA, CUDA graph)", dict(color="tab:gray", marker="^")),
 ]
+#: The paths an overlay draws (its stars take the path's colour).
+OVERLAID = ("torch_graph_us", "jax_device_us", "dense_graph_us")
 
 
-def plot(json_path: str, png_path: str) -> None:
+def _load(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def plot(json_path: str, png_path: str, overlays: tuple[str, ...] = ()) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with open(json_path) as f:
-        results = json.load(f)
+    results = _load(json_path)
+    later = [(os.path.basename(path), _load(path)) for path in overlays]
     rows = results["rows"]
     batches = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 4.2), sharey=True, squeeze=False)
@@ -39,6 +50,12 @@ def plot(json_path: str, png_path: str) -> None:
             points = [(r["context"], r[column]) for r in mine if r.get(column)]
             if points:
                 ax.plot(*zip(*points), label=label, **style)
+        for name, run in later:
+            for column, label, style in PATHS:
+                points = [(r["context"], r[column]) for r in run["rows"] if r["batch"] == batch and r.get(column)]
+                if column in OVERLAID and points:
+                    ax.plot(*zip(*points), linestyle="none", marker="*", markersize=13, color=style["color"],
+                            markeredgecolor="black", markeredgewidth=0.5, label=f"{label.split(' (')[0]}: {name}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks([r["context"] for r in mine], [f"{r['context'] // 1024}K" for r in mine])
@@ -47,15 +64,26 @@ def plot(json_path: str, png_path: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("µs per step (one layer)")
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
-    gpu = results.get("environment", {}).get("gpu", "CPU")
-    fig.suptitle(f"One QSA attention layer's decode step (all four stages) vs a dense attention layer ({gpu})")
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=8, frameon=False)
+    environment = results.get("environment", {})
+    runs = "; ".join([f"lines: {os.path.basename(json_path)} ({environment.get('time', '?')})"]
+                     + [f"stars: {name} ({run.get('environment', {}).get('time', '?')})" for name, run in later])
+    fig.suptitle(f"One QSA attention layer's decode step (all four stages) vs a dense attention layer "
+                 f"({environment.get('gpu', 'CPU')}, torch {environment.get('torch', '?')}, triton "
+                 f"{environment.get('triton', '?')}, jax {environment.get('jax', '?')})\n{runs}", fontsize=10)
+    fig.tight_layout(rect=(0, 0.12 if later else 0.07, 1, 1))
     fig.savefig(png_path, dpi=110)
     print(f"wrote {png_path}")
 
 
 if __name__ == "__main__":
-    source = sys.argv[1] if len(sys.argv) > 1 else os.path.join(RESULTS, "step.json")
-    target = sys.argv[2] if len(sys.argv) > 2 else os.path.splitext(source)[0] + ".png"
-    plot(source, target)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("source", nargs="?", help="the grid's JSON (default: results/step.json)")
+    parser.add_argument("target", nargs="?", help="the PNG to write (default: the source's name, .png)")
+    parser.add_argument("--overlay", action="append", help="a later run's JSON, drawn as stars (repeatable)")
+    arguments = parser.parse_args()
+    source = arguments.source or os.path.join(RESULTS, "step.json")
+    overlays = arguments.overlay
+    if overlays is None:  # the committed figure: the grid and this release's 128K run
+        overlays = [os.path.join(RESULTS, "step_128k.json")] if arguments.source is None else []
+    plot(source, arguments.target or os.path.splitext(source)[0] + ".png", tuple(overlays))

@@ -25,7 +25,7 @@ depend only on its row count ``T`` and request count ``B``: one trace under
 from __future__ import annotations
 
 import dataclasses
-from typing import Hashable, Mapping
+from typing import Any, Hashable, Mapping
 
 import numpy as np
 
@@ -248,7 +248,8 @@ class PagedRequests:
         self._lengths[ring] = 0
         self._batch = None  # its tables hold this request's pages
 
-    def step(self, new_tokens: Mapping[Hashable, int]) -> HostStepMetadata:
+    # Any keys: Mapping is invariant in its key type, so Mapping[Hashable, ...] would reject a dict[str, int].
+    def step(self, new_tokens: Mapping[Any, int | np.integer]) -> HostStepMetadata:
         """Allocate for and describe one step: ``new_tokens[request]`` rows of each request."""
         g = self.geometry
         if not isinstance(new_tokens, Mapping):

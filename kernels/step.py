@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
@@ -47,6 +47,9 @@ from .select import plan_select_paged_tokens
 from .stage import Stage, stage
 from .tuning import StepTuning
 from .validate import BOOL, FINITE_NUMBER, FP8_DTYPE, POSITIVE_INT, Checker
+
+if TYPE_CHECKING:  # annotations only
+    from .paging import CacheGeometry, HostStepMetadata
 
 __all__ = ["plan_qsa_attention_step", "state_arguments", "step_results", "STEP_DOC", "STATE_DOC",
            "METADATA_DOC", "METADATA_FIELDS", "STATE_FIELDS", "SCALE_FIELDS", "STEP_ARRAYS", "LABELS"]
@@ -162,8 +165,10 @@ class StateFields:
     compressed_key_scale: Any = None
 
     @classmethod
-    def zeros(cls, geometry, *, kv_heads, head_dim, index_head_dim, dtype, index_dtype=None, device=None,
-              cache_dtype=None, compressed_key_dtype=None, k_scale=1.0, v_scale=1.0, compressed_key_scale=1.0):
+    def zeros(cls, geometry: CacheGeometry, *, kv_heads: int, head_dim: int, index_head_dim: int, dtype: Any,
+              index_dtype: Any = None, device: Any = None, cache_dtype: Any = None,
+              compressed_key_dtype: Any = None, k_scale: float = 1.0, v_scale: float = 1.0,
+              compressed_key_scale: float = 1.0) -> Self:
         """Zero caches of ``geometry``'s sizes (see :data:`STATE_DOC`), with scales for the fp8 ones.
 
         A subclass also sets ``_scale(value, device)``: a 0-d float32 array.
@@ -208,7 +213,7 @@ class MetadataFields:
     compressor_state_slots: Any
 
     @classmethod
-    def from_host(cls, host, device=None):
+    def from_host(cls, host: HostStepMetadata, device: Any = None) -> Self:
         """Copies of the arrays of a :class:`qsa_kernels.paging.HostStepMetadata`, on ``device``.
 
         Always copies (never aliases the host arrays, even on the CPU): the

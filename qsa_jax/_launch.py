@@ -138,8 +138,31 @@ class _InterpreterThread:
 _interpreter_thread = _InterpreterThread() if runtime.INTERPRETED else None
 
 
+#: What to install for the CPU path (the README's Install table says the same).
+CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+
+
+def _host_torch(function: str):
+    """torch, on whose CPU tensors the interpreter runs (never through qsa_torch), or an error naming the remedy.
+
+    The ``jax`` extra does not require torch (from PyPI it is a multi-GB CUDA
+    build): a JAX-only environment learns here, at its first call, which torch
+    the CPU path needs.
+    """
+    try:
+        import torch
+    except ModuleNotFoundError as error:
+        if error.name != "torch":
+            raise
+        raise ModuleNotFoundError(
+            f"{function}: without a CUDA device qsa_jax runs the kernels through Triton's interpreter on CPU "
+            f"torch tensors, and torch is not installed: install its CPU build ({CPU_TORCH})",
+            name="torch") from None
+    return torch
+
+
 def _run_on_host(program: Program, names, arrays):
-    import torch  # the interpreter runs on CPU torch tensors (never through qsa_torch)
+    torch = _host_torch(program.function)
 
     updated = set(program.updated_arguments)
     result_types = []

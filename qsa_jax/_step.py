@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, overload
 
 if TYPE_CHECKING:  # the annotations' array types (the same names in both adapters)
     from jax import Array
@@ -33,6 +33,26 @@ class StepMetadata(_step.MetadataFields):
     _to_device = staticmethod(lambda array, device: jnp.array(array, copy=True, device=device))
 
 
+# The result's length follows return_token_indices: one overload per value, so
+# that `out, state = qsa_attention_step(...)` type-checks (docs/api.md, "Types").
+@overload
+def qsa_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, index_q: ArrayLike, index_k: ArrayLike,
+                       state: QSAState, metadata: StepMetadata, cos_sin: ArrayLike,
+                       index_cos_sin: ArrayLike, *, compress_ratio: int, token_topk: int,
+                       is_neox: bool = ..., softmax_scale: float | None = ...,
+                       return_token_indices: Literal[False] = ...) -> tuple[Array, QSAState]: ...
+@overload
+def qsa_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, index_q: ArrayLike, index_k: ArrayLike,
+                       state: QSAState, metadata: StepMetadata, cos_sin: ArrayLike,
+                       index_cos_sin: ArrayLike, *, compress_ratio: int, token_topk: int,
+                       is_neox: bool = ..., softmax_scale: float | None = ...,
+                       return_token_indices: Literal[True]) -> tuple[Array, QSAState, Array]: ...
+@overload
+def qsa_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, index_q: ArrayLike, index_k: ArrayLike,
+                       state: QSAState, metadata: StepMetadata, cos_sin: ArrayLike,
+                       index_cos_sin: ArrayLike, *, compress_ratio: int, token_topk: int,
+                       is_neox: bool = ..., softmax_scale: float | None = ...,
+                       return_token_indices: bool) -> tuple[Array, QSAState] | tuple[Array, QSAState, Array]: ...
 def qsa_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, index_q: ArrayLike, index_k: ArrayLike,
                        state: QSAState, metadata: StepMetadata, cos_sin: ArrayLike,
                        index_cos_sin: ArrayLike, *, compress_ratio: int, token_topk: int,

@@ -1,20 +1,26 @@
-"""The distribution: what the wheel holds, its metadata, and the import graph of the packages.
+"""The distribution: what the wheel and the sdist hold, its metadata, what its installs resolve to, and
+the import graph of the packages.
 
 The wheel is built from a copy of the project's files (so the checkout gets no
 build/ or egg-info), with ``pip wheel --no-deps``.  Without build isolation
 when this environment's setuptools can build it (>= 77 reads the SPDX license;
 torch requires it, so test environments have it), else in an isolated build
-environment, which needs the package index.
+environment, which needs the package index.  The resolution tests (the end
+of this file) need PyPI and skip, saying so, where it cannot be reached.
 """
 
 from __future__ import annotations
 
 import ast
 import email.parser
+import json
+import os
+import re
 import shutil
 import subprocess
 import sys
 import zipfile
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -113,11 +119,18 @@ def test_wheel_metadata(wheel):
                 and (extra is None or r.marker.evaluate({"extra": extra}))}
 
     assert needs(None) == {"triton<3.10,>=3.6.0", "numpy"}  # neither torch nor jax: qsa_kernels needs neither
-    assert needs("torch") == {"torch>=2.9"}
-    assert needs("jax") == {"jax>=0.8.2", "ml_dtypes", "torch>=2.9"}  # the CPU path runs on torch tensors
+    assert needs("torch") == {"torch>=2.10"}  # 2.9.x pins triton 3.5.1 (test_below_the_torch_floor...)
+    assert needs("jax") == {"jax>=0.8.2", "ml_dtypes"}  # no torch: from PyPI a CUDA build (the README says which)
     assert needs("jax-gpu") == {"jax>=0.8.2", "ml_dtypes", "jax-triton==0.3.1"}  # no torch on the GPU path
     assert needs("gpu") == {"qsa-kernels[jax-gpu,torch]"}
-    assert needs("test") == {"qsa-kernels[jax,torch]", "pytest>=8", "hypothesis>=6"}
+    assert needs("test") == {"qsa-kernels[jax,torch]", "pytest>=8", "hypothesis>=6", "mypy>=1.10"}
+
+
+def test_wheel_installs_the_info_command(wheel):
+    with zipfile.ZipFile(wheel) as archive:
+        name = next(n for n in archive.namelist() if n.endswith(".dist-info/entry_points.txt"))
+        entry_points = archive.read(name).decode()
+    assert "[console_scripts]" in entry_points and "qsa-info = qsa_kernels.info:main" in entry_points
 
 
 # --------------------------------------------------------------------------
@@ -244,3 +257,320 @@ def test_torch_adapter_does_not_import_the_jax_adapter():
 
 def test_jax_adapter_does_not_import_the_torch_adapter():
     assert _crossings("qsa_jax", ("qsa_torch",)) == []
+
+
+# --------------------------------------------------------------------------
+# The sdist: the repository's tracked files, so its tests find what they read
+# --------------------------------------------------------------------------
+
+def test_sdist_holds_every_tracked_file(tmp_path):
+    """The tests read docs/, examples/, benchmarks/, scripts/ and .ci/: MANIFEST.in grafts them all."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout: the tracked files are unknown")
+    if not _setuptools_can_build():
+        pytest.skip("this environment's setuptools is older than 77 (it cannot read the SPDX license)")
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True, text=True,
+                            check=True).stdout
+    tracked = {name for name in listed.split("\0") if name and (ROOT / name).is_file()}
+    source = tmp_path / "source"
+    for name in tracked:
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / name, source / name)
+    out = tmp_path / "sdist"
+    result = subprocess.run(
+        [sys.executable, "-c", f"from setuptools import build_meta; print(build_meta.build_sdist({str(out)!r}))"],
+        cwd=source, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    import tarfile
+
+    with tarfile.open(out / result.stdout.split()[-1]) as archive:  # qsa_kernels-<version>/<path>
+        names = {m.name.split("/", 1)[1] for m in archive.getmembers() if m.isfile()}
+    generated = {"PKG-INFO", "setup.cfg"} | {n for n in names if n.startswith("qsa_kernels.egg-info/")}
+    missing = tracked - {".gitignore"} - names
+    assert not missing, f"tracked but not in the sdist (MANIFEST.in): {sorted(missing)}"
+    extra = names - tracked - generated
+    assert not extra, f"in the sdist but not tracked: {sorted(extra)}"
+
+
+# --------------------------------------------------------------------------
+# A JAX-only environment: the CPU path names the torch it needs
+# --------------------------------------------------------------------------
+
+def test_jax_cpu_path_without_torch_names_the_cpu_wheel():
+    from qsa_kernels import runtime
+
+    if not runtime.INTERPRETED:
+        pytest.skip("a compiled process: qsa_jax launches through jax-triton, without torch")
+    from qsa_jax._launch import CPU_TORCH
+
+    assert CPU_TORCH in (ROOT / "README.md").read_text()  # the README's install table says the same
+    code = """
+import sys
+sys.modules["torch"] = None  # as where torch is not installed
+import jax, jax.numpy as jnp, qsa_jax
+try:
+    jax.jit(lambda x, n: qsa_jax.topk_blocks(x, n, 2))(jnp.ones((2, 8), jnp.float32), jnp.array([8, 3], jnp.int32))
+except ModuleNotFoundError as error:
+    print(error.name, "|", error)
+else:
+    raise AssertionError("no error without torch")
+"""
+    from .test_readme import _package_path
+
+    result = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=_package_path()),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    name, message = result.stdout.strip().split(" | ", 1)
+    assert name == "torch" and message.startswith("topk_blocks: ") and CPU_TORCH in message, result.stdout
+
+
+# --------------------------------------------------------------------------
+# Resolution against the public registry: the installs scripts/setup.sh
+# performs, and each extra at its floors
+#
+# Dry runs (``pip install --dry-run --report``) read only the candidates'
+# metadata: PyPI's metadata files (PEP 658), or where an index (a mirror)
+# lists none, the METADATA inside each wheel through HTTP range requests
+# (``--use-feature=fast-deps``): no wheel is downloaded.  This
+# machine's own pip configuration (find-links with local wheels, extra
+# indexes, constraints) is dropped: PIP_CONFIG_FILE=os.devnull skips every
+# configuration file, and only the PIP_* variables about reaching a network
+# are kept.  All the resolutions start together and each test waits for its
+# own: together they take about as long as the slowest.
+# --------------------------------------------------------------------------
+
+PYPI = "https://pypi.org/simple"
+NETWORK_SETTINGS = ("PIP_CERT", "PIP_CLIENT_CERT", "PIP_PROXY", "PIP_TRUSTED_HOST", "PIP_DEFAULT_TIMEOUT",
+                    "PIP_RETRIES", "PIP_TIMEOUT")
+NETWORK_ERRORS = re.compile(r"Could not fetch URL|NewConnectionError|ConnectionError|SSLError|Read timed out|"
+                            r"Max retries exceeded|Temporary failure in name resolution")
+#: The newest torch below the floor: every 2.9.x pins triton 3.5.1.
+BELOW_TORCH_FLOOR = "2.9.1"
+
+
+def _setup_script() -> dict[str, str]:
+    """What scripts/setup.sh and .ci/run install by default (read from them, so the tests follow them)."""
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    found = {
+        "torch": re.search(r'^TORCH=\$\{QSA_TORCH:-([^}]+)\}$', setup, re.M),
+        "triton": re.search(r'^TRITON=\$\{QSA_TRITON:-([^}]+)\}$', setup, re.M),
+        "newest triton": re.search(r'QSA_TRITON="([^"]+)" bash scripts/test\.sh', ci),
+    }
+    assert all(found.values()), found
+    # The second install, as the dry runs below repeat it (with this project's wheel for ".[test]").
+    assert '-m pip install -q -c scripts/constraints-cpu.txt -e ".[test]" "$triton" packaging' in setup
+    return {name: match.group(1) for name, match in found.items()}
+
+
+def _floors() -> dict[str, str]:
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    floors = {}
+    for extra, name in (("torch", "torch"), ("jax", "jax")):
+        (spec,) = [s for r in map(Requirement, extras[extra]) if r.name == name for s in r.specifier]
+        assert spec.operator == ">=", spec
+        floors[name] = spec.version
+    return floors
+
+
+def _triton_range():
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    return next(r.specifier for r in map(Requirement, dependencies) if r.name == "triton")
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+class _Resolution:
+    """One dry run, started at once; :meth:`result` waits for it."""
+
+    def __init__(self, name: str, arguments: list[str], report: Path, python: str | None):
+        command = [sys.executable, "-m", "pip"] + (["--python", python] if python else []) + [
+            "install", "--dry-run", "--no-cache-dir", "--index-url", PYPI, "--report", str(report),
+            "--use-feature=fast-deps",  # no metadata file on the index: range requests, not whole wheels
+            *(["--ignore-installed"] if python is None else []), *arguments]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") or k in NETWORK_SETTINGS}
+        env.update(PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
+        self.name, self.command, self.report = name, command, report
+        self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self._done = None
+
+    def result(self):
+        """``(returncode, output, {name: version}, {name: requires_dist})``; skips on network errors."""
+        if self._done is None:
+            try:
+                stderr, _ = self.process.communicate(timeout=600)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                raise AssertionError(f"{self.name}: no resolution within 600 s: {' '.join(self.command)}")
+            versions, requires = {}, {}
+            if self.process.returncode == 0:
+                for item in json.loads(self.report.read_text())["install"]:
+                    name = _canonical(item["metadata"]["name"])
+                    versions[name] = item["metadata"]["version"]
+                    requires[name] = item["metadata"].get("requires_dist", [])
+            self._done = (self.process.returncode, stderr, versions, requires)
+        returncode, stderr = self._done[:2]
+        if returncode != 0 and NETWORK_ERRORS.search(stderr):
+            pytest.skip(f"PyPI stopped answering during the dry run: {stderr.strip().splitlines()[-1]}")
+        if returncode != 0 and "fast-deps" in stderr and "invalid choice" in stderr:
+            pytest.skip("this pip has no --use-feature=fast-deps: on an index without metadata files a dry run "
+                        "would download whole wheels (several GB for a CUDA torch)")
+        return self._done
+
+
+def _pypi_reachable() -> str | None:
+    """Why the resolutions cannot run here, or None."""
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(f"{PYPI}/pip/", timeout=10).close()
+    except Exception as error:
+        return f"PyPI ({PYPI}) is unreachable ({type(error).__name__}: {error}): the resolution tests need it"
+    from packaging.version import Version
+
+    pip_version = metadata.version("pip")
+    if Version(pip_version) < Version("23.0"):
+        return f"pip {pip_version} is too old for these dry runs (--dry-run --report and --python: pip >= 23.0)"
+    return None
+
+
+def _cpu_torch_environment(path: Path) -> str | None:
+    """A fresh venv holding only this environment's torch's metadata, as after setup.sh's first install
+    from PyTorch's CPU index; ``None`` when this environment's torch is not the CPU build."""
+    try:
+        torch = metadata.distribution("torch")
+    except metadata.PackageNotFoundError:
+        return None
+    if "+cpu" not in torch.version or any(r.startswith("triton") for r in torch.requires or []):
+        return None
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=120)
+    purelib = subprocess.run([str(path / "bin" / "python"), "-c",
+                              "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    for file in torch.files or []:  # the .dist-info directory only: metadata, no code
+        if file.parts[0].endswith(".dist-info"):
+            target = Path(purelib) / file
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(file.locate(), target)
+    return str(path / "bin" / "python")
+
+
+@pytest.fixture(scope="module")
+def resolutions(wheel, tmp_path_factory):
+    why = _pypi_reachable()
+    if why:
+        pytest.skip(why)
+    defaults, floors = _setup_script(), _floors()
+    constraints = ["-c", str(ROOT / "scripts" / "constraints-cpu.txt")]
+    project = str(wheel)  # the project's metadata, as `-e ".[test]"` reads it
+    work = tmp_path_factory.mktemp("resolutions")
+    cpu_python = _cpu_torch_environment(work / "cpu-torch")
+    cases = {  # name: (arguments, python: None = a fresh environment)
+        "setup, PyPI only": ([defaults["torch"], f"{project}[test]", "packaging", *constraints], None),
+        "torch extra at its floor": ([f"{project}[torch]", f"torch=={floors['torch']}"], None),
+        "below the torch floor": ([project, f"torch=={BELOW_TORCH_FLOOR}"], None),
+        "jax extra at its floor": ([f"{project}[jax]", f"jax=={floors['jax']}"], None),
+        "jax-gpu extra at its floor": ([f"{project}[jax-gpu]", f"jax=={floors['jax']}"], None),
+        "gpu extra at its floors": ([f"{project}[gpu]", f"torch=={floors['torch']}", f"jax=={floors['jax']}"], None),
+        "test extra at its floors": ([f"{project}[test]", f"torch=={floors['torch']}", f"jax=={floors['jax']}"],
+                                     None),
+    }
+    if cpu_python:
+        for case, triton in (("setup, CPU torch", defaults["triton"]), ("CI, CPU torch, newest triton",
+                                                                         defaults["newest triton"])):
+            cases[case] = ([f"{project}[test]", triton, "packaging", *constraints], cpu_python)
+    started = {name: _Resolution(name, arguments, work / f"{index}.json", python)
+               for index, (name, (arguments, python)) in enumerate(cases.items())}
+    yield started, defaults, floors
+    for resolution in started.values():  # only what this fixture started, and only if still running
+        if resolution.process.poll() is None:
+            resolution.process.kill()
+            resolution.process.wait()
+
+
+def _resolved(resolutions, name: str):
+    started = resolutions[0]
+    if name not in started:
+        pytest.skip("this environment's torch is not PyTorch's CPU build: the CPU-index setup cannot be repeated")
+    returncode, stderr, versions, requires = started[name].result()
+    assert returncode == 0, f"{name}: {' '.join(started[name].command)}\n{stderr}"
+    return versions, requires
+
+
+def _triton_pin(requires: list[str]):
+    """The triton requirement of torch's Requires-Dist that applies here (a CUDA build's pin), or None."""
+    from packaging.requirements import Requirement
+
+    pins = [r for r in map(Requirement, requires) if r.name == "triton"
+            and (r.marker is None or r.marker.evaluate({"extra": ""}))]
+    return pins[0].specifier if pins else None
+
+
+def test_setup_on_a_machine_reaching_only_pypi_resolves(resolutions):
+    """PyPI's torch (a CUDA build on Linux x86-64) pins its own triton: setup.sh takes that one, in range."""
+    defaults = resolutions[1]
+    versions, requires = _resolved(resolutions, "setup, PyPI only")
+    from packaging.requirements import Requirement
+
+    assert Requirement(defaults["torch"]).specifier.contains(versions["torch"])
+    pin = _triton_pin(requires["torch"])
+    if pin is not None:  # what setup.sh installs instead of QSA_TRITON
+        assert pin.contains(versions["triton"])
+    assert _triton_range().contains(versions["triton"]), versions["triton"]
+    from packaging.version import Version
+
+    assert Version(versions["numpy"]) < Version("2.4")  # scripts/constraints-cpu.txt
+
+
+@pytest.mark.parametrize("case, default", [("setup, CPU torch", "triton"),
+                                           ("CI, CPU torch, newest triton", "newest triton")])
+def test_setup_after_the_cpu_torch_resolves(resolutions, case, default):
+    """After the CPU wheel (no triton pin): the test extra, the requested triton and the NumPy constraint."""
+    versions, _ = _resolved(resolutions, case)
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    assert "torch" not in versions  # the installed CPU torch satisfies the extras: kept
+    assert Requirement(resolutions[1][default]).specifier.contains(versions["triton"])
+    assert Version(versions["numpy"]) < Version("2.4")  # scripts/constraints-cpu.txt
+    assert {"qsa-kernels", "jax", "pytest", "hypothesis", "mypy"} <= set(versions)
+
+
+def test_each_extra_resolves_at_its_floors(resolutions):
+    from packaging.version import Version
+
+    floors = resolutions[2]
+    versions, requires = _resolved(resolutions, "torch extra at its floor")
+    assert Version(versions["torch"]) == Version(floors["torch"])
+    assert _triton_range().contains(versions["triton"])
+    for case in ("jax extra at its floor", "jax-gpu extra at its floor"):
+        versions, _ = _resolved(resolutions, case)
+        assert Version(versions["jax"]) == Version(floors["jax"]), case
+        cuda = sorted(n for n in versions if n == "torch" or n.startswith(("nvidia-", "cuda-")))
+        assert not cuda, f"{case} pulls {cuda}"  # no surprise CUDA torch
+    assert versions["jax-triton"] == "0.3.1"
+    for case in ("gpu extra at its floors", "test extra at its floors"):
+        versions, _ = _resolved(resolutions, case)
+        assert Version(versions["torch"]) == Version(floors["torch"]), case
+        assert Version(versions["jax"]) == Version(floors["jax"]), case
+
+
+def test_below_the_torch_floor_is_impossible(resolutions):
+    """Why the floor is what it is: the newest torch below it pins a triton outside the supported range."""
+    from packaging.version import Version
+
+    assert Version(BELOW_TORCH_FLOOR) < Version(resolutions[2]["torch"])
+    returncode, stderr, _, _ = resolutions[0]["below the torch floor"].result()
+    assert returncode != 0 and "ResolutionImpossible" in stderr, stderr
+    causes = stderr[stderr.index("The conflict is caused by"):]
+    assert re.search(rf"torch {re.escape(BELOW_TORCH_FLOOR)} depends on triton==3\.5", causes), causes

@@ -1,0 +1,274 @@
+"""The environment report to paste into a bug report: ``python -m qsa_kernels.info`` (or ``qsa-info``).
+
+One ``field: value`` line per :data:`FIELDS` entry: the versions of Python
+and of every package the kernels run with, the NVIDIA driver and devices,
+whether this process runs the kernels compiled or through Triton's
+interpreter and why, how ``qsa_jax`` lowers its launches and which
+``qsa_torch`` fast paths are on, and why.
+
+It never initialises CUDA (a forked child of a process that did cannot use
+CUDA, and a report must not change what it reports): versions come from the
+installed distributions' metadata, devices and the driver from NVML, the
+library ``nvidia-smi`` uses, through :mod:`qsa_kernels.runtime`'s own
+device count.  ``--cuda`` also asks torch, Triton and JAX for their devices,
+which initialises CUDA.  A framework that is not installed is reported as
+such and never imported; the adapters are imported (through ``importlib``:
+the kernels themselves import neither framework) only where their
+framework is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib
+import os
+import platform
+import sys
+from importlib import metadata
+
+from . import __version__, runtime
+
+__all__ = ["FIELDS", "report", "main"]
+
+#: The report's lines, in order (every one is always printed).
+FIELDS = (
+    "qsa-kernels", "python", "platform", "numpy", "triton", "torch", "jax", "jaxlib", "jax CUDA plugin",
+    "jax-triton", "ml_dtypes", "NVIDIA driver", "devices", "environment", "kernels run", "JAX lowering",
+    "torch eager calls", "torch fast launcher", "torch.compile", "CUDA queried", "CUDA initialised",
+)
+NOT_INSTALLED = "not installed"
+CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+#: Environment variables that change what the package does (printed when set).
+ENVIRONMENT = ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "QSA_JAX_LOWERING", "TRITON_CACHE_DIR",
+               "JAX_PLATFORMS", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_FLAGS")
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _import(name: str):
+    """``(module, None)``, or ``(None, why)`` when it does not import."""
+    try:
+        return importlib.import_module(name), None
+    except Exception as error:  # a report must not fail on a broken installation: it says so
+        return None, f"{type(error).__name__}: {error}"
+
+
+# --------------------------------------------------------------------------
+# NVML: the driver and the devices, without a CUDA context
+# --------------------------------------------------------------------------
+
+class _Memory(ctypes.Structure):
+    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+
+def _nvml() -> tuple[str, list[str]]:
+    """``(driver, devices)`` as NVML reports them, or why it cannot."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return "none found (no NVML library: libnvidia-ml.so.1)", []
+    if nvml.nvmlInit_v2() != 0:
+        return "NVML did not initialise (nvmlInit_v2 failed)", []
+    try:
+        text = ctypes.create_string_buffer(96)
+        driver = text.value.decode() if nvml.nvmlSystemGetDriverVersion(text, 96) == 0 else "unknown"
+        cuda = ctypes.c_int(0)
+        if nvml.nvmlSystemGetCudaDriverVersion_v2(ctypes.byref(cuda)) == 0:
+            driver += f" (CUDA {cuda.value // 1000}.{cuda.value % 1000 // 10})"
+        count = ctypes.c_uint(0)
+        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+            return driver, ["NVML could not count the devices"]
+        devices = []
+        for index in range(count.value):
+            handle = ctypes.c_void_p()
+            if nvml.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(index), ctypes.byref(handle)) != 0:
+                devices.append(f"{index}: NVML gave no handle")
+                continue
+            name = ctypes.create_string_buffer(96)
+            nvml.nvmlDeviceGetName(handle, name, 96)
+            major, minor = ctypes.c_int(0), ctypes.c_int(0)
+            capability = (f"compute capability {major.value}.{minor.value}"
+                          if nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major),
+                                                                       ctypes.byref(minor)) == 0
+                          else "compute capability unknown")
+            memory = _Memory()
+            size = (f", {memory.total / 2**30:.0f} GiB" if nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)) == 0
+                    else "")
+            devices.append(f"{index}: {name.value.decode()}, {capability}{size}")
+        return driver, devices
+    except AttributeError as error:  # an NVML too old for one of these calls
+        return f"NVML lacks {error}", []
+    finally:
+        nvml.nvmlShutdown()
+
+
+# --------------------------------------------------------------------------
+# Why the process runs the way it does
+# --------------------------------------------------------------------------
+
+def _visibility() -> str:
+    """How runtime.py sees the devices (its own checks, in its order)."""
+    if runtime._hidden_by_environment():
+        return "CUDA_VISIBLE_DEVICES hides every device"
+    nvml, proc = runtime._nvml_device_count(), runtime._proc_device_count()
+    if nvml is not None:
+        return f"NVML counts {nvml} device{'s' * (nvml != 1)}"
+    if proc is not None:
+        return f"/proc/driver/nvidia/gpus lists {proc} device{'s' * (proc != 1)}"
+    return "no NVML library and no /proc/driver/nvidia/gpus"
+
+
+def _kernels_run() -> str:
+    visible, why = runtime.cuda_device_visible(), _visibility()
+    given = os.environ.get("TRITON_INTERPRET")
+    if runtime.INTERPRETED:
+        if visible:
+            return f"interpreted (Triton's interpreter on the CPU): TRITON_INTERPRET={given} overrides the device ({why})"
+        return (f"interpreted (Triton's interpreter on the CPU): no CUDA device is visible ({why}), so "
+                f"qsa_kernels set TRITON_INTERPRET=1 at import (unless it was set already)")
+    if visible:
+        return f"compiled (Triton kernels compiled for the CUDA device): {why}"
+    return (f"compiled, as TRITON_INTERPRET={given} asks, but no CUDA device is visible ({why}): "
+            f"launches will fail")
+
+
+def _jax_lowering(jax_installed: bool, torch_installed: bool) -> str:
+    if not jax_installed:
+        return f"jax {NOT_INSTALLED}"
+    qsa_jax, why = _import("qsa_jax")
+    if qsa_jax is None:
+        return f"qsa_jax does not import here ({why})"
+    requested = os.environ.get("QSA_JAX_LOWERING")
+    try:
+        lowering = qsa_jax.triton_lowering()
+    except (RuntimeError, ValueError) as error:
+        return f"unusable: {error}"
+    if lowering == "interpreter":
+        text = "interpreter: no CUDA device, so every launch runs from a host callback on CPU torch tensors"
+        if not torch_installed:
+            text += f"; torch is {NOT_INSTALLED}, which that path needs ({CPU_TORCH})"
+        return text
+    if requested and requested.strip().lower() != "auto":
+        text = f"{lowering}: QSA_JAX_LOWERING={requested} forces it"
+    elif lowering == "ffi":
+        text = "ffi: auto, and this jaxlib registers the typed-FFI handler triton_kernel_call_ffi (jaxlib >= 0.11)"
+    else:
+        text = "legacy: auto, and this jaxlib has no typed-FFI Triton handler (jaxlib < 0.11)"
+    if _version("jax-triton") is None:
+        text += "; jax-triton is not installed, so qsa_jax cannot launch on the GPU (pip install 'qsa-kernels[jax-gpu]')"
+    return text
+
+
+def _torch_paths(torch, why: str) -> dict[str, str]:
+    names = ("torch eager calls", "torch fast launcher", "torch.compile")
+    if torch is None:
+        return dict.fromkeys(names, why)
+    fast, error = _import("qsa_torch._fast_launch")
+    if fast is None:
+        return dict.fromkeys(names, f"qsa_torch does not import here ({error})")
+    if fast.launch.interpreted:
+        launcher = "off: an interpreted process launches every kernel through kernel[grid] under Triton's interpreter"
+    else:
+        hooks = []
+        for name in ("launch_enter_hook", "launch_exit_hook"):  # what the fast launcher checks per call
+            hook = getattr(getattr(getattr(sys.modules["triton"], "knobs", None), "runtime", None), name, None)
+            if hook is not None and getattr(hook, "calls", True):  # Triton 3.6 keeps empty HookChains there
+                hooks.append(name)
+        launcher = ("on: each Triton specialization is bound once, then its compiled launcher is called directly "
+                    "(kernel[grid] for autotuners, callable grids and launch hooks)")
+        if hooks:
+            launcher += f"; launch hooks are set now ({', '.join(hooks)}): those launches take kernel[grid]"
+    compiler = ("torch._dynamo.nonstrict_trace is available: a whole qsa_attention_step traces without a graph break"
+                if hasattr(torch._dynamo, "nonstrict_trace") else
+                "this torch has no torch._dynamo.nonstrict_trace (torch < 2.7): torch.compile breaks the graph "
+                "at each call")
+    return {
+        "torch eager calls": ("on: plain CPU/CUDA tensors run the plan and launch directly, without the dispatcher; "
+                              "torch.compile/export, fake and meta tensors and dispatch modes go through the "
+                              "qsa::* custom ops"),
+        "torch fast launcher": launcher,
+        "torch.compile": compiler,
+    }
+
+
+def _cuda_query(torch, jax_installed: bool) -> str:
+    parts = []
+    if torch is not None:
+        if torch.cuda.is_available():
+            names = [f"{torch.cuda.get_device_name(i)} (sm_{''.join(map(str, torch.cuda.get_device_capability(i)))})"
+                     for i in range(torch.cuda.device_count())]
+            parts.append(f"torch sees {', '.join(names)}")
+        else:
+            parts.append("torch sees no CUDA device")
+        if not runtime.INTERPRETED:
+            from triton.runtime import driver
+
+            target = driver.active.get_current_target()
+            parts.append(f"Triton targets {target.backend} {target.arch}")
+    if jax_installed:
+        jax = importlib.import_module("jax")
+        parts.append(f"JAX backend {jax.default_backend()}: {', '.join(str(d) for d in jax.devices())}")
+    return "; ".join(parts) or "nothing to ask (neither torch nor JAX is installed)"
+
+
+def report(cuda: bool = False) -> list[tuple[str, str]]:
+    """The report's ``(field, value)`` pairs, in :data:`FIELDS` order."""
+    import numpy
+    import triton
+
+    torch, torch_why = None, f"torch {NOT_INSTALLED}"
+    if _version("torch") is not None:
+        torch, error = _import("torch")
+        torch_why = f"torch does not import ({error})"
+    jax_installed = _version("jax") is not None and _import("jax")[0] is not None
+    plugins = [f"{name} {_version(name)}" for name in ("jax-cuda12-plugin", "jax-cuda13-plugin") if _version(name)]
+    driver, devices = _nvml()
+    torch_text = NOT_INSTALLED if _version("torch") is None else f"{_version('torch')}, but {torch_why}"
+    if torch is not None:
+        torch_text = f"{torch.__version__} (CUDA {torch.version.cuda or 'none: a CPU build'})"
+    values = {
+        "qsa-kernels": f"{__version__} ({os.path.dirname(os.path.realpath(__file__))})",
+        "python": f"{platform.python_version()} ({platform.python_implementation()}, {sys.executable})",
+        "platform": platform.platform(),
+        "numpy": numpy.__version__,
+        "triton": triton.__version__,
+        "torch": torch_text,
+        "jax": _version("jax") or NOT_INSTALLED,
+        "jaxlib": _version("jaxlib") or NOT_INSTALLED,
+        "jax CUDA plugin": ", ".join(plugins) or NOT_INSTALLED,
+        "jax-triton": _version("jax-triton") or NOT_INSTALLED,
+        "ml_dtypes": _version("ml_dtypes") or NOT_INSTALLED,
+        "NVIDIA driver": driver,
+        "devices": "; ".join(devices) or "none (NVML, no CUDA initialisation)",
+        "environment": ", ".join(f"{name}={os.environ[name]}" for name in ENVIRONMENT if name in os.environ)
+                       or "none of " + ", ".join(ENVIRONMENT) + " is set",
+        "kernels run": _kernels_run(),
+        "JAX lowering": _jax_lowering(jax_installed, torch is not None),
+        **_torch_paths(torch, torch_why),
+        "CUDA queried": _cuda_query(torch, jax_installed) if cuda else "no (--cuda asks torch, Triton and JAX, "
+                                                                      "which initialises CUDA)",
+    }
+    values["CUDA initialised"] = ("not known (torch is not installed)" if torch is None else
+                                  "yes" if torch.cuda.is_initialized() else "no")
+    return [(field, values[field]) for field in FIELDS]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m qsa_kernels.info", description=__doc__.splitlines()[0])
+    parser.add_argument("--cuda", action="store_true",
+                        help="also ask torch, Triton and JAX for their devices (initialises CUDA)")
+    arguments = parser.parse_args(argv)
+    width = max(map(len, FIELDS)) + 1
+    for field, value in report(cuda=arguments.cuda):
+        print(f"{field + ':':<{width}} {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
