@@ -31,9 +31,21 @@ import numpy as np
 
 __all__ = ["CacheGeometry", "HostStepMetadata", "PagedRequests", "METADATA_FIELDS", "STATE_FIELDS"]
 
+#: The step's metadata is int32: slot counts, positions and lengths stay at most this.
+INT32_MAX = 2**31 - 1
+
+
 def _is_int(value) -> bool:
     """A Python or NumPy integer, not a bool (``True`` is an int in Python)."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _hashable(value) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
 
 
 #: The caches of one QSA attention layer, in the order of ``QSAState``'s fields.
@@ -45,6 +57,9 @@ class CacheGeometry:
     """Sizes of one layer's caches; everything a step's shapes depend on but ``T`` and ``B``.
 
     ``ring_size`` defaults to ``compress_ratio`` (it may be larger, never smaller).
+    Pools of more than ``2**31 - 1`` slots (KV, compressed-key or ring) and a
+    ``max_context`` past ``2**31 - 1`` are refused: the step's metadata is
+    int32, and a wrapped slot would be a live slot of another page.
     """
 
     page_size: int
@@ -70,6 +85,17 @@ class CacheGeometry:
         if self.ring_size < self.compress_ratio:
             raise ValueError(f"CacheGeometry: ring_size must be at least compress_ratio = "
                              f"{self.compress_ratio}, got {self.ring_size}")
+        # The step's metadata is int32: every slot (and so every row count and page),
+        # position and length must fit, or a wrapped slot would be a live slot of
+        # another page.
+        for name, count in (("num_pages * page_size", self.num_pages * self.page_size),
+                            ("num_compressed_pages * compressed_page_size",
+                             self.num_compressed_pages * self.compressed_page_size),
+                            ("max_requests * ring_size", self.max_requests * self.ring_size),
+                            ("max_context", self.max_context)):
+            if count > INT32_MAX:
+                raise ValueError(f"CacheGeometry: {name} must be at most 2**31 - 1 (the step's metadata is int32), "
+                                 f"got {count}")
 
     @property
     def table_width(self) -> int:
@@ -185,6 +211,20 @@ class PagedRequests:
                 self._fail(f"out of {what}: {needed} needed, {len(free)} free")
         return new_pages, new_compressed
 
+    def _check_request(self, call: str, request) -> None:
+        """A request id is a dict key: an unhashable one is the pager's own error, not Python's."""
+        try:
+            hash(request)
+        except TypeError:
+            self._fail(f"{call}: a request must be hashable (it is a dict key), got {type(request).__name__} {request!r}")
+
+    def _check_new_length(self, request, start: int, count: int) -> None:
+        """``start + count`` in Python integers (NumPy's int64 would wrap past 2**63, or refuse
+        the count) against ``max_context``, before anything changes."""
+        if start + count > self.geometry.max_context:
+            self._fail(f"request {request!r} would reach {start + count} tokens, "
+                       f"past max_context = {self.geometry.max_context}")
+
     def _check_context(self, requests, lengths: np.ndarray) -> None:
         if lengths.max() > self.geometry.max_context:
             over = np.flatnonzero(lengths > self.geometry.max_context)
@@ -222,10 +262,11 @@ class PagedRequests:
         """Register ``request`` with ``length`` tokens already written into the caches."""
         if not _is_int(length) or length < 0:
             self._fail(f"admit: length must be a non-negative int, got {length!r}")
+        self._check_request("admit", request)
         if request in self._ring:
             self._fail(f"request {request!r} is already in flight")
+        self._check_new_length(request, 0, int(length))
         lengths = np.array([int(length)], np.int64)
-        self._check_context([request], lengths)
         zero = np.zeros(1, np.int64)
         new_pages, new_compressed = self._needs(lengths, zero, zero, 1)
         ring = self._free_rings.pop()
@@ -235,6 +276,7 @@ class PagedRequests:
 
     def release(self, request: Hashable) -> None:
         """Return a finished request's pages and ring block to the pools."""
+        self._check_request("release", request)
         if request not in self._ring:
             self._fail(f"release: request {request!r} is not in flight (never admitted or stepped, or already released)")
         ring = self._ring.pop(request)
@@ -262,15 +304,26 @@ class PagedRequests:
             for request, value in zip(requests, values):
                 if not _is_int(value):
                     self._fail(f"step: the new token count of request {request!r} must be a positive int, got {value!r}")
-        counts = np.array(values, np.int64)
-        if (counts < 1).any():
+        # Counts are checked as Python integers before NumPy sees them: a count past
+        # int64 would raise OverflowError, one near it would wrap past the checks.
+        if min(values) < 1:
             self._fail(f"a step needs at least one request and one token per request, got {dict(new_tokens)}")
+        if max(values) > g.max_context:  # past max_context whatever the request's length
+            i = next(i for i, value in enumerate(values) if value > g.max_context)
+            ring = self._ring.get(requests[i], -1) if _hashable(requests[i]) else -1
+            self._check_new_length(requests[i], int(self._lengths[ring]) if ring >= 0 else 0, int(values[i]))
+        counts = np.array(values, np.int64)
 
         batch = self._batch if self._batch is not None and self._batch.requests == requests else None
         if batch is not None:  # a decode loop: every request in flight, its rings and tables known
             starts, rings, new_rings = batch.ends, batch.rings, 0
         else:
-            known = [self._ring.get(r, -1) for r in requests]
+            try:
+                known = [self._ring.get(r, -1) for r in requests]
+            except TypeError:  # a Mapping other than a dict may have unhashable keys
+                for request in requests:
+                    self._check_request("step", request)
+                raise
             rings = np.array(known, np.int64)
             new_rings = known.count(-1)
             starts = np.where(rings < 0, 0, self._lengths[rings])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Mapping
 
 import numpy as np
 import pytest
@@ -289,3 +290,92 @@ def test_from_host_copies():
     assert np.array_equal(torch_meta.block_table.numpy(), expected)
     assert np.array_equal(np.asarray(jax_meta.block_table), expected)
     assert isinstance(torch_meta.block_table, torch.Tensor) and torch_meta.block_table.dtype == torch.int32
+
+
+# --------------------------------------------------------------------------
+# Widths (issue 28, item 6): int32 metadata, counts as Python integers
+# --------------------------------------------------------------------------
+
+def _frozen(value):
+    """A comparable deep copy of the pager's state: arrays by dtype, shape and bytes."""
+    if isinstance(value, np.ndarray):
+        return ("array", value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, dict):
+        return ("dict", tuple((key, _frozen(item)) for key, item in value.items()))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(map(_frozen, value)))
+    if hasattr(value, "__slots__"):  # the pager's _Batch
+        return (type(value).__name__, tuple((name, _frozen(getattr(value, name))) for name in value.__slots__))
+    return value
+
+
+def snapshot(pager: PagedRequests):
+    return _frozen(dict(vars(pager)))
+
+
+@pytest.mark.parametrize("field, sizes, got", [
+    ("num_pages * page_size", dict(page_size=64, num_pages=2**25), 2**31),
+    ("num_compressed_pages * compressed_page_size", dict(compressed_page_size=2**16, num_compressed_pages=2**15), 2**31),
+    ("max_requests * ring_size", dict(max_requests=2**29, ring_size=4), 2**31),
+    ("max_context", dict(max_context=2**31), 2**31),
+])
+def test_geometry_refuses_pools_past_int32(field, sizes, got):
+    """Bug: a pool of 2**31 slots or more was accepted and slot_mapping cast to int32
+    silently (the wrapped slot is a live slot of another page)."""
+    base = dict(page_size=4, num_pages=8, compress_ratio=2, compressed_page_size=2, num_compressed_pages=4,
+                max_context=16, max_requests=2)
+    with pytest.raises(ValueError) as info:
+        CacheGeometry(**{**base, **sizes})
+    assert str(info.value) == (f"CacheGeometry: {field} must be at most 2**31 - 1 (the step's metadata is int32), "
+                               f"got {got}")
+    # One slot fewer is a valid geometry.
+    if field == "num_pages * page_size":
+        CacheGeometry(**{**base, "page_size": 1, "num_pages": 2**31 - 1, "max_context": 16})
+
+
+@pytest.mark.parametrize("call, message", [
+    # Bug: 2**63 - 1 wrapped in int64, passed the checks and changed the pager before NumPy failed.
+    # ("a" holds 5 tokens: 5 + 2**63 - 1 wraps to a negative length.)
+    (lambda p: p.step({"a": 2**63 - 1}), "request 'a' would reach 9223372036854775812 tokens, past max_context = 40"),
+    (lambda p: p.step({"b": 1, "a": 2**63 - 4}), "request 'a' would reach 9223372036854775809 tokens"),
+    # Bug: counts of 2**63 and up raised a bare OverflowError.
+    (lambda p: p.step({"x": 2**63}), "request 'x' would reach 9223372036854775808 tokens, past max_context = 40"),
+    (lambda p: p.step({"a": 2, "x": 2**70}), "would reach 1180591620717411303424 tokens"),
+    (lambda p: p.step({"x": -2**70}), "a step needs at least one request and one token per request"),
+    (lambda p: p.step({"a": np.uint64(2**63)}), "request 'a' would reach 9223372036854775813 tokens"),
+    (lambda p: p.admit("x", 2**63), "request 'x' would reach 9223372036854775808 tokens, past max_context = 40"),
+    (lambda p: p.admit("x", 2**63 - 1), "past max_context = 40"),
+    # Bug: unhashable ids raised Python's own TypeError, naming no call.
+    (lambda p: p.admit(["x"], 2), "admit: a request must be hashable (it is a dict key), got list ['x']"),
+    (lambda p: p.release({"x": 1}), "release: a request must be hashable (it is a dict key), got dict {'x': 1}"),
+    (lambda p: p.step(_ListKeyed([(["x"], 1)])), "step: a request must be hashable (it is a dict key), got list ['x']"),
+])
+def test_overflowing_counts_and_unhashable_ids_change_nothing(call, message):
+    """The pager's own ValueError, raised before anything changes: the state is identical
+    (a deep snapshot) and later calls work as if the failed one had not happened."""
+    pager, twin = PagedRequests(GEOMETRIES[0], seed=3), PagedRequests(GEOMETRIES[0], seed=3)
+    for p in (pager, twin):
+        p.step({"a": 5})
+    before = snapshot(pager)
+    with pytest.raises(ValueError) as info:
+        call(pager)
+    assert str(info.value).startswith("PagedRequests: ") and message in str(info.value), str(info.value)
+    assert snapshot(pager) == before
+    expected = twin.step({"a": 1, "b": 3})
+    _assert_same_metadata(pager.step({"a": 1, "b": 3}), {n: getattr(expected, n) for n in METADATA_FIELDS}, "next step")
+
+
+class _ListKeyed(Mapping):
+    """A Mapping whose keys need not be hashable (a dict's must be)."""
+
+    def __init__(self, items):
+        self._items = list(items)
+
+    def __getitem__(self, key):
+        return next(value for k, value in self._items if k == key)
+
+    def __iter__(self):
+        return iter(k for k, _ in self._items)
+
+    def __len__(self):
+        return len(self._items)
