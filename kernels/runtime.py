@@ -2,11 +2,14 @@
 
 A process is either *compiled* (a CUDA device is visible: kernels are compiled
 for it) or *interpreted* (no CUDA device: ``TRITON_INTERPRET=1`` runs the same
-kernels on CPU arrays).  The choice is made once, before ``triton`` is first
-imported, so that a CPU user needs no setup.  An explicit ``TRITON_INTERPRET``
-in the environment always wins.
+kernels on CPU arrays).  The choice is made once, before any kernel is
+decorated, so that a CPU user needs no setup.  An explicit ``TRITON_INTERPRET``
+in the environment always wins, read as Triton itself reads it (its
+``knobs.runtime.interpret``: ``" 1 "`` is false and ``"y"`` true in Triton
+3.6), so that the package and Triton never disagree about which path runs.
 
-This module imports neither torch nor jax (nor triton), and it never
+This module imports neither torch nor jax (triton only to read that knob,
+when the variable is set), and it never
 initialises CUDA: ``cuInit`` in a parent process leaves a forked child unable
 to use CUDA, so importing the package must not call it (torch's own
 ``import torch`` does not either).  Devices are counted through NVML (what
@@ -66,9 +69,14 @@ def cuda_device_visible() -> bool:
 
 
 def _decide() -> bool:
-    value = os.environ.get("TRITON_INTERPRET")
-    if value is not None:
-        return value.strip().lower() in ("1", "true", "yes", "on")
+    if os.environ.get("TRITON_INTERPRET") is not None:
+        # Triton's own reading of its variable (it parses env bools in C++, and
+        # the accepted spellings are its business): whatever it decides, the
+        # package must decide the same, or a "compiled" process would launch
+        # interpreted kernels (or the reverse) and fail far from the cause.
+        from triton import knobs
+
+        return bool(knobs.runtime.interpret)
     if cuda_device_visible():
         return False
     # triton reads the variable when a kernel is decorated, so setting it
