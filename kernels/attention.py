@@ -323,14 +323,7 @@ def _check_cache_dtypes(check: Checker, q, k_cache, v_cache, k_scale, v_scale) -
         like = (f"be {FP8_DTYPE} like {check.name('k_cache')}" if fp8
                 else f"have {check.owner('q')} dtype {q.dtype} like {check.name('k_cache')}")
         check.fail("v_cache", f"must {like}", v_cache.dtype)
-    for name, info in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if fp8 and info is None:
-            check.fail(name, f"must be given (a 0-d or 1-element float tensor) for {FP8_DTYPE} caches", None)
-        if not fp8 and info is not None:
-            check.fail(name, f"must be None for {k_cache.dtype} caches (scales are for {FP8_DTYPE} caches)",
-                       f"an array of shape {info.shape}")
-        if info is not None:
-            check.scalar_array(name, info)
+    check.cache_scales(fp8, k_cache.dtype, dict(k_scale=k_scale, v_scale=v_scale))
     return fp8
 
 

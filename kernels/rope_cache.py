@@ -44,8 +44,11 @@ Args:
         dtype or fp32.  A position outside its rows gives NaN ``q_out`` and
         ``k_out`` rows and no cache write.
     is_neox: NeoX (split halves) if true, GPT-J (interleaved pairs) if false.
-    k_scale, v_scale: optional 0-d / 1-element scales; values are divided by
-        them before the cast to the cache dtype (fp8 saturates at +-448).
+    k_scale, v_scale: for ``float8_e4m3fn`` caches only, and then both (else
+        None): 0-d / 1-element float scales; k and v are divided by them in
+        float32 before the cast to fp8, which saturates at +-448.  Valid
+        scales (finite, > 0) are the caller's contract: device values are
+        never checked (no host synchronisation).
     offsets: optional ``[T]`` added to ``positions``.
     swa_slot_mapping: optional table: the final slot is
         ``swa_slot_mapping[slot_mapping[t]]``.
@@ -396,9 +399,6 @@ def plan_rope_reshape_and_cache(
     if offsets is not None:
         check.index_vector("offsets", offsets, t, "T")
     width = check_cos_sin(check, "cos_sin", cos_sin, q.dtype, d)
-    for name, info in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if info is not None:
-            check.scalar_array(name, info)
     if swa_slot_mapping is not None:
         check.index_vector("swa_slot_mapping", swa_slot_mapping, None, "num_swa_slots")
 
@@ -406,6 +406,9 @@ def plan_rope_reshape_and_cache(
     cache_dtypes = (k.dtype, FP8_DTYPE)
     check.dtype("key_cache", key_cache, cache_dtypes)
     check.same_dtype("value_cache", value_cache, "key_cache", key_cache)
+    # Attention's rule (validate.Checker.cache_scales): both scales for fp8 caches, none
+    # for 16-bit ones, which hold k and v as they are.
+    check.cache_scales(key_cache.dtype == FP8_DTYPE, key_cache.dtype, dict(k_scale=k_scale, v_scale=v_scale))
 
     q_out = Buffer("q_out", (t, qh, d), q.dtype)
     k_out = Buffer("k_out", (t_kv, kh, d), k.dtype)

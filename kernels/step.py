@@ -32,6 +32,7 @@ that order, bit for bit the separate launches (:func:`_fuses_compression`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 from typing import TYPE_CHECKING, Any, Self
 
@@ -46,7 +47,7 @@ from .rope_cache import plan_rope_reshape_and_cache, plan_rope_rows
 from .select import plan_select_paged_tokens
 from .stage import Stage, stage
 from .tuning import StepTuning
-from .validate import BOOL, FINITE_NUMBER, FP8_DTYPE, POSITIVE_INT, Checker
+from .validate import BOOL, FINITE_NUMBER, FINITE_POSITIVE_NUMBER, FP8_DTYPE, POSITIVE_INT, Checker, describe
 
 if TYPE_CHECKING:  # annotations only
     from .paging import CacheGeometry, HostStepMetadata
@@ -172,7 +173,13 @@ class StateFields:
         """Zero caches of ``geometry``'s sizes (see :data:`STATE_DOC`), with scales for the fp8 ones.
 
         A subclass also sets ``_scale(value, device)``: a 0-d float32 array.
+        The scales are Python numbers, checked here (finite and > 0 once held
+        as float32: a scale of 0 zeroes the output, a negative one negates
+        logits), all three whether or not their cache is fp8.
         """
+        k_scale, v_scale, compressed_key_scale = (
+            _scale_value(name, value) for name, value in (
+                ("k_scale", k_scale), ("v_scale", v_scale), ("compressed_key_scale", compressed_key_scale)))
         shapes = geometry.state_shapes(kv_heads, head_dim, index_head_dim)
         index_dtype = dtype if index_dtype is None else index_dtype
         cache_dtype = dtype if cache_dtype is None else cache_dtype
@@ -186,6 +193,17 @@ class StateFields:
         if _is_fp8(compressed_key_dtype):
             scales.update(compressed_key_scale=cls._scale(compressed_key_scale, device))
         return cls(**caches, **scales)
+
+
+def _scale_value(name: str, value) -> float:
+    """A ``QSAState.zeros`` scale: a finite positive Python or NumPy number, also as float32."""
+    scale = FINITE_POSITIVE_NUMBER.canonical("QSAState.zeros", name, value)
+    with np.errstate(over="ignore"):
+        held = float(np.float32(scale))
+    if not (math.isfinite(held) and held > 0):
+        raise ValueError(f"QSAState.zeros: {name} must be a finite positive number in float32 (the state holds it "
+                         f"as a float32 array), got {describe(value)}")
+    return scale
 
 
 def _is_fp8(dtype) -> bool:

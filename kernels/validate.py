@@ -229,6 +229,20 @@ class Checker:
             self.fail(name, "must be a 0-d or 1-element tensor", f"shape {info.shape}")
         self.dtype(name, info, FLOAT_DTYPES)
 
+    def cache_scales(self, fp8: bool, cache_dtype: str, scales: dict[str, ArrayInfo | None]) -> None:
+        """The one rule of every stage with K/V caches: each scale of ``scales`` (name ->
+        array or None) is given, as a 0-d or 1-element float array, exactly when the caches
+        are ``float8_e4m3fn`` (a scale quantises or dequantises fp8 values; a 16-bit cache
+        holds its values as they are)."""
+        for name, info in scales.items():
+            if fp8 and info is None:
+                self.fail(name, f"must be given (a 0-d or 1-element float tensor) for {FP8_DTYPE} caches", None)
+            if not fp8 and info is not None:
+                self.fail(name, f"must be None for {cache_dtype} caches (scales are for {FP8_DTYPE} caches)",
+                          f"an array of shape {info.shape}")
+            if info is not None:
+                self.scalar_array(name, info)
+
     def option(self, name: str, value, kind: Option):
         """``value`` checked against ``kind``; returns its canonical value."""
         return kind.canonical(self.function, name, value)

@@ -71,8 +71,7 @@ def rope_flash():
     """T = 3, T_kv = 4, QH = 4, KH = 2, D = 8, P = 4, 3 pages, flash layout."""
     return dict(q=floats(3, 4, 8), k=floats(4, 2, 8), v=floats(4, 2, 8), key_cache=floats(3, 4, 2, 8),
                 value_cache=floats(3, 4, 2, 8), slot_mapping=ints([0, 5, -1, 11]), positions=ints([0, 1, 2]),
-                cos_sin=floats(16, 8), k_scale=torch.ones((), device=DEVICE), v_scale=torch.ones(1, device=DEVICE),
-                offsets=ints([1, 0, 2]), swa_slot_mapping=ints([3, 2, 1, 0, 4, 5, 6, 7, 8, 9, 10, 11])), \
+                cos_sin=floats(16, 8), offsets=ints([1, 0, 2]), swa_slot_mapping=ints([3, 2, 1, 0, 4, 5, 6, 7, 8, 9, 10, 11])), \
         dict(is_neox=True)
 
 
@@ -86,6 +85,14 @@ def rope_paged():
 def rope_shuffled():
     arrays, options = rope_flash()
     arrays.update(key_cache=floats(3, 2, 2, 4, 4), value_cache=floats(3, 2, 1, 8, 4))
+    return arrays, options
+
+
+def rope_fp8():
+    """As rope_flash with fp8 caches and both scales (16-bit caches take none: issue 28)."""
+    arrays, options = rope_flash()
+    arrays.update(key_cache=arrays["key_cache"].to(FP8), value_cache=arrays["value_cache"].to(FP8),
+                  k_scale=torch.ones((), device=DEVICE), v_scale=torch.ones(1, device=DEVICE))
     return arrays, options
 
 
@@ -165,6 +172,7 @@ def attention_fp8():
 
 #: Valid calls with fp8 caches (rows of the table break them; test_fp8 runs them).
 FP8_BASES: dict[str, Callable] = {
+    "rope_reshape_and_cache": rope_fp8,
     "store_cache_rows": store_fp8,
     "mqa_paged_scores": scores_fp8,
     "select_paged_tokens": select_fp8,
@@ -212,6 +220,7 @@ def _rows(function: str, base=None):
 def _rope_rows():
     r = _rows("rope_reshape_and_cache")
     paged, shuffled = _rows("rope_reshape_and_cache", rope_paged), _rows("rope_reshape_and_cache", rope_shuffled)
+    fp8 = _rows("rope_reshape_and_cache", rope_fp8)
     d6 = lambda a: dict(q=floats(3, 4, 6), k=floats(4, 2, 6), v=floats(4, 2, 6), cos_sin=floats(16, 6),  # noqa: E731
                         key_cache=floats(3, 4, 2, 6), value_cache=floats(3, 4, 2, 6))
     d0 = lambda a: dict(q=floats(3, 4, 0), k=floats(4, 2, 0), v=floats(4, 2, 0), cos_sin=floats(16, 0),  # noqa: E731
@@ -249,10 +258,18 @@ def _rope_rows():
         r("cos_sin_dtype", lambda a: dict(cos_sin=a["cos_sin"].half()), "cos_sin must have dtype bfloat16 or float32"),
         r("cos_sin_width", lambda a: dict(cos_sin=a["cos_sin"][:, :6]), "cos_sin must have width 2*F with F = D/2 or D, i.e. 8 or 16"),
         r("cos_sin_width_zero", lambda a: dict(cos_sin=a["cos_sin"][:, :0]), "cos_sin must have width 2*F"),
-        r("k_scale_two_elements", lambda a: dict(k_scale=torch.ones(2, device=DEVICE)), "k_scale must be a 0-d or 1-element tensor"),
-        r("k_scale_empty", lambda a: dict(k_scale=torch.ones(0, device=DEVICE)), "k_scale must be a 0-d or 1-element tensor"),
-        r("v_scale_rank_2", lambda a: dict(v_scale=torch.ones(1, 1, device=DEVICE)), "v_scale must be a 0-d or 1-element tensor"),
-        r("v_scale_dtype", lambda a: dict(v_scale=ints([1])), "v_scale must have dtype bfloat16 or float16 or float32"),
+        # Scales: attention's rule (issue 28): both for fp8 caches, none for 16-bit ones.
+        fp8("k_scale_two_elements", lambda a: dict(k_scale=torch.ones(2, device=DEVICE)), "k_scale must be a 0-d or 1-element tensor"),
+        fp8("k_scale_empty", lambda a: dict(k_scale=torch.ones(0, device=DEVICE)), "k_scale must be a 0-d or 1-element tensor"),
+        fp8("v_scale_rank_2", lambda a: dict(v_scale=torch.ones(1, 1, device=DEVICE)), "v_scale must be a 0-d or 1-element tensor"),
+        fp8("v_scale_dtype", lambda a: dict(v_scale=ints([1])), "v_scale must have dtype bfloat16 or float16 or float32"),
+        r("k_scale_for_bf16_caches", lambda a: dict(k_scale=torch.ones((), device=DEVICE)), "k_scale must be None for bfloat16 caches (scales are for float8_e4m3fn caches), got an array of shape ()"),
+        r("v_scale_for_bf16_caches", lambda a: dict(v_scale=torch.ones(1, device=DEVICE)), "v_scale must be None for bfloat16 caches (scales are for float8_e4m3fn caches), got an array of shape (1,)"),
+        paged("k_scale_for_paged_bf16_caches", lambda a: dict(k_scale=torch.ones((), device=DEVICE), v_scale=torch.ones((), device=DEVICE)), "k_scale must be None for bfloat16 caches"),
+        fp8("k_scale_missing", lambda a: dict(k_scale=None), "k_scale must be given (a 0-d or 1-element float tensor) for float8_e4m3fn caches, got None"),
+        fp8("v_scale_missing", lambda a: dict(v_scale=None), "v_scale must be given (a 0-d or 1-element float tensor) for float8_e4m3fn caches, got None"),
+        fp8("both_scales_missing", lambda a: dict(k_scale=None, v_scale=None), "k_scale must be given (a 0-d or 1-element float tensor) for float8_e4m3fn caches, got None"),
+        fp8("value_cache_bf16", lambda a: dict(value_cache=a["value_cache"].to(BF16)), "value_cache must have key_cache's dtype float8_e4m3fn, got bfloat16"),
         r("swa_rank", lambda a: dict(swa_slot_mapping=a["swa_slot_mapping"][None]), "swa_slot_mapping must be [num_swa_slots] (rank 1)"),
         r("swa_dtype", lambda a: dict(swa_slot_mapping=a["swa_slot_mapping"].float()), "swa_slot_mapping must have dtype int32 or int64"),
         r("key_cache_rank_3", lambda a: dict(key_cache=a["key_cache"][0]), "key_cache must be [num_blocks, P, KH, D] (flash) or [num_blocks, KH, D//X, P, X] (paged)"),

@@ -186,11 +186,12 @@ def check_case(c: Case):
 CASES = {
     "neox_halffreq_flash_bf16_offsets": Case(offsets=True, P=16, blocks=3),
     "gptj_fullfreq_paged_fp16_swa_zeros": Case(is_neox=False, full_freqs=True, layout="paged", dtype=torch.float16, swa=True, zeros=True, index_dtype=torch.int32),
-    "neox_fullfreq_shuffled_fp32_kvonly_scales": Case(full_freqs=True, layout="shuffled", dtype=torch.float32, T=4, T_kv=7, scales=True),
+    # (Scales are for fp8 caches only since issue 28: test_fp8_caches_with_scales.)
+    "neox_fullfreq_shuffled_fp32_kvonly": Case(full_freqs=True, layout="shuffled", dtype=torch.float32, T=4, T_kv=7),
     "gptj_halffreq_flash_bf16_fp32cos_badpos": Case(is_neox=False, cos_sin_fp32=True, bad_positions=True, QH=8, KH=1),
     "packed_qkv_cache_view_paged": Case(packed_qkv=True, cache_view=True, layout="paged", QH=12, KH=1, X=4),
     "gqa12_d256_shuffled_kvonly_gptj": Case(QH=24, KH=2, D=256, T=2, T_kv=4, layout="shuffled", X=16, P=16, is_neox=False, offsets=True),
-    "d64_gqa4_fp16_flash_int32_scales_swa": Case(D=64, QH=8, KH=2, dtype=torch.float16, index_dtype=torch.int32, scales=True, swa=True, cache_view=True),
+    "d64_gqa4_fp16_flash_int32_swa": Case(D=64, QH=8, KH=2, dtype=torch.float16, index_dtype=torch.int32, swa=True, cache_view=True),
     "d128_mha_bf16_paged_zeros_badpos": Case(D=128, QH=2, KH=2, T=6, layout="paged", X=8, zeros=True, bad_positions=True, full_freqs=True),
     "single_token": Case(T=1, QH=4, KH=4),
 }
@@ -209,7 +210,7 @@ def test_fp8_caches_with_scales(layout):
 
 @pytest.mark.gpu
 def test_fp8_saturates_instead_of_overflowing():
-    c = Case(cache_fp8=True, scales=False, T=4, D=64)
+    c = Case(cache_fp8=True, scales=True, T=4, D=64)  # fp8 caches take both scales (issue 28)
     args, options = make_inputs(c)
     args["k"].mul_(1000.0)
     args["v"].mul_(1000.0)
