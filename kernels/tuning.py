@@ -25,6 +25,8 @@ import contextvars
 import dataclasses
 from typing import Iterator
 
+import numpy as np
+
 from .validate import BOOL, POSITIVE_INT
 
 __all__ = ["AttentionTuning", "CompressTuning", "RopeCacheTuning", "SelectTuning", "StepTuning", "TopkTuning",
@@ -53,6 +55,50 @@ def _positive_int(owner: str, name: str, value, optional: bool = False) -> None:
     """The plans' own positive-int rule (and message), for a tuning field."""
     kind = POSITIVE_INT.or_none() if optional else POSITIVE_INT
     kind.canonical(owner, name, value)
+
+
+#: The most warps a program may have (1024 threads on NVIDIA GPUs).
+MAX_WARPS = 32
+
+
+def _power_of_two(owner: str, name: str, value, optional: bool = False, most: int | None = None) -> None:
+    """A positive int that is a power of two (a ``tl.arange`` size, a warp count: what the
+    kernels need), at most ``most``: refused here rather than at launch, naming the knob."""
+    _positive_int(owner, name, value, optional)
+    if value is None:
+        return
+    if value & (value - 1):
+        raise ValueError(f"{owner}: {name} must be a power of two, got {value!r}")
+    if most is not None and value > most:
+        raise ValueError(f"{owner}: {name} must be at most {most}, got {value!r}")
+
+
+def _table_rows(owner: str, name: str, table) -> tuple:
+    """A launch table as a tuple of row tuples (rows that are not sequences: the table's error)."""
+    try:
+        return tuple(tuple(row) for row in table)
+    except TypeError:
+        raise ValueError(f"{owner}: {name} must be a sequence of rows (most programs or None, tile bytes, "
+                         f"warps, stages, target programs), got {table!r}") from None
+
+
+#: A launch table row's fields: (name, what it must be, whether it is, given an int that is not a bool).
+_ROW_FIELDS = (
+    ("most programs", "a positive int or None", lambda v: v is None or v >= 1),
+    ("tile bytes", "a power of two", lambda v: v is not None and v >= 1 and not v & (v - 1)),
+    ("warps", f"a power of two up to {MAX_WARPS}", lambda v: v is not None and 1 <= v <= MAX_WARPS and not v & (v - 1)),
+    ("stages", "a positive int", lambda v: v is not None and v >= 1),
+    ("target programs", "a positive int", lambda v: v is not None and v >= 1),
+)
+
+
+def _launch_rows(owner: str, name: str, table: tuple) -> None:
+    """Every value of a launch table's (5-field) rows is what the plan needs: typed ints."""
+    for i, row in enumerate(table):
+        for (field, expected, accepts), value in zip(_ROW_FIELDS, row):
+            typed = value is None or (isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)))
+            if not typed or not accepts(value):
+                raise ValueError(f"{owner}: {name} row {i} {field} must be {expected}, got {value!r} in {row!r}")
 
 
 @_tuning_value
@@ -112,6 +158,7 @@ class AttentionTuning:
 
     def __post_init__(self):
         _positive_int("AttentionTuning", "tile_bytes", self.tile_bytes, optional=True)
+        _power_of_two("AttentionTuning", "tile_bytes", self.tile_bytes, optional=True)  # BLOCK_N = tile / (2 D)
         _positive_int("AttentionTuning", "num_splits", self.num_splits, optional=True)
         _positive_int("AttentionTuning", "merge_chunk_elements", self.merge_chunk_elements)
         for name in ("row_addressing", "fp8_row_addressing"):
@@ -119,7 +166,7 @@ class AttentionTuning:
                 raise ValueError(f"AttentionTuning: {name} must be one of "
                                  f"{', '.join(map(repr, ROW_ADDRESSING_MODES))}, got {getattr(self, name)!r}")
         for name in ("launch_table", "fp8_launch_table"):
-            table = tuple(tuple(row) for row in getattr(self, name))
+            table = _table_rows("AttentionTuning", name, getattr(self, name))
             object.__setattr__(self, name, table)
             if any(len(row) != 5 for row in table):
                 raise ValueError(f"AttentionTuning: {name} rows must be (most programs or None, tile bytes, "
@@ -127,6 +174,7 @@ class AttentionTuning:
             if not table or table[-1][0] is not None:
                 raise ValueError(f"AttentionTuning: {name} must end with a row whose bound is None, "
                                  f"got {table!r}")
+            _launch_rows("AttentionTuning", name, table)
 
 
 @_tuning_value
@@ -225,6 +273,8 @@ class TopkTuning:
             value = getattr(self, name)
             if value & (value - 1):
                 raise ValueError(f"TopkTuning: {name} must be a power of two, got {value!r}")
+        for name in ("max_groups", "tile"):  # tl.arange sizes (GROUPS, the sliced path's TILE)
+            _power_of_two("TopkTuning", name, getattr(self, name))
         for name in ("row_warps", "register_max_warps", "ticketed_warps"):
             if getattr(self, name) > 32:
                 raise ValueError(f"TopkTuning: {name} must be at most 32, got {getattr(self, name)!r}")
@@ -279,6 +329,8 @@ class SelectTuning:
         for name in ("logits_workspace_bytes", "fp8_row_columns", "fp8_row_warps", "fused_max_rows",
                      "fused_max_columns", "fused_warps", "fused_score_columns"):
             _positive_int("SelectTuning", name, getattr(self, name))
+        for name in ("fp8_row_warps", "fused_warps"):
+            _power_of_two("SelectTuning", name, getattr(self, name), most=MAX_WARPS)
         for name in ("fp8_row_columns", "fused_score_columns"):
             value = getattr(self, name)
             if value < 128 or value & (value - 1):
@@ -302,6 +354,9 @@ class RopeCacheTuning:
     def __post_init__(self):
         _positive_int("RopeCacheTuning", "tile_elements", self.tile_elements)
         _positive_int("RopeCacheTuning", "num_warps", self.num_warps)
+        # A tile of tile_elements // D query heads (a tl.arange size); warps as Triton takes them.
+        _power_of_two("RopeCacheTuning", "tile_elements", self.tile_elements)
+        _power_of_two("RopeCacheTuning", "num_warps", self.num_warps, most=MAX_WARPS)
 
 
 @_tuning_value
@@ -317,6 +372,7 @@ class CompressTuning:
 
     def __post_init__(self):
         _positive_int("CompressTuning", "tile_elements", self.tile_elements)
+        _power_of_two("CompressTuning", "tile_elements", self.tile_elements)  # rows a tile: tile_elements // W
 
 
 @_tuning_value

@@ -2,11 +2,10 @@
 
 * ``TRITON_INTERPRET`` is read exactly as the installed Triton reads it;
 * the scales' rules: one rule for every stage, Python-number scales checked;
-* fp8 writes keep NaN a NaN (GPU: the interpreter's fp8 casts are wrong);
-* a row past ``cos_sin`` leaves the compressed-key cache as it was.
+* tuning values are refused at construction, naming the knob.
 
-(The pager's widths are in tests/test_paging.py; tuning values in
-tests/test_validation.py's neighbourhood: below, with the knobs named.)
+(The pager's widths are in tests/test_paging.py; the step's memo, metadata
+checks and build-before-launch in tests/test_step_planning.py.)
 """
 
 from __future__ import annotations
@@ -85,3 +84,69 @@ def test_state_zeros_keeps_valid_scales():
                                      compressed_key_scale=1e-30)
     assert state.k_scale.dtype == torch.float32 and float(state.k_scale) == float(np.float32(0.3))
     assert float(state.v_scale) == 2.0 and state.compressed_key_scale is None  # a bf16 compressed-key cache
+
+
+# --------------------------------------------------------------------------
+# Tuning values refused at construction, naming the knob (item 3)
+# --------------------------------------------------------------------------
+
+def _tuning_cases():
+    from qsa_kernels import tuning as t
+
+    table = ((4, 32 * 1024, 8, 3, 264), (None, 16 * 1024, 2, 2, 264))
+    return [
+        # Bug: these constructed fine and failed at launch ("arange's range must be a power of 2").
+        (lambda: t.AttentionTuning(tile_bytes=3000), "AttentionTuning: tile_bytes must be a power of two, got 3000"),
+        (lambda: t.TopkTuning(max_groups=3), "TopkTuning: max_groups must be a power of two, got 3"),
+        (lambda: t.TopkTuning(path="sliced", tile=100), "TopkTuning: tile must be a power of two, got 100"),
+        (lambda: t.CompressTuning(tile_elements=1000), "CompressTuning: tile_elements must be a power of two, got 1000"),
+        (lambda: t.RopeCacheTuning(tile_elements=1500), "RopeCacheTuning: tile_elements must be a power of two, got 1500"),
+        # Warps as Triton compiles them (a power of two) and CUDA runs them (<= 1024 threads).
+        (lambda: t.RopeCacheTuning(num_warps=3), "RopeCacheTuning: num_warps must be a power of two, got 3"),
+        (lambda: t.SelectTuning(fused_warps=64), "SelectTuning: fused_warps must be at most 32, got 64"),
+        (lambda: t.SelectTuning(fp8_row_warps=6), "SelectTuning: fp8_row_warps must be a power of two, got 6"),
+        # Bug: launch_table rows were never checked ("x": a raw TypeError at plan time; 0 or
+        # negative warps and stages accepted).
+        (lambda: t.AttentionTuning(launch_table=((None, "x", 4, 2, 264),)),
+         "AttentionTuning: launch_table row 0 tile bytes must be a power of two, got 'x' in (None, 'x', 4, 2, 264)"),
+        (lambda: t.AttentionTuning(launch_table=(table[0], (None, 16384, 0, 2, 264))),
+         "AttentionTuning: launch_table row 1 warps must be a power of two up to 32, got 0"),
+        (lambda: t.AttentionTuning(fp8_launch_table=((4, 1024, 4, -1, 264), table[1])),
+         "AttentionTuning: fp8_launch_table row 0 stages must be a positive int, got -1"),
+        (lambda: t.AttentionTuning(launch_table=((None, 16384, 4, 2, 0),)),
+         "AttentionTuning: launch_table row 0 target programs must be a positive int, got 0"),
+        (lambda: t.AttentionTuning(launch_table=(("4", 16384, 4, 2, 264), table[1])),
+         "AttentionTuning: launch_table row 0 most programs must be a positive int or None, got '4'"),
+        (lambda: t.AttentionTuning(launch_table=((True, 16384, 4, 2, 264), table[1])),
+         "AttentionTuning: launch_table row 0 most programs must be a positive int or None, got True"),
+        (lambda: t.AttentionTuning(launch_table=((None, 16384, 4, 2.0, 264),)),
+         "AttentionTuning: launch_table row 0 stages must be a positive int, got 2.0"),
+        (lambda: t.AttentionTuning(launch_table=(1, 2)), "AttentionTuning: launch_table must be a sequence of rows"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(_tuning_cases())))
+def test_tuning_values_are_refused_at_construction(index):
+    make, message = _tuning_cases()[index]
+    with pytest.raises(ValueError) as info:
+        make()
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_valid_tuning_values_still_plan_and_run():
+    """Powers of two other than the defaults: accepted, and they reach the launch."""
+    import numpy as np
+    import torch
+
+    import qsa_torch
+    from qsa_kernels import tuning as t
+
+    from .util import DEVICE
+
+    table = ((None, 8 * 1024, 4, 1, 64),)
+    logits = torch.from_numpy(np.random.default_rng(0).standard_normal((2, 300)).astype(np.float32)).to(DEVICE)
+    visible = torch.tensor([300, 40], device=DEVICE)
+    expected = qsa_torch.topk_blocks(logits, visible, 5)
+    with t.override(topk=t.TopkTuning(path="sliced", tile=64, max_groups=8)):
+        assert torch.equal(qsa_torch.topk_blocks(logits, visible, 5), expected)
+    assert t.AttentionTuning(tile_bytes=4096, launch_table=table, fp8_launch_table=table).launch_table == table
