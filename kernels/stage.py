@@ -39,7 +39,7 @@ from typing import Any, Callable, Mapping
 
 from . import tuning as _tuning
 from .docs import framework_doc
-from .launch import ArrayInfo, Program
+from .launch import Program
 from .validate import Checker, Option, missing_array_error, naming
 
 __all__ = ["RUN_PROGRAM_DOC", "Stage", "clear_plan_caches", "make_function", "make_public", "stage", "stage_named"]
@@ -63,8 +63,8 @@ class Stage:
     """
 
     def __init__(self, plan: Callable[..., Program], *, arrays: tuple[str, ...], options: Mapping[str, Option],
-                 doc: str | None = None, returns: str = "Array", updates: tuple[str, ...] = (), tuning: Mapping[str, str] | None = None,
-                 labels: Mapping[str, str] | None = None):
+                 doc: str | None = None, returns: str = "Array", updates: tuple[str, ...] = (),
+                 tuning: Mapping[str, str] | None = None, labels: Mapping[str, str] | None = None):
         self.name = plan.__name__.removeprefix("plan_")
         self.doc = plan.__doc__ if doc is None else doc
         self.returns = returns

@@ -49,7 +49,7 @@ def test_the_tuning_in_force_decides_the_steps_launches_whatever_came_first(over
         else:
             default_warps = _attention_warps(step_arguments())
     assert set(forced_warps) == {1}, forced_warps
-    assert 1 not in default_warps, f"the default tuning must plan other warps for this test to mean something"
+    assert 1 not in default_warps, "the default tuning must plan other warps for this test to mean something"
     clear_plan_caches()
     assert _attention_warps(step_arguments()) == default_warps  # a fresh plan: the same as either order
 
@@ -151,7 +151,6 @@ def test_a_kernel_that_cannot_be_built_fails_the_call_before_any_launch():
     import numpy as np
 
     from qsa_kernels.launch import Program, execute
-    from qsa_kernels import compress
 
     rng = np.random.default_rng(3)
     cache = torch.from_numpy(rng.standard_normal((3, 4, 1, 8)).astype(np.float32)).to(DEVICE)
