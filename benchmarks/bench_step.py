@@ -154,17 +154,35 @@ class Shape:
         return qsa_torch.qsa_attention_step(**self.inputs, state=self.state, metadata=self.meta, cos_sin=self.cos_sin,
                                             index_cos_sin=self.index_cos_sin, **self.options)[0]
 
-    def compiled_step(self, mode: str | None):
-        """``torch.compile`` of the step (fullgraph: no graph break allowed), over this shape's tensors."""
+    def compiled_step(self, mode: str | None, every_input_static: bool = False):
+        """``torch.compile`` of the step (fullgraph: no graph break allowed), over this shape's tensors.
+
+        The caches are marked static addresses, as a module's buffers would
+        be; ``every_input_static`` marks every tensor argument so (the fixed
+        addresses a hand-captured graph has): Inductor's CUDA graphs copy
+        every other input into the graph's own buffer on each replay.
+        """
         import torch
 
         import qsa_torch
 
         for name in ("key_cache", "value_cache", "compressor_state_cache", "compressed_key_cache"):
             torch._dynamo.mark_static_address(getattr(self.state, name))
+        if every_input_static:
+            for tensor in self.tensors():
+                torch._dynamo.mark_static_address(tensor)
         step = torch.compile(qsa_torch.qsa_attention_step, fullgraph=True, mode=mode)
         return lambda: step(**self.inputs, state=self.state, metadata=self.meta, cos_sin=self.cos_sin,
                             index_cos_sin=self.index_cos_sin, **self.options)[0]
+
+    def tensors(self):
+        """Every tensor argument of the step."""
+        import torch
+
+        fields = [*self.inputs.values(), self.cos_sin, self.index_cos_sin]
+        for holder in (self.state, self.meta):
+            fields += [getattr(holder, f.name) for f in dataclasses.fields(holder)]
+        return [t for t in fields if isinstance(t, torch.Tensor)]
 
     def dense_step(self):
         """Stage 1, then flash SDPA over every request's whole context (the caches viewed as [B, L, KH, D])."""
