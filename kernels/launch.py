@@ -34,8 +34,14 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
-__all__ = ["ArrayInfo", "Buffer", "Launch", "LaunchEvent", "Program", "contiguous_strides", "execute",
-           "kernel_name", "observe_launches", "triton_launch"]
+__all__ = ["ArrayInfo", "Buffer", "ITEMSIZE", "Launch", "LaunchEvent", "Program", "Schedule", "contiguous_strides",
+           "execute", "kernel_name", "observe_launches", "triton_launch"]
+
+#: Bytes per element of every dtype a plan names.
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1, "int32": 4, "int64": 8,
+            "uint8": 1}
+#: Alignment of each buffer carved from a :class:`Schedule`'s scratch (what a CUDA allocation guarantees, at least).
+SCRATCH_ALIGNMENT = 256
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -246,6 +252,51 @@ class Program:
             written.update(launch.outputs)
         needed.update(name for name in self.results if name in fresh and name not in written)
         return frozenset(needed)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A Program's runnable launches over numbered slots, for an executor that runs it many times.
+
+    Slots ``0 .. len(arguments) - 1`` are the call's arguments in the order
+    the executor lists them, then one slot per buffer of the program, in
+    ``program.buffers`` order.  Buffers that are neither results nor filled
+    (workspaces the launches write before reading) are carved from one
+    ``scratch_bytes`` allocation at ``scratch`` offsets, each
+    :data:`SCRATCH_ALIGNMENT`-aligned; the others are ``allocated`` one by one
+    (``fill`` ``None``: uninitialised).  An in-place executor (torch) needs no
+    output threading: every launch's outputs are the arrays in its slots.
+    """
+
+    arguments: tuple[str, ...]
+    scratch: tuple[tuple[int, Buffer, int], ...]  # (slot, buffer, byte offset)
+    scratch_bytes: int
+    allocated: tuple[tuple[int, Buffer, int | float | None], ...]  # (slot, buffer, fill or None)
+    launches: tuple[tuple[Launch, tuple[int, ...]], ...]  # (launch, slots of its inputs then outputs)
+    results: tuple[int, ...]
+    updated: tuple[int, ...]  # slots of the arguments some launch writes in place
+
+    @classmethod
+    def of(cls, program: "Program", arguments: tuple[str, ...]) -> "Schedule":
+        slot = {name: i for i, name in enumerate(arguments)}
+        missing = set(program.updated_arguments) - set(slot)
+        if missing:
+            raise ValueError(f"{program.function}: arguments {sorted(missing)} are not among {arguments}")
+        scratch, allocated, offset = [], [], 0
+        filled, results = program.filled_buffers, set(program.results)
+        for i, buffer in enumerate(program.buffers):
+            index = slot[buffer.name] = len(arguments) + i
+            if buffer.name in results or buffer.name in filled:
+                allocated.append((index, buffer, buffer.fill if buffer.name in filled else None))
+            else:
+                scratch.append((index, buffer, offset))
+                size = math.prod(buffer.shape) * ITEMSIZE[buffer.dtype]
+                offset += -(-size // SCRATCH_ALIGNMENT) * SCRATCH_ALIGNMENT
+        launches = tuple((launch, tuple(slot[name] for name in (*launch.inputs, *launch.outputs)))
+                         for launch in program.runnable_launches)
+        return cls(arguments, tuple(scratch), offset, tuple(allocated), launches,
+                   tuple(slot[name] for name in program.results),
+                   tuple(slot[name] for name in program.updated_arguments))
 
 
 # --------------------------------------------------------------------------

@@ -14,7 +14,7 @@ compiled kernel's launcher directly, exactly as ``JITFunction.run`` would::
 The first call of each key (a miss) goes through ``kernel[grid](...)``, which
 compiles (or finds) and launches the kernel and returns it; the key's claim of
 what Triton specializes on is then checked against Triton's own binder, and a
-mismatch raises :class:`SpecializationDriftError` instead of caching a binding
+mismatch raises :class:`SpecializationDriftWarning` instead of caching a binding
 that could later launch the wrong kernel.
 
 What the key holds, per call (``triton/runtime/jit.py`` and
@@ -55,6 +55,8 @@ allocates it).
 from __future__ import annotations
 
 import operator
+import os
+import warnings
 from functools import reduce
 from operator import or_
 from typing import Any, Callable, Mapping
@@ -67,11 +69,46 @@ from triton.runtime.jit import JITFunction
 
 from qsa_kernels import runtime
 
-__all__ = ["launch", "FastLauncher", "SpecializationDriftError", "argument_token", "claimed_specialization"]
+__all__ = ["ENABLED", "VERIFIED", "launch", "FastLauncher", "SpecializationDriftWarning", "argument_token",
+           "claimed_specialization", "environment"]
 
 
-class SpecializationDriftError(AssertionError):
-    """Our specialization key disagrees with Triton's own binder (a bug here, or a new Triton)."""
+class SpecializationDriftWarning(RuntimeWarning):
+    """Our specialization key disagrees with Triton's own binder (a bug here, or a new Triton).
+
+    Warned once per kernel, which then takes the ordinary path for the rest of the process.
+    """
+
+
+#: The Triton minors this module's model of ``JITFunction.run`` was verified against: minor ->
+#: (how a bound launch calls the compiled launcher, what was verified, where).  Any other Triton
+#: launches through ``kernel[grid](...)`` unless ``QSA_FAST_LAUNCH=1``.
+VERIFIED = {
+    "3.6": ("CudaLauncher.launch", "bitwise equal to kernel[grid] on every stage; the binder agrees with the key "
+            "on 21,600 random argument sets", "H200 (GPU) and CPU"),
+    "3.7": ("CudaLauncher.__call__", "binder and specialization rules as 3.6's; run() keys on the same options "
+            "plus add_stages_inspection_hook (modelled: a hook takes the ordinary path)", "CPU only (source, binder)"),
+    "3.8": ("CudaLauncher.__call__", "as 3.7; CompiledKernel.__del__ unloads its module (bindings hold the "
+            "compiled kernel)", "CPU only (source, binder)"),
+    "3.9": ("CudaLauncher.__call__", "as 3.8, plus fpsan_homomorphic_casts in run()'s options (in the key)",
+            "CPU only (source, binder)"),
+}
+_ENVIRONMENT = "QSA_FAST_LAUNCH"  # "0": always kernel[grid]; "1": the fast path even on an unverified Triton
+
+
+def _enabled() -> bool:
+    choice = os.environ.get(_ENVIRONMENT, "").strip().lower()
+    if choice in ("0", "off", "false", "no"):
+        return False
+    if choice in ("1", "on", "true", "yes"):
+        return True
+    if choice not in ("", "auto"):
+        raise ValueError(f"{_ENVIRONMENT} must be 0, 1 or auto, got {os.environ[_ENVIRONMENT]!r}")
+    return ".".join(triton.__version__.split(".")[:2]) in VERIFIED
+
+
+#: Whether launches bind to the compiled launcher in this process (decided once, at import).
+ENABLED = _enabled()
 
 
 class _Unsupported(Exception):
@@ -276,6 +313,24 @@ def _positional_tokens(dtypes, alignment, args) -> list:
     return list(zip(dtypes, alignment))
 
 
+def environment():
+    """What ``JITFunction.run`` reads from the process, besides the arguments, to pick a compiled kernel.
+
+    ``None`` when something is set that this module does not model (launch
+    hooks, a stage-inspection hook): such launches take the ordinary path.
+    Every bound launch re-reads this and compares it with its binding's.
+    """
+    runtime_knobs, compilation = _knobs.runtime, _knobs.compilation
+    enter, leave = runtime_knobs.launch_enter_hook, runtime_knobs.launch_exit_hook
+    # Triton keeps empty HookChains there; anything else is a hook to honour.
+    if (enter is not None and (type(enter) is not _HookChain or enter.calls)) or \
+       (leave is not None and (type(leave) is not _HookChain or leave.calls)) or \
+       getattr(runtime_knobs, "add_stages_inspection_hook", None) is not None:
+        return None
+    return (runtime_knobs.debug, compilation.instrumentation_mode,
+            getattr(compilation, "fpsan_homomorphic_casts", None))
+
+
 def _launch_function(compiled):
     """``(function, leading arguments)`` that launch ``compiled``, as ``CompiledKernel.run`` would.
 
@@ -303,8 +358,10 @@ class FastLauncher:
 
     def __init__(self, interpreted: bool | None = None,
                  get_device: Callable[[], int] | None = None,
-                 get_stream: Callable[[int], int] | None = None):
+                 get_stream: Callable[[int], int] | None = None,
+                 enabled: bool | None = None):
         self.interpreted = runtime.INTERPRETED if interpreted is None else interpreted
+        self.enabled = ENABLED if enabled is None else enabled
         self._get_device = get_device
         self._get_stream = get_stream
         self._kernels: dict = {}  # id(kernel) -> _KernelBinding
@@ -324,17 +381,19 @@ class FastLauncher:
         return self._get_device, self._get_stream
 
     def __call__(self, kernel, grid: tuple, args: tuple, scalars: Mapping[str, Any],
-                 constexprs: Mapping[str, Any], num_warps: int, num_stages: int) -> None:
+                 constexprs: Mapping[str, Any], num_warps: int, num_stages: int):
         """Launch ``kernel[grid](*args, **scalars, **constexprs, num_warps=, num_stages=)``.
 
         On the current device and its current stream.  ``scalars`` and
         ``constexprs`` are best the same dict objects from call to call (a
         memoised plan's): their binding is then reused after a check that
-        their keys and values are unchanged.
+        their keys and values are unchanged.  Returns the :class:`Binding`
+        the launch went through (made on a first call), or ``None`` when it
+        took the ordinary path.
         """
-        if self.interpreted:
+        if self.interpreted or not self.enabled:
             kernel[grid](*args, **scalars, **constexprs, num_warps=num_warps, num_stages=num_stages)
-            return
+            return None
         get_device, get_stream = self._get_device, self._get_stream
         if get_device is None or get_stream is None:
             get_device, get_stream = self._driver_functions()
@@ -343,13 +402,10 @@ class FastLauncher:
             # Only plain JITFunctions (not autotuners, heuristics...): their run() is the one modelled here.
             state = _KernelBinding(kernel) if isinstance(kernel, JITFunction) else _Unbindable(kernel)
             self._kernels[id(kernel)] = state
-        runtime_knobs = _knobs.runtime
-        enter, leave = runtime_knobs.launch_enter_hook, runtime_knobs.launch_exit_hook
-        # Triton 3.6 keeps empty HookChains there; anything else is a hook to honour.
-        if (enter is not None and (type(enter) is not _HookChain or enter.calls)) or \
-           (leave is not None and (type(leave) is not _HookChain or leave.calls)) or \
-           state.__class__ is _Unbindable or kernel.pre_run_hooks or callable(grid):
-            return self._slow(kernel, grid, args, scalars, constexprs, num_warps, num_stages)
+        process = environment()
+        if process is None or state.__class__ is _Unbindable or kernel.pre_run_hooks or callable(grid):
+            self._slow(kernel, grid, args, scalars, constexprs, num_warps, num_stages)
+            return None
         device = get_device()
         try:
             site = (id(scalars), id(constexprs), len(args))
@@ -367,30 +423,26 @@ class FastLauncher:
                     tuple([pointer & 15 == 0 for pointer in pointers])
             except (TypeError, AttributeError):  # not all tensors
                 dtypes, alignment = None, tuple(state.tokens(args))
-            key = (named.token_id, dtypes, alignment, device, num_warps, num_stages,
-                   kernel.debug or runtime_knobs.debug, _knobs.compilation.instrumentation_mode)
+            key = (named.token_id, dtypes, alignment, device, num_warps, num_stages, kernel.debug, process)
             binding = state.bindings.get(key)
         except Exception:  # _Unsupported, an unhashable constexpr...: the ordinary path
             # does whatever Triton does with such arguments.  (Meta and fake tensors report
             # data_ptr() == 0 and would launch like kernel[grid] launches them: callers must
             # not launch on them.)
-            return self._slow(kernel, grid, args, scalars, constexprs, num_warps, num_stages)
+            self._slow(kernel, grid, args, scalars, constexprs, num_warps, num_stages)
+            return None
         if binding is None:
             tokens = _positional_tokens(dtypes, alignment, args) + list(named.tokens)
             return self._miss(state, key, tokens, [*args, *named.values], device, kernel, grid, args, scalars,
                               constexprs, num_warps, num_stages)
-        # JITFunction.run raises when a global the kernel reads has changed: let it.
-        used = kernel.used_global_vals
-        if used:
-            for (name, _), (value, globals_dict) in used.items():
-                now = globals_dict.get(name, _MISSING)
-                if now is not value and now != value:
-                    return self._slow(kernel, grid, args, scalars, constexprs, num_warps, num_stages)
-        launch, leading, packed_metadata = binding
+        if not binding.globals_unchanged():  # JITFunction.run raises when one has changed: let it
+            self._slow(kernel, grid, args, scalars, constexprs, num_warps, num_stages)
+            return None
         size = len(grid)
         # launch_metadata and the hooks: None, as there are no hooks (checked above).
-        launch(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, get_stream(device), *leading,
-               packed_metadata, None, None, None, *args, *named.values)
+        binding.launch(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, get_stream(device),
+                       *binding.leading, binding.packed_metadata, None, None, None, *args, *named.values)
+        return binding
 
     @staticmethod
     def _slow(kernel, grid, args, scalars, constexprs, num_warps, num_stages):
@@ -398,28 +450,78 @@ class FastLauncher:
 
     def _miss(self, state, key, tokens, values, device, kernel, grid, args, scalars, constexprs,
               num_warps, num_stages):
-        """First call of a specialization: launch the ordinary way, check our key, bind."""
+        """First call of a specialization: launch the ordinary way, check our key, bind.
+
+        A key that disagrees with Triton's binder (or a Triton whose internals
+        moved: the binder's place, its results) is warned about once, and the
+        kernel takes the ordinary path from then on: the call itself already
+        ran the ordinary way.
+        """
         compiled = self._slow(kernel, grid, args, scalars, constexprs, num_warps, num_stages)
         self.misses += 1
         if compiled is None or not hasattr(compiled, "packed_metadata"):
-            return  # a jit_cache_hook skipped compilation: nothing to bind
-        binder = kernel.device_caches[device][4]
-        bound, specialization, _ = binder(*args, **scalars, **constexprs)
-        triton_values = list(bound.values())
-        if len(triton_values) != len(values) or not all(map(_same_argument, triton_values, values)):
-            raise SpecializationDriftError(f"{kernel}: arguments bound unlike Triton binds them")
-        claims = claimed_specialization(state.params, tokens, values)
-        if claims != list(specialization) or str(claims) != str(list(specialization)):
-            diff = [(p.name, ours, theirs) for p, ours, theirs in zip(state.params, claims, specialization)
-                    if ours != theirs or str(ours) != str(theirs)]
-            raise SpecializationDriftError(
-                f"{kernel}: our specialization key disagrees with Triton's (parameter, ours, Triton's): {diff}")
-        launch, leading = _launch_function(compiled)
-        state.bindings[key] = (launch, (compiled.function, *leading), compiled.packed_metadata)
+            return None  # a jit_cache_hook skipped compilation: nothing to bind
+        try:
+            binder = kernel.device_caches[device][4]
+            bound, specialization, _ = binder(*args, **scalars, **constexprs)
+            triton_values = list(bound.values())
+            if len(triton_values) != len(values) or not all(map(_same_argument, triton_values, values)):
+                raise SpecializationDriftWarning(f"{kernel}: arguments bound unlike Triton binds them")
+            claims = claimed_specialization(state.params, tokens, values)
+            if claims != list(specialization) or str(claims) != str(list(specialization)):
+                diff = [(p.name, ours, theirs) for p, ours, theirs in zip(state.params, claims, specialization)
+                        if ours != theirs or str(ours) != str(theirs)]
+                raise SpecializationDriftWarning(
+                    f"{kernel}: our specialization key disagrees with Triton's (parameter, ours, Triton's): {diff}")
+            launch, leading = _launch_function(compiled)
+        except Exception as error:
+            self._kernels[id(kernel)] = _Unbindable(kernel)
+            warnings.warn(f"qsa_torch: the fast launch path is off for {kernel} in this process (Triton "
+                          f"{triton.__version__}): {type(error).__name__}: {error}", SpecializationDriftWarning,
+                          stacklevel=3)
+            return None
+        binding = state.bindings[key] = Binding(launch, (compiled.function, *leading), compiled, kernel)
+        return binding
+
+    def keyword_values(self, kernel, positional: int, scalars: Mapping[str, Any], constexprs: Mapping[str, Any]):
+        """The values a launch with ``positional`` positional arguments passes after them, in signature order
+        (``scalars`` and ``constexprs`` bound, defaults applied), as a bound launch passes them."""
+        state = self._kernels[id(kernel)]
+        site = (id(scalars), id(constexprs), positional)
+        named = state.named.get(site)
+        if named is None or named.scalars is not scalars or named.constexprs is not constexprs:
+            named = state.named_part(positional, scalars, constexprs)
+        return named.values
 
     def clear(self) -> None:
         """Forget every binding (the compiled kernels stay in Triton's caches)."""
         self._kernels.clear()
+
+
+class Binding:
+    """A compiled kernel's launcher, bound: ``launch(gx, gy, gz, stream, *leading, packed_metadata,
+    None, None, None, *arguments)`` launches it as ``JITFunction.run`` would.
+
+    Holds the compiled kernel: from Triton 3.8 its ``__del__`` unloads the
+    module the bound function lives in.
+    """
+
+    __slots__ = ("launch", "leading", "packed_metadata", "compiled", "kernel", "process")
+
+    def __init__(self, launch, leading: tuple, compiled, kernel):
+        self.launch, self.leading, self.compiled, self.kernel = launch, leading, compiled, kernel
+        self.packed_metadata = compiled.packed_metadata
+        self.process = environment()
+
+    def globals_unchanged(self) -> bool:
+        """The globals the kernel read when it was compiled still hold those values (``run`` checks it too)."""
+        used = self.kernel.used_global_vals
+        if used:
+            for (name, _), (value, globals_dict) in used.items():
+                now = globals_dict.get(name, _MISSING)
+                if now is not value and now != value:
+                    return False
+        return True
 
 
 def _same_argument(a, b) -> bool:

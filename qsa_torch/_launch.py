@@ -56,7 +56,7 @@ from qsa_kernels.launch import ArrayInfo, Buffer, Launch, Program, execute
 from qsa_kernels.stage import RUN_PROGRAM_DOC, Stage, make_public, stage_named
 from qsa_kernels.validate import device_error, type_error
 
-from . import _fast_launch
+from . import _eager, _fast_launch
 
 DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -285,10 +285,15 @@ def _make_op(stage: Stage, updated: tuple[str, ...], fresh: int):
 
     def implementation(*values, **keywords):
         arrays, options = _bind(stage, values, keywords)
-        program = stage.plan(**_infos(stage, arrays)[0], **options)
-        device = next(value.device for value in arrays.values() if value is not None)
-        results = dict(zip(program.results, run(program, arrays, device)))
-        return _returns(tuple(results[n] for n in program.fresh_results))
+        program, results = _eager.run(stage, {**arrays, **options})  # a compiled graph's steady calls
+        if program is _eager.MISS:
+            key = results
+            program = stage.plan(**_infos(stage, arrays)[0], **options)
+            device = next(value.device for value in arrays.values() if value is not None)
+            results = run(program, arrays, device)
+            _eager.remember(key, stage, program, device)
+        by_name = dict(zip(program.results, results))
+        return _returns(tuple(by_name[n] for n in program.fresh_results))
 
     def fake(*values, **keywords):
         # Never launches: the plan validates and sizes the fresh results.
@@ -337,14 +342,17 @@ def _infos(stage: Stage, arrays: Mapping[str, object], read=info):
     return back(infos), first, plain
 
 
-def _call(stage: Stage, arguments: Mapping[str, object]):
+def _call(stage: Stage, arguments: Mapping[str, object], key=None):
+    """The general path of a call (``key``: the eager call key to prepare once it ran, if any)."""
     arrays, options = stage.split(arguments)
     infos, first, plain = _infos(stage, arrays)
     program = stage.plan(**infos, **options)
     if not _is_compiling():
         _check_updates(stage.name, program, arrays)
         if plain and _no_mode():
-            return program.returned(run(program, arrays, first.device))
+            results = run(program, arrays, first.device)
+            _eager.remember(key, stage, program, first.device)
+            return program.returned(results)
     fresh = op_for(stage, program)(*op_arguments(stage, arguments))
     fresh = () if fresh is None else (fresh,) if isinstance(fresh, torch.Tensor) else tuple(fresh)
     made = dict(zip(program.fresh_results, fresh))
@@ -386,6 +394,11 @@ def call(stage: Stage, arguments: Mapping[str, object]):
         # ones are put back inside.
         given = {name: value for name, value in arguments.items() if value is not None}
         return _traced_call(stage.name, tuple(arguments), given)
+    if _no_mode():  # a plain eager call with a key run before: its prepared program (qsa_torch._eager)
+        results, key = _eager.call(stage, arguments)
+        if results is not _eager.MISS:
+            return results
+        return _call(stage, arguments, key)
     return _call(stage, arguments)
 
 

@@ -1,0 +1,275 @@
+"""Eager calls at the host cost of their launches: a call's Program, prepared once per call key.
+
+The general eager path (``qsa_torch._launch``) reads every array's metadata
+into an :class:`~qsa_kernels.launch.ArrayInfo`, looks the plan up, allocates
+each buffer and launches each kernel through the fast launcher, which keys
+every launch again on its arguments.  With steady shapes all of that repeats
+a decision already made, so a call first builds one flat **call key** of
+what its Program depends on, read straight from the tensors:
+
+* the stage and the tuning in force (``None`` for the default tuning);
+* per array argument, in the stage's order: shape, strides, dtype and device
+  index (``None`` when absent) -- what its ``ArrayInfo`` holds, plus where the
+  arrays live;
+* per option, in the stage's order: its type and value (``3``, ``3.0`` and
+  ``True`` never share a key, as in the Stage memo).
+
+A key the general path has run (validated, planned and built) maps to a
+:class:`Prepared` program: its :class:`~qsa_kernels.launch.Schedule`
+(launches over numbered slots, workspaces carved from one allocation) and,
+per alignment class of the call's pointers, every launch bound to its
+compiled kernel (:class:`qsa_torch._fast_launch.Binding`).  A call with that
+key then reads each tensor's pointer, allocates, and calls the launchers
+with integer pointers (Triton's launcher takes an int as the pointer itself,
+so no ``data_ptr()`` call or pointer query per argument).
+
+What is still checked on every call: that every tensor is a plain tensor
+(not fake, meta, or a subclass) on the current device, no dispatch or
+torch-function mode is active, no argument requires grad while grad mode is
+on, no updated argument is an inference tensor outside inference mode, no
+launch observer is registered, and that nothing Triton keys a launch on in
+the process changed (:func:`qsa_torch._fast_launch.environment`, the
+kernels' globals).  Anything else -- a new key, a failed check -- takes the
+general path, which raises the errors.
+"""
+
+from __future__ import annotations
+
+import operator
+from functools import reduce
+
+import torch
+
+from qsa_kernels import launch as _launch_module
+from qsa_kernels import runtime, tuning as _tuning
+from qsa_kernels.launch import Program, Schedule
+from qsa_kernels.stage import Stage
+
+from . import _fast_launch
+
+_ABSENT = object()  # an option the arguments do not hold
+__all__ = ["MISS", "Prepared", "call", "clear", "remember", "run"]
+
+#: What :func:`call` returns when the call must take the general path.
+MISS = object()
+_LIMIT = 4096  # prepared call keys kept (the Stage memo keeps as many plans)
+_ALIGNED = "aligned"  # the alignment class of calls whose every pointer is 16-byte aligned
+_current_tuning = _tuning._CURRENT.get
+_DEFAULT_TUNING = _tuning.DEFAULT
+_data_ptr = torch.Tensor.data_ptr
+_Tensor = torch.Tensor
+
+_PREPARED: dict[tuple, "Prepared"] = {}
+# (array names, option names) per stage, in declaration order.
+_SPECS: dict[Stage, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+_is, _NONES, _ABSENTS = operator.is_, (None,) * 64, (_ABSENT,) * 64
+_ONLY_TENSORS = {torch.Tensor}
+_get_device, _stride, _is_meta = torch.Tensor.get_device, torch.Tensor.stride, operator.attrgetter("is_meta")
+_shape, _dtype, _requires_grad = (operator.attrgetter(name) for name in ("shape", "dtype", "requires_grad"))
+
+
+def _key(stage: Stage, arguments) -> tuple | None:
+    """The call key (module docstring) and the array arguments in the stage's order; ``None``: not a
+    plain eager call.  Built with C-level passes (``map``) over the arrays: this is the per-call cost."""
+    spec = _SPECS.get(stage)
+    if spec is None:
+        spec = _SPECS[stage] = (stage.arrays, tuple(p.name for p in stage.parameters if p.name in stage.options))
+    array_names, option_names = spec
+    get = arguments.get
+    tensors = list(map(get, array_names))
+    absent = tuple(map(_is, tensors, _NONES[:len(tensors)]))
+    present = [t for t, missing in zip(tensors, absent) if not missing] if True in absent else tensors
+    if set(map(type, present)) != _ONLY_TENSORS:
+        return None
+    devices = tuple(map(_get_device, present))
+    if torch.is_grad_enabled() and True in map(_requires_grad, present):
+        return None
+    if -1 in devices and True in map(_is_meta, present):  # CPU and meta tensors both report -1
+        return None
+    options = tuple(map(get, option_names, _ABSENTS[:len(option_names)]))
+    current = _current_tuning()
+    key = (stage, None if current is _DEFAULT_TUNING else current, absent, tuple(map(_shape, present)),
+           tuple(map(_stride, present)), tuple(map(_dtype, present)), devices, tuple(map(type, options)), options)
+    return key, tensors, present
+
+
+def run(stage: Stage, arguments) -> tuple:
+    """Run a plain eager call through its prepared program: ``(program, results)``, or ``(MISS, key)``.
+
+    ``results`` are in ``program.results`` order.  With ``MISS`` the call has
+    done nothing and must take the general path; ``key`` is then ``None`` for
+    a call that is not a plain eager one, else what :func:`remember` takes
+    once the general path has run the call.
+    """
+    found = _key(stage, arguments)
+    if found is None:
+        return MISS, None
+    key, tensors, present = found
+    try:
+        prepared = _PREPARED.get(key)
+    except TypeError:  # an unhashable option: the general path rejects it
+        return MISS, None
+    if prepared is None or _launch_module._observers:
+        return MISS, key
+    results = prepared.run(tensors, present)
+    if results is MISS:
+        return MISS, None
+    return prepared.program, results
+
+
+def call(stage: Stage, arguments) -> tuple:
+    """:func:`run`, the results as the public function returns them: ``(returned, None)`` or ``(MISS, key)``."""
+    program, results = run(stage, arguments)
+    if program is MISS:
+        return MISS, results
+    return program.returned(results), None
+
+
+def remember(key, stage: Stage, program: Program, device: torch.device) -> None:
+    """Prepare ``program`` for later calls with ``key`` (the general path has just run it on ``device``)."""
+    if key is None:
+        return
+    if len(_PREPARED) >= _LIMIT:
+        _PREPARED.clear()
+    _PREPARED[key] = Prepared(program, stage.arrays, device, absent=key[2])
+
+
+def clear() -> None:
+    """Forget every prepared program (never needed for correctness)."""
+    _PREPARED.clear()
+
+
+class Prepared:
+    """One call key's Program on one device: its schedule, and its launches bound per alignment class.
+
+    Bound launches take their pointers from one flat list per call: the
+    present array arguments' (in the stage's order), then the separately
+    allocated buffers', then the scratch workspaces'.
+    """
+
+    __slots__ = ("program", "schedule", "device", "index", "allocations", "scratch_views", "scratch_offsets",
+                 "results", "positions", "kernels", "bound", "updated")
+
+    def __init__(self, program: Program, arguments: tuple[str, ...], device: torch.device, absent: tuple[bool, ...]):
+        from . import _launch
+
+        self.program = program
+        self.schedule = schedule = Schedule.of(program, arguments)
+        self.device = device
+        self.index = device.index if device.type == "cuda" else -1
+        # (shape, torch dtype, fill or None) of each buffer allocated on its own.
+        self.allocations = tuple((buffer.shape, _launch.DTYPES[buffer.dtype], fill)
+                                 for _, buffer, fill in schedule.allocated)
+        # (slot, byte offset, byte count, torch dtype, shape) of each workspace carved from the scratch.
+        self.scratch_views = tuple(
+            (slot, offset, _launch_module.ITEMSIZE[buffer.dtype] * _count(buffer.shape),
+             _launch.DTYPES[buffer.dtype], buffer.shape)
+            for slot, buffer, offset in schedule.scratch)
+        self.scratch_offsets = tuple(offset for _, _, offset in schedule.scratch)
+        # slot -> position in the per-call pointer list (absent arguments have none).
+        present = [slot for slot, missing in enumerate(absent) if not missing]
+        position = {slot: i for i, slot in enumerate(present)}
+        for slot, _, _ in schedule.allocated:
+            position[slot] = len(position)
+        for slot, _, _ in schedule.scratch:
+            position[slot] = len(position)
+        self.positions = position
+        # Each result: (0, argument slot) or (1, index among the allocations).
+        allocated = [slot for slot, _, _ in schedule.allocated]
+        self.results = tuple((0, slot) if slot < len(arguments) else (1, allocated.index(slot))
+                             for slot in schedule.results)
+        self.kernels = tuple({id(launch.kernel): launch.kernel for launch, _ in schedule.launches}.values())
+        self.updated = schedule.updated
+        # alignment class -> (process environment, bindings, records: (launch function, leading arguments,
+        # pointer getter, keyword values, gx, gy, gz) per launch)
+        self.bound: dict = {}
+
+    # -- one call ------------------------------------------------------------
+
+    def run(self, tensors: list, present: list):
+        """Allocate, launch, return the results in ``program.results`` order (``MISS``: take the general path)."""
+        if self.updated and not torch.is_inference_mode_enabled():
+            for slot in self.updated:
+                if tensors[slot].is_inference():
+                    return MISS  # the general path raises torch's error
+        compiled = not runtime.INTERPRETED
+        if compiled:
+            launcher = _fast_launch.launch
+            if launcher._get_device is None:
+                launcher._driver_functions()
+            if launcher._get_device() != self.index:
+                return MISS  # launches go on the current device: the general path makes the tensors' current
+        device = self.device
+        allocated = [torch.empty(shape, dtype=dtype, device=device) if fill is None else
+                     torch.full(shape, fill, dtype=dtype, device=device) for shape, dtype, fill in self.allocations]
+        scratch = torch.empty(self.schedule.scratch_bytes, dtype=torch.uint8, device=device) \
+            if self.scratch_offsets else None
+        results = tuple(tensors[i] if kind == 0 else allocated[i] for kind, i in self.results)
+        if not compiled:
+            env = self._env(tensors, allocated, scratch)
+            with runtime.interpreter_lock:
+                for launch, slots in self.schedule.launches:
+                    launch.kernel[launch.grid](*[env[i] for i in slots], **launch.scalars, **launch.constexprs,
+                                               num_warps=launch.num_warps, num_stages=launch.num_stages)
+            return results
+        pointers = [*map(_data_ptr, present), *map(_data_ptr, allocated)]
+        if scratch is not None:
+            base = _data_ptr(scratch)
+            pointers += [base + offset for offset in self.scratch_offsets]
+        alignment = _ALIGNED if not reduce(operator.or_, pointers, 0) & 15 else \
+            tuple([pointer & 15 == 0 for pointer in pointers])
+        bound = self.bound.get(alignment)
+        process = _fast_launch.environment()
+        if bound is not None and process == bound[0] and self._kernels_unchanged(bound[1]):
+            stream = launcher._get_stream(self.index)
+            for function, head, take, values, gx, gy, gz in bound[2]:
+                function(gx, gy, gz, stream, *head, *take(pointers), *values)
+        else:
+            self._bind(self._env(tensors, allocated, scratch), alignment, process)
+        return results
+
+    def _env(self, tensors: list, allocated: list, scratch) -> list:
+        """Every slot's tensor: the arguments, the allocations, views of the workspaces in the scratch."""
+        env = tensors + [None] * (len(allocated) + len(self.scratch_views))
+        for (slot, _, _), tensor in zip(self.schedule.allocated, allocated):
+            env[slot] = tensor
+        for slot, offset, size, dtype, shape in self.scratch_views:
+            env[slot] = scratch[offset:offset + size].view(dtype).view(shape)
+        return env
+
+    @staticmethod
+    def _kernels_unchanged(bindings) -> bool:
+        for binding in bindings:
+            if binding.kernel.pre_run_hooks or not binding.globals_unchanged():
+                return False
+        return True
+
+    def _bind(self, env: list, alignment, process) -> None:
+        """Launch through the fast launcher (tensors), and keep the bindings it used for this alignment class."""
+        launcher = _fast_launch.launch
+        records, bindings = [], []
+        for launch, slots in self.schedule.launches:
+            args = tuple(env[i] for i in slots)
+            binding = launcher(launch.kernel, launch.grid, args, launch.scalars, launch.constexprs,
+                               launch.num_warps, launch.num_stages)
+            if binding is None or any(i not in self.positions for i in slots):
+                records = None  # not every launch can be bound: keep launching this way
+            if records is None:
+                continue
+            positions = [self.positions[i] for i in slots]
+            take = operator.itemgetter(*positions) if len(positions) > 1 else \
+                (lambda pointers, i=positions[0]: (pointers[i],))
+            values = launcher.keyword_values(launch.kernel, len(args), launch.scalars, launch.constexprs)
+            gx, gy, gz = (*launch.grid, 1, 1)[:3]
+            records.append((binding.launch, (*binding.leading, binding.packed_metadata, None, None, None), take,
+                            values, gx, gy, gz))
+            bindings.append(binding)
+        if records is not None and process is not None:
+            self.bound[alignment] = (process, tuple(bindings), tuple(records))
+
+
+def _count(shape) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count

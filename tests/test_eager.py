@@ -1,0 +1,198 @@
+"""The eager fast path (qsa_torch._eager): a call key run before goes through its prepared program.
+
+Each case runs a call three times through the prepared path and once
+through the general path (prepared programs cleared), on copies of the same
+inputs: results and updated caches must be bitwise equal, and the steady
+calls must not reach the general path.  Then every way a call can differ
+from the one prepared -- shapes, strides, dtypes, options and their types,
+tuning, devices, fake/meta tensors, grad, inference tensors, observers -- must
+either get its own key or take the general path (which raises the errors).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qsa_torch
+from qsa_kernels import tuning
+from qsa_kernels.launch import observe_launches
+from qsa_torch import _eager, _launch
+
+from .test_torch_ops import CASES, as_tuple, assert_same_results, build, cloned
+from .util import DEVICE, assert_bitwise_equal
+
+
+@pytest.fixture
+def general_calls(monkeypatch):
+    """Counts the calls that reach the general eager path."""
+    calls = []
+    general = _launch._call
+
+    def counting(stage, arguments, key=None):
+        calls.append(stage.name)
+        return general(stage, arguments, key)
+
+    monkeypatch.setattr(_launch, "_call", counting)
+    _eager.clear()
+    yield calls
+    _eager.clear()
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_prepared_calls_equal_the_general_path(case_id, general_calls):
+    function, arguments = build(case_id)
+    _eager.clear()
+    expected_arguments = cloned(arguments)
+    expected = function(**expected_arguments)  # general path (nothing prepared)
+    assert general_calls == [function.__name__]
+    for _ in range(3):
+        got_arguments = cloned(arguments)
+        got = function(**got_arguments)
+        assert_same_results(got, expected, got_arguments, expected_arguments, f"{case_id} prepared")
+    assert general_calls == [function.__name__], "a steady call reached the general path"
+
+
+def test_prepared_step_equals_the_general_path(general_calls):
+    from .test_step import STATE_FIELDS, clone_state, valid_arguments
+
+    arguments, _ = valid_arguments()
+    state = arguments.pop("state")
+    expected_state = clone_state(state)
+    expected = qsa_torch.qsa_attention_step(state=expected_state, **arguments, return_token_indices=True)
+    for _ in range(2):
+        got_state = clone_state(state)
+        got = qsa_torch.qsa_attention_step(state=got_state, **arguments, return_token_indices=True)
+        assert_bitwise_equal(got[0], expected[0], "out")
+        assert_bitwise_equal(got[2], expected[2], "token_indices")
+        for name in STATE_FIELDS:
+            assert getattr(got[1], name) is getattr(got_state, name), name
+            assert_bitwise_equal(getattr(got_state, name), getattr(expected_state, name), name)
+    assert general_calls == ["qsa_attention_step"]
+
+
+def test_a_changed_call_gets_its_own_key(general_calls):
+    function, arguments = build("attention")
+    function(**cloned(arguments))
+    function(**cloned(arguments))
+    assert len(general_calls) == 1
+    rows = arguments["q"].shape[0]
+    changed = {n: v[: rows - 1] if isinstance(v, torch.Tensor) and n in ("q", "token_indices", "token_to_req")
+               else v for n, v in cloned(arguments).items()}  # fewer rows: another plan
+    function(**changed)
+    assert len(general_calls) == 2
+    strided = cloned(arguments)
+    wide = torch.empty((rows, *arguments["q"].shape[1:-1], 2 * arguments["q"].shape[-1]), dtype=arguments["q"].dtype,
+                       device=DEVICE)
+    strided["q"] = wide[..., : arguments["q"].shape[-1]]  # same shape, other strides
+    strided["q"].copy_(arguments["q"])
+    function(**strided)
+    assert len(general_calls) == 3
+    with tuning.override(attention=tuning.AttentionTuning(tile_bytes=4096)):
+        before = len(general_calls)
+        function(**cloned(arguments))
+        function(**cloned(arguments))
+        assert len(general_calls) == before + 1  # its own key, then prepared
+
+
+def test_option_types_never_share_a_key(general_calls):
+    function, arguments = build("topk")
+    k = arguments["k"]
+    function(**cloned(arguments))
+    function(**cloned(arguments))
+    for wrong in (float(k), [k]):
+        with pytest.raises((TypeError, ValueError), match="topk_blocks"):
+            function(**dict(cloned(arguments), k=wrong))
+    if k == 1:
+        with pytest.raises((TypeError, ValueError), match="topk_blocks"):
+            function(**dict(cloned(arguments), k=True))
+
+
+def test_meta_and_fake_tensors_after_a_prepared_call_never_launch(general_calls):
+    function, arguments = build("store")
+    function(**cloned(arguments))
+    function(**cloned(arguments))
+    meta = {n: v.to("meta") if isinstance(v, torch.Tensor) else v for n, v in arguments.items()}
+    with observe_launches() as events:
+        out = function(**meta)
+    assert not events
+    assert all(t.is_meta for t in as_tuple(out))
+
+
+def test_grad_and_inference_rules_hold_after_a_prepared_call(general_calls):
+    _, arguments = build("store")
+    cache, slots, rows = (arguments[n] for n in ("cache", "slot_mapping", "rows"))
+    cache, rows = cache.float(), rows.float()
+    for _ in range(2):
+        qsa_torch.store_cache_rows(cache.clone(), slots, rows)
+    leaf = cache.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="store_cache_rows: cache is updated in place"):
+        qsa_torch.store_cache_rows(leaf, slots, rows)
+    with torch.inference_mode():
+        inference_cache = cache.clone()
+    with pytest.raises(RuntimeError, match="store_cache_rows: cache is updated in place, but it is an inference"):
+        qsa_torch.store_cache_rows(inference_cache, slots, rows)
+
+
+def test_observers_see_every_launch_of_a_prepared_call(general_calls):
+    function, arguments = build("attention")
+    function(**cloned(arguments))
+    function(**cloned(arguments))
+    with observe_launches() as events:
+        function(**cloned(arguments))
+    assert len(events) == len(function.plan(**arguments).runnable_launches) >= 2
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the interpreter's device rule")
+def test_a_prepared_key_never_accepts_a_wrong_device(general_calls):
+    function, arguments = build("store")
+    function(**cloned(arguments))
+    function(**cloned(arguments))
+    moved = {n: v.to("meta") if n == "rows" else v for n, v in cloned(arguments).items()}
+    with pytest.raises(ValueError, match="store_cache_rows"):
+        function(**moved)
+
+
+def test_workspaces_are_carved_aligned_and_apart():
+    """The schedule's scratch layout: every workspace aligned, none overlapping, results on their own."""
+    from qsa_kernels.launch import ITEMSIZE, SCRATCH_ALIGNMENT, Schedule
+
+    function, arguments = build("select")
+    program = function.plan(**arguments)
+    schedule = Schedule.of(program, tuple(n for n in arguments if isinstance(arguments[n], torch.Tensor)))
+    spans = []
+    for _, buffer, offset in schedule.scratch:
+        assert offset % SCRATCH_ALIGNMENT == 0
+        size = ITEMSIZE[buffer.dtype]
+        for s in buffer.shape:
+            size *= s
+        spans.append((offset, offset + size))
+        assert offset + size <= schedule.scratch_bytes
+        assert buffer.name not in program.results and buffer.name not in program.filled_buffers
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    assert {b.name for _, b, _ in schedule.scratch} | {b.name for _, b, _ in schedule.allocated} == \
+        {b.name for b in program.buffers}
+
+
+@pytest.mark.gpu
+def test_prepared_binding_follows_pointer_alignment(general_calls):
+    """One call key, pointers aligned then not (and back): each alignment class binds its own kernels."""
+    generator = torch.Generator(DEVICE).manual_seed(0)
+    width, pages, page = 24, 5, 4
+    slots = torch.tensor([3, 17, 0, 9, -1, 12, 19], dtype=torch.int32, device=DEVICE)
+    for offset in (0, 1, 0, 1, 3, 0, 8, 0):
+        storage = torch.randn(pages * page * width + 8, generator=generator, device=DEVICE)
+        cache = storage[offset:offset + pages * page * width].view(pages, page, 1, width)
+        rows_storage = torch.randn(7 * width + 8, generator=generator, device=DEVICE)
+        rows = rows_storage[offset:offset + 7 * width].view(7, width)
+        expected = cache.clone().view(-1, width)
+        for slot, row in zip(slots.tolist(), rows):
+            if slot >= 0:
+                expected[slot] = row
+        for _ in range(3):
+            target = storage.clone()[offset:offset + pages * page * width].view(cache.shape)
+            qsa_torch.store_cache_rows(target, slots, rows)
+            torch.cuda.synchronize()
+            assert torch.equal(target.view(-1, width), expected), offset
+    assert general_calls == ["store_cache_rows"]  # one key: the shapes, strides and dtypes never changed
