@@ -144,22 +144,15 @@ def _jax_lowering(jax_installed: bool, torch_installed: bool) -> str:
     qsa_jax, why = _import("qsa_jax")
     if qsa_jax is None:
         return f"qsa_jax does not import here ({why})"
-    requested = os.environ.get("QSA_JAX_LOWERING")
     try:
         lowering = qsa_jax.triton_lowering()
+        text = qsa_jax._triton_call.lowering_reason()  # the version table's reading (docs/api.md)
     except (RuntimeError, ValueError) as error:
         return f"unusable: {error}"
     if lowering == "interpreter":
-        text = "interpreter: no CUDA device, so every launch runs from a host callback on CPU torch tensors"
         if not torch_installed:
             text += f"; torch is {NOT_INSTALLED}, which that path needs ({CPU_TORCH})"
         return text
-    if requested and requested.strip().lower() != "auto":
-        text = f"{lowering}: QSA_JAX_LOWERING={requested} forces it"
-    elif lowering == "ffi":
-        text = "ffi: auto, and this jaxlib registers the typed-FFI handler triton_kernel_call_ffi (jaxlib >= 0.11)"
-    else:
-        text = "legacy: auto, and this jaxlib has no typed-FFI Triton handler (jaxlib < 0.11)"
     if _version("jax-triton") is None:
         text += "; jax-triton is not installed, so qsa_jax cannot launch on the GPU (pip install 'qsa-kernels[jax-gpu]')"
     return text

@@ -121,7 +121,8 @@ def test_wheel_metadata(wheel):
     assert needs(None) == {"triton<3.10,>=3.6.0", "numpy"}  # neither torch nor jax: qsa_kernels needs neither
     assert needs("torch") == {"torch>=2.10"}  # 2.9.x pins triton 3.5.1 (test_below_the_torch_floor...)
     assert needs("jax") == {"jax>=0.8.2", "ml_dtypes"}  # no torch: from PyPI a CUDA build (the README says which)
-    assert needs("jax-gpu") == {"jax>=0.8.2", "ml_dtypes", "jax-triton==0.3.1"}  # no torch on the GPU path
+    # no torch on the GPU path; the ranges are qsa_jax._triton_call.VERIFIED's (tests/test_jax_lowering.py)
+    assert needs("jax-gpu") == {"jax<0.13,>=0.11.2", "ml_dtypes", "jax-triton<=0.4.1,>=0.3.1"}
     assert needs("gpu") == {"qsa-kernels[jax-gpu,torch]"}
     assert needs("test") == {"qsa-kernels[jax,torch]", "pytest>=8", "hypothesis>=6", "mypy>=1.10"}
 
@@ -370,10 +371,11 @@ def _floors() -> dict[str, str]:
 
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     floors = {}
-    for extra, name in (("torch", "torch"), ("jax", "jax")):
-        (spec,) = [s for r in map(Requirement, extras[extra]) if r.name == name for s in r.specifier]
-        assert spec.operator == ">=", spec
-        floors[name] = spec.version
+    for extra, name, key in (("torch", "torch", "torch"), ("jax", "jax", "jax"), ("jax-gpu", "jax", "jax-gpu"),
+                             ("jax-gpu", "jax-triton", "jax-triton")):
+        (spec,) = [s for r in map(Requirement, extras[extra]) if r.name == name for s in r.specifier
+                   if s.operator == ">="]
+        floors[key] = spec.version
     return floors
 
 
@@ -394,10 +396,13 @@ class _Resolution:
     """One dry run, started at once; :meth:`result` waits for it."""
 
     def __init__(self, name: str, arguments: list[str], report: Path, python: str | None):
-        command = [sys.executable, "-m", "pip"] + (["--python", python] if python else []) + [
+        # python: another environment's interpreter, or "3.12" for a fresh environment of that Python
+        # (wheels only: jax >= 0.11, the jax-gpu extra's floor, needs Python >= 3.12)
+        version = ["--python-version", python, "--only-binary=:all:"] if python and "/" not in python else []
+        command = [sys.executable, "-m", "pip"] + (["--python", python] if python and not version else []) + [
             "install", "--dry-run", "--no-cache-dir", "--index-url", PYPI, "--report", str(report),
             "--use-feature=fast-deps",  # no metadata file on the index: range requests, not whole wheels
-            *(["--ignore-installed"] if python is None else []), *arguments]
+            *(["--ignore-installed"] if python is None or version else []), *version, *arguments]
         env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") or k in NETWORK_SETTINGS}
         env.update(PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
         self.name, self.command, self.report = name, command, report
@@ -480,8 +485,11 @@ def resolutions(wheel, tmp_path_factory):
         "torch extra at its floor": ([f"{project}[torch]", f"torch=={floors['torch']}"], None),
         "below the torch floor": ([project, f"torch=={BELOW_TORCH_FLOOR}"], None),
         "jax extra at its floor": ([f"{project}[jax]", f"jax=={floors['jax']}"], None),
-        "jax-gpu extra at its floor": ([f"{project}[jax-gpu]", f"jax=={floors['jax']}"], None),
-        "gpu extra at its floors": ([f"{project}[gpu]", f"torch=={floors['torch']}", f"jax=={floors['jax']}"], None),
+        "jax-gpu extra at its floors": ([f"{project}[jax-gpu]", f"jax=={floors['jax-gpu']}",
+                                         f"jax-triton=={floors['jax-triton']}", "triton==3.6.0"], "3.12"),
+        "jax-gpu extra, newest": ([f"{project}[jax-gpu]"], "3.12"),
+        "gpu extra at its floors": ([f"{project}[gpu]", f"torch=={floors['torch']}", f"jax=={floors['jax-gpu']}"],
+                                    "3.12"),
         "test extra at its floors": ([f"{project}[test]", f"torch=={floors['torch']}", f"jax=={floors['jax']}"],
                                      None),
     }
@@ -553,16 +561,33 @@ def test_each_extra_resolves_at_its_floors(resolutions):
     versions, requires = _resolved(resolutions, "torch extra at its floor")
     assert Version(versions["torch"]) == Version(floors["torch"])
     assert _triton_range().contains(versions["triton"])
-    for case in ("jax extra at its floor", "jax-gpu extra at its floor"):
+    for case, floor in (("jax extra at its floor", "jax"), ("jax-gpu extra at its floors", "jax-gpu")):
         versions, _ = _resolved(resolutions, case)
-        assert Version(versions["jax"]) == Version(floors["jax"]), case
+        assert Version(versions["jax"]) == Version(floors[floor]), case
         cuda = sorted(n for n in versions if n == "torch" or n.startswith(("nvidia-", "cuda-")))
         assert not cuda, f"{case} pulls {cuda}"  # no surprise CUDA torch
-    assert versions["jax-triton"] == "0.3.1"
-    for case in ("gpu extra at its floors", "test extra at its floors"):
+    assert versions["jax-triton"] == floors["jax-triton"]
+    for case, floor in (("gpu extra at its floors", "jax-gpu"), ("test extra at its floors", "jax")):
         versions, _ = _resolved(resolutions, case)
         assert Version(versions["torch"]) == Version(floors["torch"]), case
-        assert Version(versions["jax"]) == Version(floors["jax"]), case
+        assert Version(versions["jax"]) == Version(floors[floor]), case
+    # torch 2.10 pins triton 3.6.0, which jax-triton 0.4 (triton >= 3.7) refuses: pip takes 0.3.1
+    assert versions.get("jax-triton") is None or versions["jax-triton"] == floors["jax-triton"]
+
+
+def test_jax_gpu_extra_resolves_to_the_newest_admitted_releases(resolutions):
+    """Nothing else in the way: the newest jax-triton the extra admits (its upper bound, the newest
+    verified) and a jax in range, with a triton of the supported range."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["jax-gpu"]
+    specs = {r.name: r.specifier for r in map(Requirement, extra)}
+    versions, _ = _resolved(resolutions, "jax-gpu extra, newest")
+    (newest,) = [s.version for s in specs["jax-triton"] if s.operator == "<="]
+    assert versions["jax-triton"] == newest
+    assert specs["jax"].contains(versions["jax"]) and _triton_range().contains(versions["triton"]), versions
 
 
 def test_below_the_torch_floor_is_impossible(resolutions):

@@ -373,14 +373,56 @@ def test_wrong_array_types_name_the_argument():
         assert str(info.value) == f"qsa_attention_step: {message}"
 
 
-LOWERINGS = ["legacy", "ffi"]
+LOWERINGS = ["legacy", "ffi", "jax-triton"]
 
 
 def _lowering(name: str):
-    """``qsa_jax.use_triton_lowering(name)``, skipping where this jaxlib cannot lower that way."""
+    """``qsa_jax.use_triton_lowering(name)``, skipping where these versions cannot lower that way."""
     if not qsa_jax.triton_lowering_available(name):
-        pytest.skip(f"the {name} lowering is not available with this jaxlib")
+        pytest.skip(f"the {name} lowering is not available with these jax-triton and jaxlib versions")
     return qsa_jax.use_triton_lowering(name)
+
+
+@pytest.mark.gpu
+def test_unverified_versions_fall_back_to_jax_tritons_lowering_with_the_same_bits(monkeypatch):
+    """A jax-triton release outside qsa_jax's version table (faked: the installed one as a release
+    candidate) makes ``auto`` take jax-triton's own lowering; an in-place launch (donated caches) and
+    a launch without aliases give the bits of the package's own lowering.  With 0.4's API the
+    fallback's public triton_call cannot bind an in-place launch: that is refused, clearly."""
+    from qsa_jax import _triton_call
+
+    g = torch.Generator().manual_seed(3)
+    T, QH, KH, D, P = 8, 8, 2, 64, 16
+    q, k, v = (to_jax(torch.randn(T, h, D, generator=g).to(DEVICE, torch.bfloat16)) for h in (QH, KH, KH))
+    caches = [to_jax(torch.randn(8, P, KH, D, generator=g).to(DEVICE, torch.bfloat16)) for _ in range(2)]
+    slots, positions = to_jax(torch.tensor([17, 18, 19, -1, 40, 41, 90, 127], device=DEVICE, dtype=torch.int32)), \
+        to_jax(torch.arange(T, device=DEVICE, dtype=torch.int32))
+    cos_sin = to_jax(torch.randn(128, D, generator=g).to(DEVICE))
+    logits = to_jax(torch.randn(4, 300, generator=g).to(DEVICE))
+    visible = to_jax(torch.tensor([300, 17, 0, 256], device=DEVICE, dtype=torch.int32))
+
+    def run():  # fresh functions: JAX reuses a function's trace, lowering included
+        write = jax.jit(lambda q, k, v, kc, vc: qsa_jax.rope_reshape_and_cache(
+            q, k, v, kc, vc, slots, positions, cos_sin, is_neox=True), donate_argnums=(3, 4))
+        top = jax.jit(lambda logits, visible: qsa_jax.topk_blocks(logits, visible, 16))
+        copies = [jax.numpy.array(c, copy=True) for c in caches]
+        return jax.block_until_ready((write(q, k, v, *copies), top(logits, visible)))
+
+    expected_write, expected_top = run()
+    jax_triton, jaxlib = _triton_call._versions()
+    monkeypatch.setattr(_triton_call, "_versions", lambda: (jax_triton + "rc1", jaxlib))
+    assert qsa_jax.triton_lowering() == "jax-triton"
+    if jax_triton.startswith("0.3"):
+        fallback_write, fallback_top = run()
+        for name, a, b in zip(("q_out", "k_out", "key_cache", "value_cache"), fallback_write, expected_write):
+            assert_bitwise_equal(a, b, name)
+    else:
+        with pytest.raises(NotImplementedError, match="updates arrays in place"):
+            run()
+        fallback_top = jax.block_until_ready(
+            jax.jit(lambda logits, visible: qsa_jax.topk_blocks(logits, visible, 16))(logits, visible))
+    for a, b in zip(jax.tree.leaves(fallback_top), jax.tree.leaves(expected_top)):
+        assert_bitwise_equal(a, b, "topk")
 
 
 @pytest.mark.gpu
