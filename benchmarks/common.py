@@ -262,6 +262,19 @@ def torch_host_us(fn, calls: int = 200) -> float | None:
     return elapsed * 1e6 / calls
 
 
+def torch_wall_us(fn, calls: int = 100, smoke: bool = False) -> float | None:
+    """Wall µs per call of ``calls`` back-to-back calls of ``fn``, the final synchronize included (GPU only).
+
+    What a caller sees: the host cost per call where the host is the bound,
+    the GPU time where the GPU is; median of 5 repeats.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return _wall_median_us(fn, 2 if smoke else 5, calls=10 if smoke else calls, sync=lambda _: torch.cuda.synchronize())
+
+
 def budgeted_graph_us(fn, smoke: bool, budget_s: float, estimate_us: float | None = None) -> float:
     """CUDA-graph µs per call, with as many calls per graph (1..20) as fit ``budget_s``
     (without CUDA: the wall-clock median, so that --smoke exercises the path)."""
