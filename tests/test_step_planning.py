@@ -175,11 +175,12 @@ def test_a_kernel_that_cannot_be_built_fails_the_call_before_any_launch():
 
 @pytest.mark.gpu
 def test_a_step_whose_attention_cannot_be_loaded_writes_no_cache():
-    """On the GPU: an attention launch of 64 warps (2048 threads) cannot be loaded: the step fails
-    before stage 1 writes."""
+    """On the GPU: an attention launch whose pipelined K/V tiles need more shared memory than an SM has
+    (64 KiB tiles, 8 stages) cannot be loaded: the step fails before stage 1 writes.  (64 warps, the
+    earlier case, is refused when the tuning is constructed.)"""
     arguments = step_arguments()
     before = {n: getattr(arguments["state"], n).clone() for n in STATE_FIELDS}
-    too_wide = tuning.AttentionTuning(launch_table=((None, 16 * 1024, 64, 1, 64),))
+    too_wide = tuning.AttentionTuning(launch_table=((None, 64 * 1024, 8, 8, 64),))
     with tuning.override(attention=too_wide), pytest.raises(Exception) as info:
         qsa_torch.qsa_attention_step(**arguments)
         torch.cuda.synchronize()
