@@ -25,25 +25,27 @@ CPU path), re-types Python float scalars as fp64 (``tl.dot`` then fails an
 assertion on ``scale_log2``), and would put a second launch path beside the
 executor.
 
-Ops are generated from the plans, never written by hand: the schema's
-arguments are the plan's parameters (arrays ``Tensor`` / ``Tensor?``,
-options ``Scalar?``: ints, floats, bools or None), the mutated arguments are
-the Program's ``updated_arguments`` and the returns are its fresh results
-(custom ops cannot return their inputs: the caller's own cache tensors are
-returned for in-place results, as in eager).  Both can depend on options
-(``return_zeros``, ``return_token_indices``), so one op exists per plan and
-*shape of result*: ``qsa::<function>`` plus a suffix naming what it updates
-and how many fresh tensors it returns, made the first time a call needs it.
-Under ``torch.compile`` the binding runs inside ``torch._dynamo.nonstrict_trace``
-(Dynamo does not trace the plans; AOTAutograd runs them on fake tensors), so
-a whole composition traces with no graph break.
+Ops are generated from the declarations, never written by hand, and all
+registered when this module is imported (so a program saved by
+``torch.export`` loads in any process that imported ``qsa_torch``): one op
+per :class:`~qsa_kernels.stage.Variant` of each public function,
+``qsa::<variant name>`` (``qsa::store_cache_rows``,
+``qsa::rope_reshape_and_cache_return_zeros``; docs/api.md lists them).  The
+schema's arguments are the function's parameters (arrays ``Tensor`` /
+``Tensor?``, options ``Scalar?``: ints, floats, bools or None), the mutated
+arguments are the variant's ``updated`` arrays and the returns its fresh
+results (custom ops cannot return their inputs: the caller's own cache
+tensors are returned for in-place results, as in eager).  Under ``torch.compile`` the binding
+runs inside ``torch._dynamo.nonstrict_trace`` (Dynamo does not trace the
+plans; AOTAutograd runs them on fake tensors), so a whole composition traces
+with no graph break; ``torch._dynamo`` is only imported once something
+compiles (it costs seconds of import time).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import threading
 from typing import TYPE_CHECKING, Mapping
 
 import torch
@@ -51,9 +53,9 @@ import torch
 if TYPE_CHECKING:  # the annotations' array types (the same names in both adapters)
     from torch import Tensor as Array, Tensor as ArrayLike
 
-from qsa_kernels import runtime
+from qsa_kernels import api, runtime
 from qsa_kernels.launch import ArrayInfo, Buffer, Launch, Program, execute
-from qsa_kernels.stage import RUN_PROGRAM_DOC, Stage, make_public, stage_named
+from qsa_kernels.stage import RUN_PROGRAM_DOC, Stage, Variant, make_public, stage_named
 from qsa_kernels.validate import device_error, type_error
 
 from . import _fast_launch
@@ -245,13 +247,19 @@ def _no_mode() -> bool:
 # Custom ops
 # --------------------------------------------------------------------------
 
-_OPS: dict[tuple, object] = {}  # (stage, updated arguments, fresh results) -> OpOverload
-_OPS_LOCK = threading.Lock()  # two threads must not register one op twice
+_OPS: dict[str, tuple] = {}  # variant name -> (OpOverload, its parameters), every variant of every public function
 
 
-def _schema(stage: Stage, updated: tuple[str, ...], fresh: int) -> str:
+def _op_parameters(stage: Stage, variant: Variant) -> tuple[inspect.Parameter, ...]:
+    """The op's parameters: the function's, less the options that select the variant (the op implies them)."""
+    selected = dict(variant.selected)
+    return tuple(parameter for parameter in stage.parameters if parameter.name not in selected)
+
+
+def _schema(stage: Stage, variant: Variant) -> str:
+    updated, fresh = variant.updated, len(variant.fresh)
     arguments = []
-    for parameter in stage.parameters:
+    for parameter in _op_parameters(stage, variant):
         name, default = parameter.name, parameter.default
         if name in stage.arrays:
             alias = f"(a{updated.index(name)}!)" if name in updated else ""
@@ -266,25 +274,20 @@ def _schema(stage: Stage, updated: tuple[str, ...], fresh: int) -> str:
     return f"({', '.join(arguments)}) -> {returns}"
 
 
-def _op_name(function: str, updated: tuple[str, ...], fresh: int) -> str:
-    name = function + (("__updates_" + "_".join(updated)) if updated else "")
-    return f"{name}__returns_{fresh}"
+def _make_op(stage: Stage, variant: Variant):
+    parameters = _op_parameters(stage, variant)
+    names = tuple(parameter.name for parameter in parameters)
+    selected = dict(variant.selected)
 
-
-def _bind(stage: Stage, values: tuple, keywords: dict) -> tuple[dict, dict]:
-    """An op's values (the dispatcher passes defaulted ones by keyword) as the stage's ``(arrays, options)``."""
-    parameters = stage.parameters
-    arguments = {parameter.name: value for parameter, value in zip(parameters, values)}
-    for parameter in parameters[len(values):]:
-        arguments[parameter.name] = keywords.get(parameter.name, parameter.default)
-    return stage.split(arguments)
-
-
-def _make_op(stage: Stage, updated: tuple[str, ...], fresh: int):
-    name = _op_name(stage.name, updated, fresh)
+    def bind(values: tuple, keywords: dict) -> tuple[dict, dict]:
+        # The op's values (the dispatcher passes defaulted ones by keyword) as the stage's (arrays, options).
+        arguments = dict(zip(names, values))
+        for parameter in parameters[len(values):]:
+            arguments[parameter.name] = keywords.get(parameter.name, parameter.default)
+        return stage.split(dict(arguments, **selected))
 
     def implementation(*values, **keywords):
-        arrays, options = _bind(stage, values, keywords)
+        arrays, options = bind(values, keywords)
         program = stage.plan(**_infos(stage, arrays)[0], **options)
         device = next(value.device for value in arrays.values() if value is not None)
         results = dict(zip(program.results, run(program, arrays, device)))
@@ -292,38 +295,44 @@ def _make_op(stage: Stage, updated: tuple[str, ...], fresh: int):
 
     def fake(*values, **keywords):
         # Never launches: the plan validates and sizes the fresh results.
-        arrays, options = _bind(stage, values, keywords)
+        arrays, options = bind(values, keywords)
         program = stage.plan(**_infos(stage, arrays, _static_info)[0], **options)
         device = next(value.device for value in arrays.values() if value is not None)
         buffers = {b.name: b for b in program.buffers}
         return _returns(tuple(torch.empty(buffers[n].shape, dtype=DTYPES[buffers[n].dtype], device=device)
                               for n in program.fresh_results))
 
-    op = torch.library.custom_op(f"{NAMESPACE}::{name}", implementation, mutates_args=updated,
-                                 schema=_schema(stage, updated, fresh))
+    op = torch.library.custom_op(f"{NAMESPACE}::{variant.name}", implementation, mutates_args=variant.updated,
+                                 schema=_schema(stage, variant))
     op.register_fake(fake)
-    return getattr(getattr(torch.ops, NAMESPACE), name).default
+    return getattr(getattr(torch.ops, NAMESPACE), variant.name).default, parameters
 
 
 def _returns(fresh: tuple):
     return None if not fresh else fresh[0] if len(fresh) == 1 else fresh
 
 
-def op_for(stage: Stage, program: Program):
-    """The custom op that runs ``program``'s kind of call of ``stage`` (made on first use)."""
-    key = (stage, program.updated_arguments, len(program.fresh_results))
-    op = _OPS.get(key)
-    if op is None:
-        with _OPS_LOCK:
-            op = _OPS.get(key)
-            if op is None:
-                op = _OPS[key] = _make_op(stage, *key[1:])
-    return op
+def register_ops(stage: Stage) -> None:
+    """Register one custom op per variant of ``stage`` (done at import for every public function)."""
+    for variant in stage.variants:
+        if variant.name in _OPS:
+            raise RuntimeError(f"two qsa ops would be named {NAMESPACE}::{variant.name}")
+        _OPS[variant.name] = _make_op(stage, variant)
 
 
-def op_arguments(stage: Stage, arguments: Mapping[str, object]) -> tuple:
-    """The op's positional values for a call's arguments (defaults for the rest)."""
-    return tuple(arguments.get(p.name, p.default) for p in stage.parameters)
+def op_call(stage: Stage, arguments: Mapping[str, object]) -> tuple:
+    """``(op, values)``: the custom op a call with these (valid) arguments runs, and its positional values.
+
+    The op is ``torch.ops.qsa.<variant name>.default``; the values are the
+    call's, in the op's order (defaults for the rest).
+    """
+    op, parameters = _OPS[stage.variant(arguments).name]
+    return op, tuple(arguments.get(p.name, p.default) for p in parameters)
+
+
+for _stage in api.FUNCTIONS:
+    register_ops(_stage)
+del _stage
 
 
 # --------------------------------------------------------------------------
@@ -345,7 +354,8 @@ def _call(stage: Stage, arguments: Mapping[str, object]):
         _check_updates(stage.name, program, arrays)
         if plain and _no_mode():
             return program.returned(run(program, arrays, first.device))
-    fresh = op_for(stage, program)(*op_arguments(stage, arguments))
+    op, values = op_call(stage, arguments)
+    fresh = op(*values)
     fresh = () if fresh is None else (fresh,) if isinstance(fresh, torch.Tensor) else tuple(fresh)
     made = dict(zip(program.fresh_results, fresh))
     return program.returned(tuple(made[name] if name in made else arrays[name] for name in program.results))
@@ -367,11 +377,6 @@ def _concrete(value):
     return value
 
 
-# torch >= 2.7; without it eager calls still work (torch.compile would break the graph here).
-_nonstrict_trace = getattr(torch._dynamo, "nonstrict_trace", lambda fn: fn)
-
-
-@_nonstrict_trace
 def _traced_call(stage_name: str, names: tuple, given: dict):
     # AOTAutograd runs this on fake/functional tensors: the plan runs in
     # Python and the op lands in the graph.
@@ -383,9 +388,12 @@ def call(stage: Stage, arguments: Mapping[str, object]):
     if _is_compiling():
         # Dynamo traces neither the plans nor the Stage object: hand the
         # stage over by name.  nonstrict_trace takes no None inputs: absent
-        # ones are put back inside.
+        # ones are put back inside.  It is applied here, not as a decorator,
+        # so that importing qsa_torch does not import torch._dynamo (Dynamo
+        # turns this call into the decorated function's; under non-strict
+        # torch.export it runs as Python, with torch._dynamo imported by then).
         given = {name: value for name, value in arguments.items() if value is not None}
-        return _traced_call(stage.name, tuple(arguments), given)
+        return torch._dynamo.nonstrict_trace(_traced_call)(stage.name, tuple(arguments), given)
     return _call(stage, arguments)
 
 

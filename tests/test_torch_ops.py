@@ -62,9 +62,9 @@ def as_tuple(out):
 
 
 def op_and_values(function, arguments):
-    stage = stage_named(function.__name__)
     program = function.plan(**arguments)
-    return _launch.op_for(stage, program), _launch.op_arguments(stage, arguments), program
+    op, values = _launch.op_call(stage_named(function.__name__), arguments)
+    return op, values, program
 
 
 def assert_same_results(got, expected, got_arguments, expected_arguments, what):
