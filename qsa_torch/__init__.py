@@ -9,7 +9,8 @@ lists; see ``qsa_torch._launch``): ``torch.compile(..., fullgraph=True)``
 (any mode, CUDA graphs included), ``torch.export`` (programs saved in one
 process load in another), ``FakeTensorMode`` and meta tensors see an op with
 declared in-place arguments and a fake implementation that never launches.
-Plain eager calls skip the dispatcher.
+Plain eager calls skip the dispatcher.  The kernels are not differentiable: a
+call with an input that requires grad, in grad mode, raises.
 """
 
 from qsa_kernels import runtime as _runtime  # noqa: F401  (chooses compiled/interpreted first)

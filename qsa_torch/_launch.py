@@ -35,7 +35,9 @@ schema's arguments are the function's parameters (arrays ``Tensor`` /
 ``Tensor?``, options ``Scalar?``: ints, floats, bools or None), the mutated
 arguments are the variant's ``updated`` arrays and the returns its fresh
 results (custom ops cannot return their inputs: the caller's own cache
-tensors are returned for in-place results, as in eager).  Under ``torch.compile`` the binding
+tensors are returned for in-place results, as in eager).  Calls that
+autograd would record are refused (:func:`_refuse_grad`: the kernels are not
+differentiable).  Under ``torch.compile`` the binding
 runs inside ``torch._dynamo.nonstrict_trace`` (Dynamo does not trace the
 plans; AOTAutograd runs them on fake tensors), so a whole composition traces
 with no graph break; ``torch._dynamo`` is only imported once something
@@ -224,18 +226,41 @@ def run(program: Program, arrays: Mapping[str, torch.Tensor | None], device: tor
 
 
 def _check_updates(function: str, program: Program, arrays: Mapping[str, torch.Tensor | None]) -> None:
-    """Refuse in-place writes torch's own in-place ops would refuse (autograd, inference tensors)."""
+    """Refuse in-place writes torch's own in-place ops would refuse (inference tensors; autograd: _refuse_grad)."""
     for name in program.updated_arguments:
         tensor = arrays[name]
-        if tensor.requires_grad and torch.is_grad_enabled():
-            what = "a leaf Variable that requires grad" if tensor.is_leaf else "a tensor that requires grad"
-            raise RuntimeError(f"{function}: {name} is updated in place, but it is {what} (these kernels are "
-                               f"not differentiable): call under torch.no_grad() or pass a tensor that does not "
-                               f"require grad")
         if tensor.is_inference() and not torch.is_inference_mode_enabled():
             raise RuntimeError(f"{function}: {name} is updated in place, but it is an inference tensor and "
                                f"this call is outside InferenceMode (inplace update to inference tensor outside "
                                f"InferenceMode is not allowed)")
+
+
+def _not_differentiable(stage: Stage, name: str) -> NotImplementedError:
+    label = stage.label(name)
+    return NotImplementedError(
+        f"{stage.name} is not differentiable (autograd): it is an inference kernel, and {label} requires grad "
+        f"while grad mode is on: call it under torch.no_grad() or torch.inference_mode(), or pass "
+        f"{label}.detach()")
+
+
+def _refuse_grad(stage: Stage, arrays: Mapping[str, torch.Tensor | None]) -> None:
+    """Refuse a call that autograd would record: an input requires grad while grad mode is on.
+
+    The kernels have no derivative; without this the result would have no
+    ``grad_fn`` and ``backward()`` would silently miss the call's gradient.
+    Where it runs (:func:`_call`, :func:`call`): eager calls, before
+    anything launches; ``torch.export``, as the call is traced; under
+    ``torch.compile``, in AOTAutograd's trace (the compiled function raises
+    ``BackendCompilerFailed`` with this error, fullgraph or not), never
+    while Dynamo traces: Dynamo makes a raise there a graph break that skips
+    the caller's frames for good, after which it would compile this
+    module's own functions as frames of their own.  Non-tensor values are
+    skipped.
+    """
+    if torch.is_grad_enabled():
+        for name, value in arrays.items():
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                raise _not_differentiable(stage, name)
 
 
 def _no_mode() -> bool:
@@ -302,6 +327,11 @@ def _make_op(stage: Stage, variant: Variant):
         return _returns(tuple(torch.empty(buffers[n].shape, dtype=DTYPES[buffers[n].dtype], device=device)
                               for n in program.fresh_results))
 
+    # No autograd rule: called directly (as a loaded torch.export program
+    # calls it) on inputs that require grad, the op's result has a grad_fn
+    # whose backward raises torch's "no autograd formula" error, naming the
+    # op.  (A rule that raised in setup_context would raise in Dynamo's
+    # fake-tensor run too: see _refuse_grad.)
     op = torch.library.custom_op(f"{NAMESPACE}::{variant.name}", implementation, mutates_args=variant.updated,
                                  schema=_schema(stage, variant))
     op.register_fake(fake)
@@ -350,6 +380,8 @@ def _call(stage: Stage, arguments: Mapping[str, object]):
     arrays, options = stage.split(arguments)
     infos, first, plain = _infos(stage, arrays)
     program = stage.plan(**infos, **options)
+    if not _is_compiling() or _functionalizing():  # eager, or AOTAutograd's trace (not Dynamo's fake run)
+        _refuse_grad(stage, arrays)
     if not _is_compiling():
         _check_updates(stage.name, program, arrays)
         if plain and _no_mode():
@@ -363,6 +395,11 @@ def _call(stage: Stage, arguments: Mapping[str, object]):
 
 # True while Dynamo traces (and under torch.export); a flag read in eager.
 _is_compiling = torch.compiler.is_compiling
+
+
+def _functionalizing() -> bool:
+    """A FunctionalTensorMode is active: AOTAutograd traces the call (Dynamo's own fake-tensor run has none)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FUNCTIONAL) is not None
 
 
 def _concrete(value):
@@ -393,6 +430,8 @@ def call(stage: Stage, arguments: Mapping[str, object]):
         # turns this call into the decorated function's; under non-strict
         # torch.export it runs as Python, with torch._dynamo imported by then).
         given = {name: value for name, value in arguments.items() if value is not None}
+        if not torch.compiler.is_dynamo_compiling():  # torch.export: refuse here (Dynamo: in AOTAutograd)
+            _refuse_grad(stage, given)
         return torch._dynamo.nonstrict_trace(_traced_call)(stage.name, tuple(arguments), given)
     return _call(stage, arguments)
 
