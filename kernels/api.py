@@ -16,9 +16,13 @@ from .select import plan_select_paged_tokens
 from .step import plan_qsa_attention_step
 from .topk import plan_topk_blocks
 
-__all__ = ["STAGES", "plan_qsa_attention_step"]
+__all__ = ["FUNCTIONS", "STAGES", "plan_qsa_attention_step"]
 
 #: The per-stage public functions (the composed step, whose arguments are
 #: containers, is :data:`plan_qsa_attention_step`).
 STAGES = (plan_rope_reshape_and_cache, plan_compress_groups, plan_store_cache_rows, plan_mqa_paged_scores,
           plan_topk_blocks, plan_expand_block_indices, plan_select_paged_tokens, plan_sparse_paged_attention)
+
+#: Every public function, the composed step last (the torch adapter registers
+#: one custom op per variant of each, ``Stage.variants``, at import).
+FUNCTIONS = STAGES + (plan_qsa_attention_step,)

@@ -352,7 +352,7 @@ def _launch_config(rows: int, kv_heads: int, width: int, d: int, tuning: Attenti
     arrays=("q", "k_cache", "v_cache", "token_indices", "block_table", "token_to_req", "k_scale",
             "v_scale"),
     options=dict(softmax_scale=FINITE_NUMBER.or_none()),
-    doc=DOC, returns="Array", tuning=dict(tuning="attention"))
+    results=("out",), doc=DOC, returns="Array", tuning=dict(tuning="attention"))
 def plan_sparse_paged_attention(
     q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, token_indices: ArrayInfo,
     block_table: ArrayInfo, token_to_req: ArrayInfo, softmax_scale: float | None = None,

@@ -306,7 +306,7 @@ def check_compress_groups(check: Checker, raw_keys: ArrayInfo, raw_positions: Ar
     arrays=("raw_keys", "raw_positions", "compressor_state_cache", "compressor_state_block_table",
             "token_to_req", "query_start_loc", "logical_positions", "compressed_slots", "rope_cache"),
     options=dict(compress_ratio=POSITIVE_INT),
-    doc=COMPRESS_GROUPS_DOC, returns="tuple[Array, Array]", updates=("rope_cache",),
+    results=("pooled", "first_positions"), doc=COMPRESS_GROUPS_DOC, returns="tuple[Array, Array]",
     tuning=dict(tuning="compress"))
 def plan_compress_groups(
     raw_keys: ArrayInfo, raw_positions: ArrayInfo,
@@ -384,7 +384,7 @@ def check_store_cache_rows(check: Checker, cache: ArrayInfo, slot_mapping: Array
 @stage(
     arrays=("cache", "slot_mapping", "rows", "scale"),
     options={},
-    doc=STORE_CACHE_ROWS_DOC, returns="Array", updates=("cache",), tuning=dict(tuning="compress"))
+    results=("cache",), doc=STORE_CACHE_ROWS_DOC, returns="Array", tuning=dict(tuning="compress"))
 def plan_store_cache_rows(cache: ArrayInfo, slot_mapping: ArrayInfo, rows: ArrayInfo, *,
                           tuning: CompressTuning | None = None, scale: ArrayInfo | None = None) -> Program:
     """Validate ``store_cache_rows`` arguments and describe its launch (see docs/api.md)."""

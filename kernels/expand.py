@@ -122,7 +122,7 @@ def expand_launches(block_topk: int, compress_ratio: int, block_stride: int, out
 @stage(
     arrays=("block_indices", "query_positions", "sequence_lengths", "token_to_req"),
     options=EXPAND_OPTIONS,
-    doc=EXPAND_DOC, returns="Array")
+    results=("out",), doc=EXPAND_DOC, returns="Array")
 def plan_expand_block_indices(block_indices: ArrayInfo, query_positions: ArrayInfo,
                               sequence_lengths: ArrayInfo, token_to_req: ArrayInfo,
                               compress_ratio: int, token_topk: int) -> Program:

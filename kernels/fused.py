@@ -116,7 +116,7 @@ def compress_rotate_store_kernel(
             "token_to_req", "query_start_loc", "logical_positions", "compressed_slots",
             "compressor_state_slots", "compressed_key_cache", "cos_sin", "index_q", "scale"),
     options=dict(compress_ratio=POSITIVE_INT, is_neox=BOOL),
-    updates=("compressor_state_cache", "compressed_key_cache"), tuning=dict(tuning="rope_cache"))
+    results=("compressor_state_cache", "compressed_key_cache", "index_q_out"), tuning=dict(tuning="rope_cache"))
 def plan_compress_rotate_store(
     raw_keys: ArrayInfo, raw_positions: ArrayInfo,
     compressor_state_cache: ArrayInfo, compressor_state_block_table: ArrayInfo,

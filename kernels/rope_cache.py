@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .launch import ArrayInfo, Buffer, Launch, Program
-from .stage import stage
+from .stage import stage, when
 from .tuning import RopeCacheTuning
 from .validate import BOOL, FLOAT_DTYPES, FP8_DTYPE, INDEX_DTYPES, Checker
 
@@ -363,8 +363,8 @@ def _query_tiles(heads: int, d: int, tuning: RopeCacheTuning) -> tuple[int, int]
     arrays=("q", "k", "v", "key_cache", "value_cache", "slot_mapping", "positions", "cos_sin",
             "k_scale", "v_scale", "offsets", "swa_slot_mapping"),
     options=dict(is_neox=BOOL, return_zeros=BOOL),
-    doc=DOC, returns="tuple[Array, ...]", updates=("key_cache", "value_cache"),
-    tuning=dict(tuning="rope_cache"))
+    results=("q_out", "k_out", "key_cache", "value_cache", when("return_zeros", "zeros")),
+    doc=DOC, returns="tuple[Array, ...]", tuning=dict(tuning="rope_cache"))
 def plan_rope_reshape_and_cache(
     q: ArrayInfo, k: ArrayInfo, v: ArrayInfo,
     key_cache: ArrayInfo, value_cache: ArrayInfo,
@@ -496,7 +496,8 @@ def rope_rows_kernel(
                       x_sr, x_sh, o_sr, o_sh, H, BLOCK_H, False)
 
 
-@stage(arrays=("x", "positions", "cos_sin"), options=dict(is_neox=BOOL), tuning=dict(tuning="rope_cache"))
+@stage(arrays=("x", "positions", "cos_sin"), options=dict(is_neox=BOOL), results=("out",),
+       tuning=dict(tuning="rope_cache"))
 def plan_rope_rows(x: ArrayInfo, positions: ArrayInfo, cos_sin: ArrayInfo, *, is_neox: bool,
                    tuning: RopeCacheTuning | None = None) -> Program:
     """RoPE alone: ``out [R, H, D]``, ``x`` rotated at ``positions`` by ``cos_sin`` (no cache).

@@ -333,7 +333,8 @@ def score_launches(q, k_cache, page_table, compress_ratio, num_columns, score_di
             "k_scale"),
     options=dict(SCORING_OPTIONS, num_columns=NONNEGATIVE_INT.or_none(),
                           score_divisor=FINITE_POSITIVE_NUMBER.or_none()),
-    doc=SCORES_DOC, returns="tuple[Array, Array]", tuning=dict(tuning="select"))
+    results=("logits", "visible_blocks"), doc=SCORES_DOC, returns="tuple[Array, Array]",
+    tuning=dict(tuning="select"))
 def plan_mqa_paged_scores(q: ArrayInfo, k_cache: ArrayInfo, page_table: ArrayInfo,
                           token_to_req: ArrayInfo, query_positions: ArrayInfo,
                           sequence_lengths: ArrayInfo, compress_ratio: int, num_columns: int | None = None,

@@ -156,7 +156,7 @@ def select_fused_kernel(
     arrays=("q", "k_cache", "page_table", "token_to_req", "query_positions", "sequence_lengths",
             "k_scale"),
     options=dict(SCORING_OPTIONS, **EXPAND_OPTIONS),
-    doc=SELECT_DOC, returns="Array", tuning=dict(tuning="select", topk_tuning="topk"))
+    results=("out",), doc=SELECT_DOC, returns="Array", tuning=dict(tuning="select", topk_tuning="topk"))
 def plan_select_paged_tokens(q: ArrayInfo, k_cache: ArrayInfo, page_table: ArrayInfo,
                              token_to_req: ArrayInfo, query_positions: ArrayInfo,
                              sequence_lengths: ArrayInfo, token_topk: int, compress_ratio: int, *,

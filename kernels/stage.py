@@ -7,7 +7,12 @@ function, in one explicit object:
   :class:`~.launch.Program`); its Python signature is the public signature:
   parameter order, keyword-only markers and defaults;
 * which parameters are **arrays** (``None`` allowed where the plan's default
-  is ``None``) and which of them a call may **update** in place;
+  is ``None``);
+* what a call **returns**, in order (``results``): arrays it updates in
+  place (returned as given) and fresh arrays, some only when a boolean
+  option is true (:func:`when`).  So each stage has a finite set of
+  variants (:class:`Variant`), one per value of those options, known before
+  any call: the torch adapter registers one custom op per variant at import;
 * each **option**'s kind (:class:`.validate.Option`: what it must be, its
   canonical value);
 * the **tuning** parameters, each filled with a stage of
@@ -28,21 +33,24 @@ arguments), ``None`` for a required array raises, and the tuning in force is
 part of the key, so acceptance never depends on earlier calls.  After a miss,
 checks common to every plan run once: every array has a contiguous last
 dimension, no array the program updates in place is an expanded view, and
-the program updates only arrays the stage declares updatable.
+the program returns and updates exactly what its variant declares.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
-from typing import Any, Callable, Mapping
+import itertools
+from typing import Any, Callable, Mapping, NamedTuple
 
 from . import tuning as _tuning
 from .docs import framework_doc
 from .launch import Program
 from .validate import Checker, Option, missing_array_error, naming
 
-__all__ = ["RUN_PROGRAM_DOC", "Stage", "clear_plan_caches", "make_function", "make_public", "stage", "stage_named"]
+__all__ = ["RUN_PROGRAM_DOC", "Stage", "Variant", "clear_plan_caches", "make_function", "make_public", "stage",
+           "stage_named", "when"]
 
 _MISSING = object()
 _ARRAY, _OPTIONAL_ARRAY, _OPTION, _TUNING = "array", "optional array", "option", "tuning"
@@ -50,12 +58,48 @@ _STAGES: dict[str, "Stage"] = {}
 _current_tuning = _tuning._CURRENT.get
 
 
+class When(NamedTuple):
+    """Results returned only when the boolean option ``option`` is true (made by :func:`when`)."""
+
+    option: str
+    results: tuple[str, ...]
+
+
+def when(option: str, *results: str) -> When:
+    """In a :class:`Stage`'s ``results``: ``results`` follow only when ``option`` (a ``BOOL`` option) is true."""
+    return When(option, results)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One kind of call of a public function: what it returns and updates in place.
+
+    A stage has one variant per combination of the boolean options its
+    ``results`` name in :func:`when` entries (most have none: one variant).
+    ``name`` is the function's name followed by ``_<option>`` for each such
+    option that is true (``rope_reshape_and_cache_return_zeros``): the torch
+    adapter's op name, so it never changes while the declaration does not.
+    ``results`` are the declared names in the order a call returns them;
+    ``updated`` are the arrays among them (updated in place and returned as
+    given), ``fresh`` the others (allocated by the call).
+    """
+
+    name: str
+    selected: tuple[tuple[str, bool], ...]  # (option, value) of each option that selects a variant
+    results: tuple[str, ...]
+    updated: tuple[str, ...]
+    fresh: tuple[str, ...]
+
+
+
 class Stage:
     """The declaration of one public function (see the module docstring).
 
     ``plan``: the plan function (named ``plan_<function>``); ``arrays``: its
-    array parameters; ``updates``: those a call may update in place;
-    ``options``: option name -> kind; ``tuning``: tuning parameter -> stage
+    array parameters; ``results``: what a call returns, in order (names of
+    required arrays, updated in place and returned as given, and of fresh
+    results; :func:`when` entries for results that depend on a boolean
+    option); ``options``: option name -> kind; ``tuning``: tuning parameter -> stage
     name of :class:`.tuning.Tuning`; ``labels``: how errors name an array
     (the step's ``key_cache`` is ``state.key_cache``); ``returns``: the
     return annotation (``Array`` is the adapter's array type).  Every
@@ -63,14 +107,13 @@ class Stage:
     """
 
     def __init__(self, plan: Callable[..., Program], *, arrays: tuple[str, ...], options: Mapping[str, Option],
-                 doc: str | None = None, returns: str = "Array", updates: tuple[str, ...] = (),
+                 results: tuple[str | When, ...], doc: str | None = None, returns: str = "Array",
                  tuning: Mapping[str, str] | None = None, labels: Mapping[str, str] | None = None):
         self.name = plan.__name__.removeprefix("plan_")
         self.doc = plan.__doc__ if doc is None else doc
         self.returns = returns
         self.labels = dict(labels or {})
         self.options = dict(options)
-        self.updates = tuple(updates)
         tuning = dict(tuning or {})
         self._plan = plan
         self._parameters = tuple(inspect.signature(plan).parameters.values())
@@ -80,7 +123,7 @@ class Stage:
         if undeclared:
             raise TypeError(f"Stage {self.name}: parameters {undeclared} of {plan.__name__} are declared neither "
                             "as arrays, options nor tuning (every option has a declared kind)")
-        unknown = sorted(set(declared) - set(names)) + sorted(set(self.updates) - set(arrays))
+        unknown = sorted(set(declared) - set(names))
         if unknown or len(declared) != len(set(declared)):
             raise TypeError(f"Stage {self.name}: {unknown or 'duplicates'} in the declaration are not "
                             f"{plan.__name__}'s arrays, options and tuning (once each)")
@@ -103,6 +146,7 @@ class Stage:
         self.optional_arrays = frozenset(name for name, action, _, _ in self._spec if action is _OPTIONAL_ARRAY)
         #: The public parameters (arrays and options, not tuning), in signature order.
         self.parameters = tuple(p for p in self._parameters if p.name not in tuning)
+        self._declare_results(tuple(results))
         self._memo()
         _STAGES[self.name] = self
 
@@ -154,6 +198,18 @@ class Stage:
         named = {labels.get(name, name): value for name, value in arrays.items()}
         return named, lambda by_label: {name: by_label[labels.get(name, name)] for name in arrays}
 
+    def variant(self, options: Mapping[str, Any]) -> Variant:
+        """The :class:`Variant` a call with these options (by name, as given) runs.
+
+        Options not given take their defaults; call it on options a plan
+        has accepted (an invalid selecting option raises the plan's error).
+        """
+        if not self._selectors:
+            return self.variants[0]
+        key = tuple(self.options[name].canonical(self.name, name, options.get(name, self._selector_defaults[name]))
+                    for name in self._selectors)
+        return self._variant_by_key[key]
+
     def split(self, arguments: Mapping[str, Any]) -> tuple[dict, dict]:
         """A call's arguments, by name, as ``(arrays, options)`` (absent arrays: ``None``)."""
         arrays = {name: arguments.get(name) for name in self.arrays}
@@ -182,6 +238,68 @@ class Stage:
             parameters.append(p.replace(annotation=annotation))
         return inspect.Signature(parameters, return_annotation=self.returns)
 
+    # -- results and variants ------------------------------------------------
+
+    def _declare_results(self, results: tuple[str | When, ...]) -> None:
+        """Check the ``results`` declaration; make :attr:`variants` and :attr:`updates` from it."""
+        selectors: list[str] = []
+        for entry in results:
+            names = entry.results if isinstance(entry, When) else (entry,)
+            if isinstance(entry, When):
+                kind = self.options.get(entry.option)
+                if kind is None or kind.canonical_type is not bool or kind.optional:
+                    raise TypeError(f"Stage {self.name}: when({entry.option!r}, ...) must name a bool option "
+                                    "(declared BOOL)")
+                if entry.option not in selectors:
+                    selectors.append(entry.option)
+            for name in names:
+                if not isinstance(name, str) or not name:
+                    raise TypeError(f"Stage {self.name}: results must be names or when(...) entries, got {name!r}")
+                if name in self.optional_arrays:
+                    raise TypeError(f"Stage {self.name}: result {name!r} is an optional array (a call that "
+                                    "omits it could not return it)")
+                if name in self._known and name not in self.arrays:
+                    raise TypeError(f"Stage {self.name}: result {name!r} is an option or tuning parameter")
+        self._selectors = tuple(selectors)
+        defaults = {p.name: p.default for p in self._parameters}
+        self._selector_defaults = {name: (None if defaults[name] is inspect.Parameter.empty else defaults[name])
+                                   for name in selectors}
+        variants, by_key = [], {}
+        for values in itertools.product((False, True), repeat=len(selectors)):
+            chosen = dict(zip(selectors, values))
+            names: list[str] = []
+            for entry in results:
+                if not isinstance(entry, When):
+                    names.append(entry)
+                elif chosen[entry.option]:
+                    names.extend(entry.results)
+            if len(names) != len(set(names)):
+                raise TypeError(f"Stage {self.name}: results {names} name an array twice ({chosen})")
+            variant = Variant(
+                name=self.name + "".join(f"_{option}" for option, value in chosen.items() if value),
+                selected=tuple(chosen.items()), results=tuple(names),
+                updated=tuple(name for name in names if name in self.arrays),
+                fresh=tuple(name for name in names if name not in self.arrays))
+            variants.append(variant)
+            by_key[values] = variant
+        #: Every kind of call, the one with every selecting option false first.
+        self.variants: tuple[Variant, ...] = tuple(variants)
+        self._variant_by_key = by_key
+        #: The arrays some call updates in place (and returns), in ``results`` order.
+        self.updates = tuple(dict.fromkeys(name for variant in variants for name in variant.updated))
+
+    def _check_results(self, program: Program, variant: Variant) -> None:
+        """The program returns and updates in place what ``variant`` declares (else a bug in the plan)."""
+        fresh = {buffer.name for buffer in program.buffers}
+        matches = len(program.results) == len(variant.results) and all(
+            got == wanted if wanted in variant.updated else got in fresh
+            for got, wanted in zip(program.results, variant.results))
+        if not matches or set(program.updated_arguments) != set(variant.updated):
+            raise AssertionError(f"{self.name}: the program returns {program.results} and updates "
+                                 f"{program.updated_arguments} in place, but the stage declares results "
+                                 f"{variant.results} (updated in place: {variant.updated}) for "
+                                 f"{dict(variant.selected) or 'every call'}")
+
     # -- memo ----------------------------------------------------------------
 
     def _memo(self) -> None:
@@ -197,12 +315,9 @@ class Stage:
             for name in self.arrays:
                 if arguments[name] is not None:
                     check.last_dim_contiguous(name, arguments[name])
+            self._check_results(program, self._variant_by_key[tuple(arguments[n] for n in self._selectors)])
             for name in program.updated_arguments:
-                if name not in self.updates:
-                    raise AssertionError(f"{function}: the program updates {name!r}, which the stage does not "
-                                         f"declare updatable ({self.updates})")
-                if arguments[name] is not None:
-                    check.not_expanded(name, arguments[name])
+                check.not_expanded(name, arguments[name])
             return program
 
         # Calls seen before, keyed by the values as given *and their types*

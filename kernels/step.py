@@ -45,7 +45,7 @@ from .launch import ArrayInfo, Buffer, Launch, Program
 from .paging import METADATA_FIELDS, STATE_FIELDS
 from .rope_cache import plan_rope_reshape_and_cache, plan_rope_rows
 from .select import plan_select_paged_tokens
-from .stage import Stage, stage
+from .stage import Stage, stage, when
 from .tuning import StepTuning
 from .validate import BOOL, FINITE_NUMBER, FINITE_POSITIVE_NUMBER, FP8_DTYPE, POSITIVE_INT, Checker, describe
 
@@ -416,7 +416,8 @@ def _check_metadata_shapes(check: Checker, arrays: dict[str, ArrayInfo], rows: i
     arrays=STEP_ARRAYS + SCALE_FIELDS,
     options=dict(compress_ratio=POSITIVE_INT, token_topk=POSITIVE_INT, is_neox=BOOL,
                  softmax_scale=FINITE_NUMBER.or_none(), return_token_indices=BOOL),
-    doc=STEP_DOC, returns="tuple[Array, QSAState] | tuple[Array, QSAState, Array]", updates=STATE_FIELDS,
+    results=("out", *STATE_FIELDS, when("return_token_indices", "token_indices")),
+    doc=STEP_DOC, returns="tuple[Array, QSAState] | tuple[Array, QSAState, Array]",
     tuning=dict(tuning="step"), labels=LABELS)
 def plan_qsa_attention_step(
     q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, index_q: ArrayInfo, index_k: ArrayInfo,

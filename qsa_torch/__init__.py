@@ -3,11 +3,14 @@
 Caches are updated in place and returned; every call launches on its
 tensors' device and current stream, with no host synchronisation.
 
-Every function is also a torch custom op (namespace ``qsa``, generated from
-its plan; see ``qsa_torch._launch``): ``torch.compile(..., fullgraph=True)``
-(any mode, CUDA graphs included), ``torch.export``, ``FakeTensorMode`` and
-meta tensors see an op with declared in-place arguments and a fake
-implementation that never launches.  Plain eager calls skip the dispatcher.
+Every function is also a torch custom op (namespace ``qsa``, one per variant
+of its declaration, all registered by this import under the names docs/api.md
+lists; see ``qsa_torch._launch``): ``torch.compile(..., fullgraph=True)``
+(any mode, CUDA graphs included), ``torch.export`` (programs saved in one
+process load in another), ``FakeTensorMode`` and meta tensors see an op with
+declared in-place arguments and a fake implementation that never launches.
+Plain eager calls skip the dispatcher.  The kernels are not differentiable: a
+call with an input that requires grad, in grad mode, raises.
 """
 
 from qsa_kernels import runtime as _runtime  # noqa: F401  (chooses compiled/interpreted first)

@@ -25,25 +25,29 @@ CPU path), re-types Python float scalars as fp64 (``tl.dot`` then fails an
 assertion on ``scale_log2``), and would put a second launch path beside the
 executor.
 
-Ops are generated from the plans, never written by hand: the schema's
-arguments are the plan's parameters (arrays ``Tensor`` / ``Tensor?``,
-options ``Scalar?``: ints, floats, bools or None), the mutated arguments are
-the Program's ``updated_arguments`` and the returns are its fresh results
-(custom ops cannot return their inputs: the caller's own cache tensors are
-returned for in-place results, as in eager).  Both can depend on options
-(``return_zeros``, ``return_token_indices``), so one op exists per plan and
-*shape of result*: ``qsa::<function>`` plus a suffix naming what it updates
-and how many fresh tensors it returns, made the first time a call needs it.
-Under ``torch.compile`` the binding runs inside ``torch._dynamo.nonstrict_trace``
-(Dynamo does not trace the plans; AOTAutograd runs them on fake tensors), so
-a whole composition traces with no graph break.
+Ops are generated from the declarations, never written by hand, and all
+registered when this module is imported (so a program saved by
+``torch.export`` loads in any process that imported ``qsa_torch``): one op
+per :class:`~qsa_kernels.stage.Variant` of each public function,
+``qsa::<variant name>`` (``qsa::store_cache_rows``,
+``qsa::rope_reshape_and_cache_return_zeros``; docs/api.md lists them).  The
+schema's arguments are the function's parameters (arrays ``Tensor`` /
+``Tensor?``, options ``Scalar?``: ints, floats, bools or None), the mutated
+arguments are the variant's ``updated`` arrays and the returns its fresh
+results (custom ops cannot return their inputs: the caller's own cache
+tensors are returned for in-place results, as in eager).  Calls that
+autograd would record are refused (:func:`_refuse_grad`: the kernels are not
+differentiable).  Under ``torch.compile`` the binding
+runs inside ``torch._dynamo.nonstrict_trace`` (Dynamo does not trace the
+plans; AOTAutograd runs them on fake tensors), so a whole composition traces
+with no graph break; ``torch._dynamo`` is only imported once something
+compiles (it costs seconds of import time).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import threading
 from typing import TYPE_CHECKING, Mapping
 
 import torch
@@ -51,9 +55,9 @@ import torch
 if TYPE_CHECKING:  # the annotations' array types (the same names in both adapters)
     from torch import Tensor as Array, Tensor as ArrayLike
 
-from qsa_kernels import runtime
+from qsa_kernels import api, runtime
 from qsa_kernels.launch import ArrayInfo, Buffer, Launch, Program, execute
-from qsa_kernels.stage import RUN_PROGRAM_DOC, Stage, make_public, stage_named
+from qsa_kernels.stage import RUN_PROGRAM_DOC, Stage, Variant, make_public, stage_named
 from qsa_kernels.validate import device_error, type_error
 
 from . import _eager, _fast_launch
@@ -222,18 +226,41 @@ def run(program: Program, arrays: Mapping[str, torch.Tensor | None], device: tor
 
 
 def _check_updates(function: str, program: Program, arrays: Mapping[str, torch.Tensor | None]) -> None:
-    """Refuse in-place writes torch's own in-place ops would refuse (autograd, inference tensors)."""
+    """Refuse in-place writes torch's own in-place ops would refuse (inference tensors; autograd: _refuse_grad)."""
     for name in program.updated_arguments:
         tensor = arrays[name]
-        if tensor.requires_grad and torch.is_grad_enabled():
-            what = "a leaf Variable that requires grad" if tensor.is_leaf else "a tensor that requires grad"
-            raise RuntimeError(f"{function}: {name} is updated in place, but it is {what} (these kernels are "
-                               f"not differentiable): call under torch.no_grad() or pass a tensor that does not "
-                               f"require grad")
         if tensor.is_inference() and not torch.is_inference_mode_enabled():
             raise RuntimeError(f"{function}: {name} is updated in place, but it is an inference tensor and "
                                f"this call is outside InferenceMode (inplace update to inference tensor outside "
                                f"InferenceMode is not allowed)")
+
+
+def _not_differentiable(stage: Stage, name: str) -> NotImplementedError:
+    label = stage.label(name)
+    return NotImplementedError(
+        f"{stage.name} is not differentiable (autograd): it is an inference kernel, and {label} requires grad "
+        f"while grad mode is on: call it under torch.no_grad() or torch.inference_mode(), or pass "
+        f"{label}.detach()")
+
+
+def _refuse_grad(stage: Stage, arrays: Mapping[str, torch.Tensor | None]) -> None:
+    """Refuse a call that autograd would record: an input requires grad while grad mode is on.
+
+    The kernels have no derivative; without this the result would have no
+    ``grad_fn`` and ``backward()`` would silently miss the call's gradient.
+    Where it runs (:func:`_call`, :func:`call`): eager calls, before
+    anything launches; ``torch.export``, as the call is traced; under
+    ``torch.compile``, in AOTAutograd's trace (the compiled function raises
+    ``BackendCompilerFailed`` with this error, fullgraph or not), never
+    while Dynamo traces: Dynamo makes a raise there a graph break that skips
+    the caller's frames for good, after which it would compile this
+    module's own functions as frames of their own.  Non-tensor values are
+    skipped.
+    """
+    if torch.is_grad_enabled():
+        for name, value in arrays.items():
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                raise _not_differentiable(stage, name)
 
 
 def _no_mode() -> bool:
@@ -245,13 +272,19 @@ def _no_mode() -> bool:
 # Custom ops
 # --------------------------------------------------------------------------
 
-_OPS: dict[tuple, object] = {}  # (stage, updated arguments, fresh results) -> OpOverload
-_OPS_LOCK = threading.Lock()  # two threads must not register one op twice
+_OPS: dict[str, tuple] = {}  # variant name -> (OpOverload, its parameters), every variant of every public function
 
 
-def _schema(stage: Stage, updated: tuple[str, ...], fresh: int) -> str:
+def _op_parameters(stage: Stage, variant: Variant) -> tuple[inspect.Parameter, ...]:
+    """The op's parameters: the function's, less the options that select the variant (the op implies them)."""
+    selected = dict(variant.selected)
+    return tuple(parameter for parameter in stage.parameters if parameter.name not in selected)
+
+
+def _schema(stage: Stage, variant: Variant) -> str:
+    updated, fresh = variant.updated, len(variant.fresh)
     arguments = []
-    for parameter in stage.parameters:
+    for parameter in _op_parameters(stage, variant):
         name, default = parameter.name, parameter.default
         if name in stage.arrays:
             alias = f"(a{updated.index(name)}!)" if name in updated else ""
@@ -266,25 +299,20 @@ def _schema(stage: Stage, updated: tuple[str, ...], fresh: int) -> str:
     return f"({', '.join(arguments)}) -> {returns}"
 
 
-def _op_name(function: str, updated: tuple[str, ...], fresh: int) -> str:
-    name = function + (("__updates_" + "_".join(updated)) if updated else "")
-    return f"{name}__returns_{fresh}"
+def _make_op(stage: Stage, variant: Variant):
+    parameters = _op_parameters(stage, variant)
+    names = tuple(parameter.name for parameter in parameters)
+    selected = dict(variant.selected)
 
-
-def _bind(stage: Stage, values: tuple, keywords: dict) -> tuple[dict, dict]:
-    """An op's values (the dispatcher passes defaulted ones by keyword) as the stage's ``(arrays, options)``."""
-    parameters = stage.parameters
-    arguments = {parameter.name: value for parameter, value in zip(parameters, values)}
-    for parameter in parameters[len(values):]:
-        arguments[parameter.name] = keywords.get(parameter.name, parameter.default)
-    return stage.split(arguments)
-
-
-def _make_op(stage: Stage, updated: tuple[str, ...], fresh: int):
-    name = _op_name(stage.name, updated, fresh)
+    def bind(values: tuple, keywords: dict) -> tuple[dict, dict]:
+        # The op's values (the dispatcher passes defaulted ones by keyword) as the stage's (arrays, options).
+        arguments = dict(zip(names, values))
+        for parameter in parameters[len(values):]:
+            arguments[parameter.name] = keywords.get(parameter.name, parameter.default)
+        return stage.split(dict(arguments, **selected))
 
     def implementation(*values, **keywords):
-        arrays, options = _bind(stage, values, keywords)
+        arrays, options = bind(values, keywords)
         program, results = _eager.run(stage, {**arrays, **options})  # a compiled graph's steady calls
         if program is _eager.MISS:
             key = results
@@ -297,38 +325,49 @@ def _make_op(stage: Stage, updated: tuple[str, ...], fresh: int):
 
     def fake(*values, **keywords):
         # Never launches: the plan validates and sizes the fresh results.
-        arrays, options = _bind(stage, values, keywords)
+        arrays, options = bind(values, keywords)
         program = stage.plan(**_infos(stage, arrays, _static_info)[0], **options)
         device = next(value.device for value in arrays.values() if value is not None)
         buffers = {b.name: b for b in program.buffers}
         return _returns(tuple(torch.empty(buffers[n].shape, dtype=DTYPES[buffers[n].dtype], device=device)
                               for n in program.fresh_results))
 
-    op = torch.library.custom_op(f"{NAMESPACE}::{name}", implementation, mutates_args=updated,
-                                 schema=_schema(stage, updated, fresh))
+    # No autograd rule: called directly (as a loaded torch.export program
+    # calls it) on inputs that require grad, the op's result has a grad_fn
+    # whose backward raises torch's "no autograd formula" error, naming the
+    # op.  (A rule that raised in setup_context would raise in Dynamo's
+    # fake-tensor run too: see _refuse_grad.)
+    op = torch.library.custom_op(f"{NAMESPACE}::{variant.name}", implementation, mutates_args=variant.updated,
+                                 schema=_schema(stage, variant))
     op.register_fake(fake)
-    return getattr(getattr(torch.ops, NAMESPACE), name).default
+    return getattr(getattr(torch.ops, NAMESPACE), variant.name).default, parameters
 
 
 def _returns(fresh: tuple):
     return None if not fresh else fresh[0] if len(fresh) == 1 else fresh
 
 
-def op_for(stage: Stage, program: Program):
-    """The custom op that runs ``program``'s kind of call of ``stage`` (made on first use)."""
-    key = (stage, program.updated_arguments, len(program.fresh_results))
-    op = _OPS.get(key)
-    if op is None:
-        with _OPS_LOCK:
-            op = _OPS.get(key)
-            if op is None:
-                op = _OPS[key] = _make_op(stage, *key[1:])
-    return op
+def register_ops(stage: Stage) -> None:
+    """Register one custom op per variant of ``stage`` (done at import for every public function)."""
+    for variant in stage.variants:
+        if variant.name in _OPS:
+            raise RuntimeError(f"two qsa ops would be named {NAMESPACE}::{variant.name}")
+        _OPS[variant.name] = _make_op(stage, variant)
 
 
-def op_arguments(stage: Stage, arguments: Mapping[str, object]) -> tuple:
-    """The op's positional values for a call's arguments (defaults for the rest)."""
-    return tuple(arguments.get(p.name, p.default) for p in stage.parameters)
+def op_call(stage: Stage, arguments: Mapping[str, object]) -> tuple:
+    """``(op, values)``: the custom op a call with these (valid) arguments runs, and its positional values.
+
+    The op is ``torch.ops.qsa.<variant name>.default``; the values are the
+    call's, in the op's order (defaults for the rest).
+    """
+    op, parameters = _OPS[stage.variant(arguments).name]
+    return op, tuple(arguments.get(p.name, p.default) for p in parameters)
+
+
+for _stage in api.FUNCTIONS:
+    register_ops(_stage)
+del _stage
 
 
 # --------------------------------------------------------------------------
@@ -347,13 +386,16 @@ def _call(stage: Stage, arguments: Mapping[str, object], key=None):
     arrays, options = stage.split(arguments)
     infos, first, plain = _infos(stage, arrays)
     program = stage.plan(**infos, **options)
+    if not _is_compiling() or _functionalizing():  # eager, or AOTAutograd's trace (not Dynamo's fake run)
+        _refuse_grad(stage, arrays)
     if not _is_compiling():
         _check_updates(stage.name, program, arrays)
         if plain and _no_mode():
             results = run(program, arrays, first.device)
             _eager.remember(key, stage, program, first.device)
             return program.returned(results)
-    fresh = op_for(stage, program)(*op_arguments(stage, arguments))
+    op, values = op_call(stage, arguments)
+    fresh = op(*values)
     fresh = () if fresh is None else (fresh,) if isinstance(fresh, torch.Tensor) else tuple(fresh)
     made = dict(zip(program.fresh_results, fresh))
     return program.returned(tuple(made[name] if name in made else arrays[name] for name in program.results))
@@ -361,6 +403,11 @@ def _call(stage: Stage, arguments: Mapping[str, object], key=None):
 
 # True while Dynamo traces (and under torch.export); a flag read in eager.
 _is_compiling = torch.compiler.is_compiling
+
+
+def _functionalizing() -> bool:
+    """A FunctionalTensorMode is active: AOTAutograd traces the call (Dynamo's own fake-tensor run has none)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FUNCTIONAL) is not None
 
 
 def _concrete(value):
@@ -375,11 +422,6 @@ def _concrete(value):
     return value
 
 
-# torch >= 2.7; without it eager calls still work (torch.compile would break the graph here).
-_nonstrict_trace = getattr(torch._dynamo, "nonstrict_trace", lambda fn: fn)
-
-
-@_nonstrict_trace
 def _traced_call(stage_name: str, names: tuple, given: dict):
     # AOTAutograd runs this on fake/functional tensors: the plan runs in
     # Python and the op lands in the graph.
@@ -391,9 +433,14 @@ def call(stage: Stage, arguments: Mapping[str, object]):
     if _is_compiling():
         # Dynamo traces neither the plans nor the Stage object: hand the
         # stage over by name.  nonstrict_trace takes no None inputs: absent
-        # ones are put back inside.
+        # ones are put back inside.  It is applied here, not as a decorator,
+        # so that importing qsa_torch does not import torch._dynamo (Dynamo
+        # turns this call into the decorated function's; under non-strict
+        # torch.export it runs as Python, with torch._dynamo imported by then).
         given = {name: value for name, value in arguments.items() if value is not None}
-        return _traced_call(stage.name, tuple(arguments), given)
+        if not torch.compiler.is_dynamo_compiling():  # torch.export: refuse here (Dynamo: in AOTAutograd)
+            _refuse_grad(stage, given)
+        return torch._dynamo.nonstrict_trace(_traced_call)(stage.name, tuple(arguments), given)
     if _no_mode():  # a plain eager call with a key run before: its prepared program (qsa_torch._eager)
         results, key = _eager.call(stage, arguments)
         if results is not _eager.MISS:

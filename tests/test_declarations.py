@@ -11,11 +11,16 @@ import inspect
 import os
 import re
 
+import numpy as np
+import pytest
+
 import qsa_jax
 import qsa_torch
 from qsa_kernels import api
 from qsa_kernels.docs import framework_doc
-from qsa_kernels.stage import Stage
+from qsa_kernels.launch import ArrayInfo, Buffer, Program
+from qsa_kernels.stage import Stage, when
+from qsa_kernels.validate import BOOL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,11 +44,57 @@ def test_both_adapters_generate_every_public_stage_from_its_declaration():
 
 
 def test_the_declared_updates_are_what_the_programs_update():
-    """The public functions that update arrays in place, as docs/api.md says (a Program may
-    update only declared arrays: the memo asserts it on every plan it makes)."""
-    updating = {stage.name: set(stage.updates) for stage in api.STAGES if stage.updates}
-    assert updating == {"rope_reshape_and_cache": {"key_cache", "value_cache"},
-                        "compress_groups": {"rope_cache"}, "store_cache_rows": {"cache"}}
+    """The public functions that update arrays in place, as docs/api.md says (a Program must
+    return and update exactly what its variant declares: the memo asserts it on every plan it makes)."""
+    updating = {stage.name: set(stage.updates) for stage in api.FUNCTIONS if stage.updates}
+    assert updating == {"rope_reshape_and_cache": {"key_cache", "value_cache"}, "store_cache_rows": {"cache"},
+                        "qsa_attention_step": {"key_cache", "value_cache", "compressor_state_cache",
+                                               "compressed_key_cache"}}
+
+
+def test_each_function_has_the_variants_its_result_options_make():
+    """One variant per value of the bool options that add results (the torch ops' names)."""
+    variants = {stage.name: [(v.name, dict(v.selected), len(v.fresh), v.updated) for v in stage.variants]
+                for stage in api.FUNCTIONS}
+    assert variants["rope_reshape_and_cache"] == [
+        ("rope_reshape_and_cache", {"return_zeros": False}, 2, ("key_cache", "value_cache")),
+        ("rope_reshape_and_cache_return_zeros", {"return_zeros": True}, 3, ("key_cache", "value_cache"))]
+    assert [(name, fresh) for name, _, fresh, _ in variants["qsa_attention_step"]] == [
+        ("qsa_attention_step", 1), ("qsa_attention_step_return_token_indices", 2)]
+    single = {name: entries for name, entries in variants.items()
+              if name not in ("rope_reshape_and_cache", "qsa_attention_step")}
+    assert all(len(entries) == 1 and entries[0][0] == name and entries[0][1] == {} for name, entries in single.items())
+    assert api.plan_rope_reshape_and_cache.variant({"return_zeros": np.bool_(True)}).name == \
+        "rope_reshape_and_cache_return_zeros"
+    assert api.plan_rope_reshape_and_cache.variant({}).name == "rope_reshape_and_cache"  # the default
+
+
+def plan_toy_results_check(x: ArrayInfo, *, extra: bool = False, lie: bool = False) -> Program:
+    out = Buffer("out", x.shape, x.dtype)
+    results = ("out", "x") if lie else ("out",)  # lie: returns x although nothing updates it
+    return Program("toy_results_check", (out,), (), results)
+
+
+def test_a_plan_returning_other_than_its_declaration_fails_its_first_call():
+    stage = Stage(plan_toy_results_check, arrays=("x",), options=dict(extra=BOOL, lie=BOOL),
+                  results=("out", when("extra", "more")))
+    x = ArrayInfo.contiguous((2, 3), "float32")
+    assert stage.plan(x).results == ("out",)
+    with pytest.raises(AssertionError, match=r"toy_results_check: the program returns \('out',\).*declares "
+                                             r"results \('out', 'more'\)"):
+        stage.plan(x, extra=True)
+    with pytest.raises(AssertionError, match="toy_results_check: the program returns"):
+        stage.plan(x, lie=True)
+
+
+@pytest.mark.parametrize("results, message", [
+    (("out", when("lie", "more"), when("nope", "y")), r"when\('nope', \.\.\.\) must name a bool option"),
+    (("out", "lie"), "result 'lie' is an option or tuning parameter"),
+    (("out", "out"), "name an array twice"),
+])
+def test_bad_results_declarations_are_refused(results, message):
+    with pytest.raises(TypeError, match=message):
+        Stage(plan_toy_results_check, arrays=("x",), options=dict(extra=BOOL, lie=BOOL), results=results)
 
 
 def test_no_per_stage_wrapper_module_remains():

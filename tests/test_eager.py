@@ -126,8 +126,10 @@ def test_grad_and_inference_rules_hold_after_a_prepared_call(general_calls):
     for _ in range(2):
         qsa_torch.store_cache_rows(cache.clone(), slots, rows)
     leaf = cache.clone().requires_grad_()
-    with pytest.raises(RuntimeError, match="store_cache_rows: cache is updated in place"):
+    with pytest.raises(NotImplementedError, match="store_cache_rows is not differentiable"):
         qsa_torch.store_cache_rows(leaf, slots, rows)
+    with pytest.raises(NotImplementedError, match="store_cache_rows is not differentiable"):
+        qsa_torch.store_cache_rows(cache.clone(), slots, rows.clone().requires_grad_())
     with torch.inference_mode():
         inference_cache = cache.clone()
     with pytest.raises(RuntimeError, match="store_cache_rows: cache is updated in place, but it is an inference"):

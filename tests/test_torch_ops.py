@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 
@@ -62,9 +63,9 @@ def as_tuple(out):
 
 
 def op_and_values(function, arguments):
-    stage = stage_named(function.__name__)
     program = function.plan(**arguments)
-    return _launch.op_for(stage, program), _launch.op_arguments(stage, arguments), program
+    op, values = _launch.op_call(stage_named(function.__name__), arguments)
+    return op, values, program
 
 
 def assert_same_results(got, expected, got_arguments, expected_arguments, what):
@@ -260,8 +261,8 @@ def test_in_place_writes_follow_torchs_rules():
     _, arguments = build("store")
     cache = arguments["cache"].float().requires_grad_()
     rows = arguments["rows"].float()
-    with pytest.raises(RuntimeError, match="store_cache_rows: cache is updated in place, but it is a leaf Variable that requires grad"):
-        qsa_torch.store_cache_rows(cache, arguments["slot_mapping"], rows)
+    with pytest.raises(RuntimeError, match="store_cache_rows is not differentiable .*cache requires grad"):
+        qsa_torch.store_cache_rows(cache, arguments["slot_mapping"], rows)  # (NotImplementedError is a RuntimeError)
     with torch.no_grad():  # as for torch's own in-place ops
         qsa_torch.store_cache_rows(cache, arguments["slot_mapping"], rows)
     with torch.inference_mode():
@@ -269,6 +270,101 @@ def test_in_place_writes_follow_torchs_rules():
         qsa_torch.store_cache_rows(inference_cache, arguments["slot_mapping"], arguments["rows"])
     with pytest.raises(RuntimeError, match="store_cache_rows: cache is updated in place, but it is an inference tensor"):
         qsa_torch.store_cache_rows(inference_cache, arguments["slot_mapping"], arguments["rows"])
+
+
+# --------------------------------------------------------------------------
+# Autograd: the kernels are not differentiable, so grad-recording calls are refused
+# --------------------------------------------------------------------------
+
+def not_differentiable(function: str, argument: str) -> str:
+    """The error's text, as a pattern (compiled: inside Dynamo's BackendCompilerFailed message)."""
+    return re.escape(f"{function} is not differentiable (autograd): it is an inference kernel, and {argument} "
+                     "requires grad while grad mode is on")
+
+
+def run_as(how: str, function):
+    if how == "eager":
+        return function
+    torch._dynamo.reset()
+    return torch.compile(function, fullgraph=how == "fullgraph", backend="aot_eager")
+
+
+@pytest.mark.parametrize("how", ["eager", "fullgraph", "compiled"])
+def test_an_input_that_requires_grad_is_refused_naming_the_function(how):
+    function, arguments = build("attention")
+    q = arguments["q"].clone().requires_grad_()
+    # Compiled: AOTAutograd's trace raises it (BackendCompilerFailed, fullgraph or not).
+    error = NotImplementedError if how == "eager" else torch._dynamo.exc.BackendCompilerFailed
+    with observe_launches() as launches:
+        with pytest.raises(error, match=not_differentiable("sparse_paged_attention", "q")):
+            run_as(how, function)(**dict(arguments, q=q))
+    assert launches == [], "a refused call launched"
+
+
+class Projected(torch.nn.Module):
+    """A module whose parameter makes the op's input require grad (the case a model meets)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones((), device=DEVICE))
+
+    def forward(self, logits, visible_blocks):
+        return qsa_torch.topk_blocks(logits * self.scale, visible_blocks, 4)
+
+
+@pytest.mark.parametrize("how", ["eager", "fullgraph", "compiled"])
+def test_a_parameter_upstream_is_refused_and_no_grad_inference_mode_are_unaffected(how):
+    _, arguments = build("topk")
+    logits, visible = arguments["logits"], arguments["visible_blocks"]
+    expected = qsa_torch.topk_blocks(logits, visible, 4)
+    layer = run_as(how, Projected())
+    error = NotImplementedError if how == "eager" else torch._dynamo.exc.BackendCompilerFailed
+    for _ in range(2):  # a refused call changes nothing for the next ones (Dynamo skipped no frame)
+        with pytest.raises(error, match=not_differentiable("topk_blocks", "logits")):
+            layer(logits, visible)
+    with torch.no_grad():
+        got = layer(logits, visible)
+    assert not got.requires_grad
+    assert_bitwise_equal(got, expected, f"{how} under no_grad")
+    if how == "eager":  # (Dynamo does not compile under inference_mode with a parameter that requires grad)
+        with torch.inference_mode():
+            assert_bitwise_equal(layer(logits, visible), expected, "under inference_mode")
+
+
+def test_export_refuses_grad_and_exports_under_no_grad():
+    _, arguments = build("topk")
+    inputs = (arguments["logits"], arguments["visible_blocks"])
+    with pytest.raises(NotImplementedError, match=not_differentiable("topk_blocks", "logits")):
+        torch.export.export(Projected(), inputs)
+    with torch.no_grad():
+        exported = torch.export.export(Projected(), inputs)
+        assert_bitwise_equal(exported.module()(*inputs), qsa_torch.topk_blocks(*inputs, 4), "exported")
+
+
+def test_the_step_names_the_state_field_that_requires_grad():
+    from .test_step import clone_state, valid_arguments
+
+    arguments, _ = valid_arguments()
+    state = clone_state(arguments.pop("state"))
+    state = dataclasses.replace(state, key_cache=state.key_cache.float().to(state.key_cache.dtype).requires_grad_())
+    with pytest.raises(NotImplementedError, match=not_differentiable("qsa_attention_step", "state.key_cache")):
+        qsa_torch.qsa_attention_step(state=state, **arguments)
+    with pytest.raises(NotImplementedError, match=not_differentiable("qsa_attention_step", "q")):
+        qsa_torch.qsa_attention_step(state=clone_state(state), **dict(arguments, q=arguments["q"].clone().requires_grad_()))
+    with torch.no_grad():
+        expected = qsa_torch.qsa_attention_step(state=clone_state(state), **arguments)[0]
+        got = qsa_torch.qsa_attention_step(state=clone_state(state), **dict(arguments, q=arguments["q"].clone().requires_grad_()))[0]
+    assert_bitwise_equal(got, expected, "step under no_grad")
+
+
+def test_the_op_called_directly_has_no_silent_gradient():
+    """As a loaded torch.export program calls it: backward raises torch's error naming the op (no formula)."""
+    function, arguments = build("attention")
+    op, values, _ = op_and_values(function, arguments)
+    values = tuple(v.clone().requires_grad_() if v is arguments["q"] else v for v in values)
+    out = op(*values)
+    with pytest.raises(RuntimeError, match="qsa.sparse_paged_attention.default but no autograd formula"):
+        out.float().sum().backward()
 
 
 FORK_CHILD = r"""

@@ -402,11 +402,11 @@ def test_plans_reject_undeclared_options():
     from qsa_kernels.stage import stage
 
     with pytest.raises(TypeError, match=r"parameters \['k'\] of plan_example are declared neither"):
-        @stage(arrays=("logits",), options={})
+        @stage(arrays=("logits",), options={}, results=("out",))
         def plan_example(logits: ArrayInfo, k):
             return None
     with pytest.raises(TypeError, match=r"\['visible'\] in the declaration"):
-        @stage(arrays=("logits", "visible"), options={})
+        @stage(arrays=("logits", "visible"), options={}, results=("out",))
         def plan_other(logits: ArrayInfo):
             return None
 

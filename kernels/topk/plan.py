@@ -63,8 +63,8 @@ def topk_parts(rows: int, columns: int, k: int, logits_stride: int, row_counts,
     return parts(rows, columns, k, logits_stride, row_counts, logits, visible, out, tuning)
 
 
-@stage(arrays=("logits", "visible_blocks"), options=dict(k=NONNEGATIVE_INT), doc=TOPK_DOC, returns="Array",
-       tuning=dict(tuning="topk"))
+@stage(arrays=("logits", "visible_blocks"), options=dict(k=NONNEGATIVE_INT), results=("out",), doc=TOPK_DOC,
+       returns="Array", tuning=dict(tuning="topk"))
 def plan_topk_blocks(logits: ArrayInfo, visible_blocks: ArrayInfo, k: int, *,
                      tuning: TopkTuning | None = None) -> Program:
     """Validate ``topk_blocks`` arguments and describe its launches (see docs/api.md)."""
