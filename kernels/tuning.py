@@ -254,7 +254,8 @@ class TopkTuning:
     picks one or lets the static shape decide.
     """
 
-    #: Columns a sliced-path program handles per step (raised to G where needed).
+    #: Columns a sliced-path program handles per step (raised to G where needed;
+    #: 2048 under Triton 3.8, where 4096 spills: :data:`NEWER_TRITON`).
     tile: int = _versioned("TopkTuning.tile", 4096)
     #: Candidate buffer per row: at least this many, or 4k.
     min_candidates: int = 4096
