@@ -11,7 +11,12 @@ reused under another, and nothing needs clearing after a sweep::
     with tuning.override(attention=tuning.AttentionTuning(tile_bytes=16 * 1024)):
         out = qsa_torch.sparse_paged_attention(...)   # planned with 16 KB tiles
 
-The defaults are the tables measured on the H200 (below).  ``override`` is
+The defaults are the tables measured on the H200 (below) with Triton 3.6
+(:data:`TIMED_TRITON`, the GPU image's).  Where one of those values makes
+ptxas spill registers on sm_90 under a newer admitted Triton, that Triton's
+defaults replace it with the nearest spill-free value (:data:`NEWER_TRITON`,
+chosen once at import from ``triton.__version__``; found by
+tests/test_compile_sm90.py on the CPU, never timed on a GPU).  ``override`` is
 context-local (a :class:`contextvars.ContextVar`): threads and asyncio tasks
 see their own.  JAX plans when it traces: a function already traced by
 ``jax.jit`` keeps the plan of its first trace, so jit a fresh function inside
@@ -26,11 +31,70 @@ import dataclasses
 from typing import Iterator
 
 import numpy as np
+import triton
 
 from .validate import BOOL, POSITIVE_INT
 
 __all__ = ["AttentionTuning", "CompressTuning", "RopeCacheTuning", "SelectTuning", "StepTuning", "TopkTuning",
-           "Tuning", "current", "override"]
+           "Tuning", "current", "defaults", "override"]
+
+#: The Triton release series the tables were timed on, on the H200 (the GPU image carries only it).
+TIMED_TRITON = "3.6"
+#: The release series (``major.minor``) of the Triton this process imports.
+TRITON_SERIES = ".".join(triton.__version__.split(".")[:2])
+
+#: Defaults of newer Triton series than :data:`TIMED_TRITON`: where a timed
+#: value makes ptxas spill registers on sm_90 under that series (the compile
+#: check, tests/test_compile_sm90.py, which needs no GPU), the nearest
+#: spill-free value.  Chosen by that check alone and never timed on a GPU;
+#: docs/design.md, "Measured tuning values", says which entries these are
+#: and why.  ``series -> {"Class.field": value}``; for a launch table, the
+#: value is ``{row index: row}`` (each row keeps its bound).  A series not
+#: listed (3.6, 3.7) takes the timed values.
+NEWER_TRITON: dict[str, dict[str, object]] = {
+    "3.8": {
+        # prefill (>= 4096 programs): 2 warps spill 72 (255 registers); 4 warps: 212, no spill.
+        "AttentionTuning.launch_table": {5: (None, 32 * 1024, 4, 2, 264)},
+        # The sliced top-k's 4096-column place pass: 128 registers, 2 spills; 2048 columns: 80.
+        "TopkTuning.tile": 2048,
+        # The row top-k at 16 warps, k = 2048: 8192-column tiles spill 2 (128 registers); 4096: 106.
+        "TopkTuning.row_max_tile": 4096,
+    },
+    "3.9": {
+        # decode 65-132 and 133-4095 programs: 3 stages spill 16-18 (255 registers); 2 stages: 213.
+        # prefill: 2 warps spill 68 (2 stages) or 108 (1 stage); 4 warps: 212, no spill.
+        "AttentionTuning.launch_table": {3: (132, 16 * 1024, 2, 2, 512), 4: (4095, 16 * 1024, 2, 2, 264),
+                                         5: (None, 32 * 1024, 4, 2, 264)},
+        # The row top-k at 16 warps: 8192-column tiles spill 10 (128 registers); 4096: 107-119.
+        "TopkTuning.row_max_tile": 4096,
+    },
+}
+
+#: ``"Class.field" -> its timed value`` for every default that a series may replace.
+_TIMED: dict[str, object] = {}
+
+
+def _series_value(series: str, key: str):
+    """The default ``key`` ("Class.field") has under Triton ``series``."""
+    timed = _TIMED[key]
+    change = NEWER_TRITON.get(series, {}).get(key)
+    if change is None:
+        return timed
+    if isinstance(change, dict):  # a launch table's rows, by index
+        rows = list(timed)
+        for index, row in change.items():
+            if not 0 <= index < len(rows) or row[0] != rows[index][0]:
+                raise ValueError(f"NEWER_TRITON[{series!r}][{key!r}] row {index}: {row!r} does not replace "
+                                 f"a row of the timed table with the same bound")
+            rows[index] = row
+        return tuple(rows)
+    return change
+
+
+def _versioned(key: str, timed):
+    """A field default: ``timed`` (the Triton 3.6 value), or this Triton series' replacement."""
+    _TIMED[key] = timed
+    return _series_value(TRITON_SERIES, key)
 
 
 def _tuning_value(cls):
@@ -113,24 +177,25 @@ class AttentionTuning:
     H200's 132 SMs still fills it; no split (and no merge pass) once
     programs > 132 (their rows' targets are below twice their programs).
     Many small programs favour 2 warps: more of them fit on an SM, so more
-    gathers are in flight.  Each row was measured on the H200
-    (``bench_sparse_attention.py --sweep`` and ``--sweep --splits``:
+    gathers are in flight.  Each row was measured on the H200 with Triton
+    3.6 (``bench_sparse_attention.py --sweep`` and ``--sweep --splits``:
     benchmarks/results/sparse_attention_sweep.json,
     sparse_attention_splits_{8,16,64}.json); the figures are in
-    docs/design.md, "Measured tuning values".
+    docs/design.md, "Measured tuning values".  Newer Triton series replace
+    the rows that spill registers there (:data:`NEWER_TRITON`: not timed).
 
     ``tile_bytes`` forces the tile of every row (sweeps); ``num_splits``
     forces the split count (tests), capped so that no split is empty.
     """
 
-    launch_table: tuple = (
+    launch_table: tuple = _versioned("AttentionTuning.launch_table", (
         (4, 32 * 1024, 8, 3, 264),
         (16, 16 * 1024, 4, 3, 512),
         (64, 32 * 1024, 8, 3, 264),
         (132, 16 * 1024, 2, 3, 512),
         (4095, 16 * 1024, 2, 3, 264),
         (None, 32 * 1024, 2, 2, 264),
-    )
+    ))
     tile_bytes: int | None = None
     num_splits: int | None = None
     #: float32 elements of one merge launch's chunk (SPLIT_CHUNK x D): 32 registers per thread.
@@ -140,11 +205,11 @@ class AttentionTuning:
     #: (``--sweep --quick --fp8``, benchmarks/results/sparse_attention_fp8_sweep.json):
     #: decode 64 x 128K 88.6 us (bf16 99.3), decode 256 279 us (bf16 294); the
     #: candidates' sm_90 registers and shared memory: docs/design.md, "Measured tuning values".
-    fp8_launch_table: tuple = (
+    fp8_launch_table: tuple = _versioned("AttentionTuning.fp8_launch_table", (
         (132, 32 * 1024, 4, 2, 264),
         (4095, 16 * 1024, 2, 3, 264),
         (None, 16 * 1024, 2, 2, 264),
-    )
+    ))
     #: How a gathered K/V row's address is computed, for 16-bit and for fp8
     #: caches.  "slot" (where each page is a run of rows and the cache has
     #: < 2**31 rows; else "page"): the token's int32 slot (page x P + offset)
@@ -189,8 +254,9 @@ class TopkTuning:
     picks one or lets the static shape decide.
     """
 
-    #: Columns a sliced-path program handles per step (raised to G where needed).
-    tile: int = 4096
+    #: Columns a sliced-path program handles per step (raised to G where needed;
+    #: 2048 under Triton 3.8, where 4096 spills: :data:`NEWER_TRITON`).
+    tile: int = _versioned("TopkTuning.tile", 4096)
     #: Candidate buffer per row: at least this many, or 4k.
     min_candidates: int = 4096
     #: Enough (row, slice) programs to fill an H200 (132 SMs) about twice.
@@ -231,6 +297,11 @@ class TopkTuning:
     row_many_rows: int = 264
     row_group_keys_per_thread: int = 32
     row_keys_per_thread: int = 16
+    #: The row path's other-pass tile (keys a thread x threads) at most this
+    #: many columns (at most 16384: its prefix sums pack two 16-bit counts).
+    #: With Triton 3.6 the keys and warps above decide (16 x 512 = 8192 columns
+    #: at 16 warps); newer series cap it where 8192 spills (:data:`NEWER_TRITON`).
+    row_max_tile: int = _versioned("TopkTuning.row_max_tile", 16384)
     #: Radix passes (of ``radix_bits``) of the row and ticketed paths' group-maximum bound.
     bound_passes: int = 2
     #: The ticketed path's columns per slice program (held in registers), and
@@ -275,6 +346,7 @@ class TopkTuning:
                 raise ValueError(f"TopkTuning: {name} must be a power of two, got {value!r}")
         for name in ("max_groups", "tile"):  # tl.arange sizes (GROUPS, the sliced path's TILE)
             _power_of_two("TopkTuning", name, getattr(self, name))
+        _power_of_two("TopkTuning", "row_max_tile", self.row_max_tile, most=16384)  # the row path's TILE
         for name in ("row_warps", "register_max_warps", "ticketed_warps"):
             if getattr(self, name) > 32:
                 raise ValueError(f"TopkTuning: {name} must be at most 32, got {getattr(self, name)!r}")
@@ -414,7 +486,24 @@ class Tuning:
 STAGES = {"attention": AttentionTuning, "topk": TopkTuning, "select": SelectTuning,
           "rope_cache": RopeCacheTuning, "compress": CompressTuning, "step": StepTuning}
 
-#: The measured tables (what plans use outside any ``override``).
+def defaults(series: str = TRITON_SERIES) -> Tuning:
+    """The defaults under Triton ``series`` ("3.6", "3.9"...; default: this process's):
+    the timed values with that series' :data:`NEWER_TRITON` replacements.  Any series'
+    values can be built under any Triton (tests compare plans made with them)."""
+    fields: dict[str, dict[str, object]] = {}
+    for key in _TIMED:
+        owner, name = key.split(".")
+        fields.setdefault(owner, {})[name] = _series_value(series, key)
+    return Tuning(**{stage: cls(**fields.get(cls.__name__, {})) for stage, cls in STAGES.items()})
+
+
+for _series, _changes in NEWER_TRITON.items():  # every replacement names a versioned default
+    for _key in _changes:
+        if _key not in _TIMED:
+            raise ValueError(f"NEWER_TRITON[{_series!r}]: {_key!r} is not a versioned default")
+        _series_value(_series, _key)
+
+#: The measured tables, with this Triton series' replacements (what plans use outside any ``override``).
 DEFAULT = Tuning()
 _CURRENT: contextvars.ContextVar[Tuning] = contextvars.ContextVar("qsa_tuning", default=DEFAULT)
 

@@ -251,14 +251,21 @@ def test_empty_selection_and_no_rows():
     assert run_jax(no_rows).shape == (0, 8, 64)
 
 
+def _production_plan(rows, width=2051, d=256, qh=24, kh=2, series=tuning.TIMED_TRITON, fp8=False, **tuned):
+    """stage 4 planned for the production geometry (24 Q / 2 KV heads, d256) under the
+    defaults of Triton ``series`` (those timed on the H200: 3.6), fields ``tuned`` replaced."""
+    a = ArrayInfo.contiguous
+    cache = "float8_e4m3fn" if fp8 else "bfloat16"
+    scales = dict(k_scale=a((), "float32"), v_scale=a((1,), "float32")) if fp8 else {}
+    return attention.plan_sparse_paged_attention(
+        a((rows, qh, d), "bfloat16"), a((4096, 64, kh, d), cache), a((4096, 64, kh, d), cache),
+        a((rows, width), "int32"), a((8, 2048), "int32"), a((rows,), "int32"),
+        tuning=dataclasses.replace(tuning.defaults(series).attention, **tuned), **scales)
+
+
 def test_launch_table():
-    """The plan's choices for the production geometry (24 Q / 2 KV heads, d256)."""
-    def plan(rows, width=2051, d=256, qh=24, kh=2, **tuned):
-        a = ArrayInfo.contiguous
-        return attention.plan_sparse_paged_attention(
-            a((rows, qh, d), "bfloat16"), a((4096, 64, kh, d), "bfloat16"), a((4096, 64, kh, d), "bfloat16"),
-            a((rows, width), "int32"), a((8, 2048), "int32"), a((rows,), "int32"),
-            tuning=tuning.AttentionTuning(**tuned))
+    """The plan's choices for the production geometry (24 Q / 2 KV heads, d256): the tables timed on the H200."""
+    plan = _production_plan
 
     partial, merge = plan(1).launches  # split-K, then the merge launch
     assert partial.kernel is attention.sparse_attention_partial_kernel and merge.kernel is attention.merge_splits_kernel
@@ -284,6 +291,39 @@ def test_launch_table():
     assert prefill.launches[0].constexprs["BLOCK_N"] == 64 and (prefill.launches[0].num_warps, prefill.launches[0].num_stages) == (2, 2)
     assert plan(4, d=64, qh=8).launches[0].constexprs["BLOCK_N"] == 128
     assert plan(4, width=10).launches[0].constexprs["BLOCK_N"] == 16  # capped by the width
+
+
+@pytest.mark.parametrize("series", sorted(tuning.NEWER_TRITON))
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_newer_triton_tables_keep_the_work_per_program(series, fp8):
+    """A newer Triton's replaced rows (tuning.NEWER_TRITON: spill-free there) change only
+    warps and stages: the tiles, splits and grids, hence the order of the online softmax and
+    of the split merge, are the timed table's at every row count.  (Warps can still change
+    the order within one tile's normaliser sum, a block reduction: docs/design.md.)"""
+    timed = tuning.defaults(tuning.TIMED_TRITON).attention
+    newer = tuning.defaults(series).attention
+    for table in ("launch_table", "fp8_launch_table"):  # bound, tile bytes, target programs: the timed ones
+        kept = [[row[:2] + row[4:] for row in getattr(value, table)] for value in (timed, newer)]
+        assert kept[0] == kept[1], table
+    for rows in (1, 2, 8, 9, 32, 33, 64, 66, 256, 2047, 2048, 4096):
+        a, b = (_production_plan(rows, series=s, fp8=fp8) for s in (tuning.TIMED_TRITON, series))
+        assert [(la.kernel, la.grid, la.constexprs) for la in a.launches] == \
+            [(lb.kernel, lb.grid, lb.constexprs) for lb in b.launches]
+        assert [buffer.info for buffer in a.buffers] == [buffer.info for buffer in b.buffers]
+
+
+def test_defaults_follow_the_triton_series():
+    """The defaults are this Triton series' (tuning.TRITON_SERIES); 3.6 and 3.7 take the timed tables."""
+    assert tuning.defaults() == tuning.DEFAULT == tuning.Tuning()
+    assert tuning.defaults("3.7") == tuning.defaults("3.6")
+    assert tuning.defaults("3.9").attention.launch_table[5] == (None, 32 * 1024, 4, 2, 264)
+    assert tuning.defaults("3.6").attention.launch_table[5] == (None, 32 * 1024, 2, 2, 264)
+    with pytest.raises(ValueError, match="does not replace a row of the timed table with the same bound"):
+        tuning.NEWER_TRITON["3.10"] = {"AttentionTuning.launch_table": {5: (4096, 32 * 1024, 4, 2, 264)}}
+        try:
+            tuning.defaults("3.10")
+        finally:
+            del tuning.NEWER_TRITON["3.10"]
 
 
 ADDRESSING_CASES = {

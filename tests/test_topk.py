@@ -459,11 +459,31 @@ def test_register_switch_shapes():
             check_topk(logits[:, :columns].contiguous(), visible.clamp(max=columns), 6)
 
 
+def test_row_max_tile_caps_the_row_tile():
+    """TopkTuning.row_max_tile caps the row path's other-pass tile (a newer Triton's
+    spill-free default, tuning.NEWER_TRITON) and nothing else; exact either way."""
+    assert tuning.defaults("3.6").topk.row_max_tile == 16384 and tuning.defaults("3.9").topk.row_max_tile == 4096
+    (uncapped,) = plan(32, 16384, 64, TopkTuning(row_max_tile=16384)).launches
+    (capped,) = plan(32, 16384, 64, TopkTuning(row_max_tile=4096)).launches
+    assert uncapped.constexprs["TILE"] == 8192 and capped.constexprs["TILE"] == 4096
+    assert {k: v for k, v in capped.constexprs.items() if k != "TILE"} == \
+        {k: v for k, v in uncapped.constexprs.items() if k != "TILE"}
+    assert capped.num_warps == uncapped.num_warps == 16
+    (many,) = plan(300, 16384, 64, TopkTuning(row_max_tile=4096)).launches  # 8 warps x 8 keys: below the cap
+    assert many.constexprs["TILE"] == 2048
+    logits = topk_logits(17, 3, 300, special=True)
+    visible = torch.tensor([300, 299, 150], dtype=torch.int32)
+    with retuned(**dict(SMALL_TILES, row_keys_per_thread=4, row_max_tile=32)):
+        (launch,) = plan(3, 300, 9).launches
+        assert launch.kernel.__name__ == "topk_row_kernel" and launch.constexprs["TILE"] == 32  # 128 uncapped
+        check_topk(logits, visible, 9)
+
+
 def test_tuning_reaches_the_row_plan():
     """Every row-path and ticketed-path field is read from the tuning passed
     (or in force), and plans under different tunings are memoised apart."""
     default = plan(32, 16384, 64)
-    (launch,) = default.launches
+    (launch,) = plan(32, 16384, 64, tuning.defaults(tuning.TIMED_TRITON).topk).launches  # the values timed on the H200
     assert launch.num_warps == 16 and launch.constexprs["BOUND_PASSES"] == 2 and launch.constexprs["BITS"] == 8
     assert launch.constexprs["TILE"] == 16 * 32 * 16 and launch.constexprs["GROUP_TILE"] == 16384
     (launch,) = plan(32, 16384, 64, TopkTuning(row_warps=4, row_keys_per_thread=2, row_group_keys_per_thread=4,
@@ -531,6 +551,8 @@ def test_topk_tuning_is_checked():
                             (dict(row_warps=64), "TopkTuning: row_warps must be at most 32, got 64"),
                             (dict(row_keys_per_thread=3), "TopkTuning: row_keys_per_thread must be a power of two"),
                             (dict(row_min_rows=0), "TopkTuning: row_min_rows must be a positive int, got 0"),
+                            (dict(row_max_tile=3000), "TopkTuning: row_max_tile must be a power of two, got 3000"),
+                            (dict(row_max_tile=32768), "TopkTuning: row_max_tile must be at most 16384, got 32768"),
                             (dict(row_max_columns=2.0), "TopkTuning: row_max_columns must be a positive int"),
                             (dict(bound_passes=5), "TopkTuning: bound_passes must be at most 32 // radix_bits = 4"),
                             (dict(radix_bits=16), "TopkTuning: radix_bits must be at most 8, got 16"),

@@ -166,8 +166,9 @@ def row_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out,
     bounded = groups < triton.next_power_of_2(width)
     if bounded:
         # G maxima and G // 2 candidates stay in registers: 8 a thread at most.
+        # The other passes' tile: keys x threads, at most row_max_tile (registers).
         warps = max(warps, min(32, groups // 256))
-        tile = min(row_width, keys_per_thread * 32 * warps)
+        tile = min(row_width, keys_per_thread * 32 * warps, tuning.row_max_tile)
     else:
         # The row stays in registers through the radix passes: 8 keys a thread.
         tile = row_width
