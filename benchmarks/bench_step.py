@@ -284,14 +284,8 @@ def _jax_columns(shape: Shape, share: str, smoke: bool) -> tuple[dict, str]:
         note = ""
         if share == "dlpack" and state.key_cache.unsafe_buffer_pointer() != shape.state.key_cache.data_ptr():
             note = "donation did not keep the DLPack buffer"
-        times = []
-        for _ in range(3 if smoke else 5):
-            start = time.perf_counter()
-            for _ in range(LOOP_CALLS):
-                _, state = jitted(inputs, state, meta, *tables)
-            jax.block_until_ready(state)
-            times.append((time.perf_counter() - start) * 1e6 / LOOP_CALLS)
-        columns = dict(jax_wall_us=statistics.median(times))
+        wall, state = _calls_us(jitted, inputs, state, meta, tables, smoke)
+        columns = dict(jax_wall_us=wall)
         columns["jax_floor_us"], state = _floor_us(inputs, state, meta, tables, smoke)
         _, state = jax.block_until_ready(looped(inputs, state, meta, *tables))
         times = []
@@ -318,11 +312,19 @@ def _floor_us(inputs, state, meta, tables, smoke: bool) -> tuple[float, object]:
 
     floor = jax.jit(trivial, donate_argnums=1)
     _, state = jax.block_until_ready(floor(inputs, state, meta, *tables))
+    return _calls_us(floor, inputs, state, meta, tables, smoke)
+
+
+def _calls_us(jitted, inputs, state, meta, tables, smoke: bool) -> tuple[float, object]:
+    """Wall µs per call of LOOP_CALLS back-to-back calls of ``jitted`` (median of repeats) and the state
+    it hands back (donated on every call)."""
+    import jax
+
     times = []
     for _ in range(3 if smoke else 5):
         start = time.perf_counter()
         for _ in range(LOOP_CALLS):
-            _, state = floor(inputs, state, meta, *tables)
+            _, state = jitted(inputs, state, meta, *tables)
         jax.block_until_ready(state)
         times.append((time.perf_counter() - start) * 1e6 / LOOP_CALLS)
     return statistics.median(times), state
@@ -373,18 +375,9 @@ class Runner:
 
     def graph_wall_us(self, shape: Shape) -> float | None:
         """A hand-captured CUDA graph of one step, replayed back to back: wall per replay."""
-        torch = self.torch
         if self.device.type != "cuda":
             return None
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            shape.torch_step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            shape.torch_step()
-        return common.torch_wall_us(graph.replay, smoke=self.smoke)
+        return common.torch_wall_us(common.one_call_graph(shape.torch_step).replay, smoke=self.smoke)
 
     def compiled(self, shape: Shape, label: str) -> dict:
         """torch.compile columns (GPU only: Inductor needs a device; CPU smoke runs skip them)."""

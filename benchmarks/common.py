@@ -262,6 +262,21 @@ def torch_host_us(fn, calls: int = 200) -> float | None:
     return elapsed * 1e6 / calls
 
 
+def one_call_graph(fn):
+    """A CUDA graph of one call of ``fn``, captured after a warm-up call on a side stream."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def torch_wall_us(fn, calls: int = 100, smoke: bool = False) -> float | None:
     """Wall µs per call of ``calls`` back-to-back calls of ``fn``, the final synchronize included (GPU only).
 

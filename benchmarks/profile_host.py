@@ -137,15 +137,7 @@ def main() -> None:
         measure("one_launch_store_cache_rows", lambda: qsa_torch.store_cache_rows(cache, slots, rows))
     if cuda and "graph" in paths:
         results["graph_replay_us"] = common.torch_graph_us(shape.torch_step, calls=10)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            shape.torch_step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            shape.torch_step()
-        results["graph_one_step_host_us"] = wall_us(graph.replay, args.calls)
+        results["graph_one_step_host_us"] = wall_us(common.one_call_graph(shape.torch_step).replay, args.calls)
     if cuda:
         log_path = os.path.join(args.out, "compile_log.txt")
         handler = logging.FileHandler(log_path)

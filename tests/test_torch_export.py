@@ -22,7 +22,7 @@ import torch
 import qsa_torch
 from qsa_kernels import api, runtime
 
-from .test_torch_ops import Layer, build
+from .test_torch_ops import Layer, StepLayer, build
 from .util import DEVICE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,23 +102,6 @@ class RopeLayer(torch.nn.Module):
         return q_out, k_out, zeros
 
 
-class StepLayer(torch.nn.Module):
-    """One step over flat arrays, returning the token indices too (``qsa::qsa_attention_step_return_token_indices``)."""
-
-    def __init__(self, options):
-        super().__init__()
-        self.options = options
-
-    def forward(self, q, k, v, index_q, index_k, cos_sin, index_cos_sin, *flat):
-        from .test_step import STATE_FIELDS
-
-        state = qsa_torch.QSAState(*flat[:len(STATE_FIELDS)])
-        metadata = qsa_torch.StepMetadata(*flat[len(STATE_FIELDS):])
-        out, _, indices = qsa_torch.qsa_attention_step(q, k, v, index_q, index_k, state, metadata, cos_sin,
-                                                       index_cos_sin, **self.options, return_token_indices=True)
-        return out, indices
-
-
 def _layer_inputs():
     _, a = build("scores")
     cache = a["k_cache"]
@@ -145,7 +128,7 @@ def _step_inputs():
     state, metadata = arguments.pop("state"), arguments.pop("metadata")
     options = {n: arguments.pop(n) for n in ("compress_ratio", "token_topk", "is_neox")}
     arrays = [arguments[n] for n in ("q", "k", "v", "index_q", "index_k", "cos_sin", "index_cos_sin")]
-    return StepLayer(options), (*arrays, *(getattr(state, n) for n in STATE_FIELDS),
+    return StepLayer(options, return_token_indices=True), (*arrays, *(getattr(state, n) for n in STATE_FIELDS),
                                 *(getattr(metadata, n) for n in METADATA_FIELDS))
 
 

@@ -223,19 +223,22 @@ def test_export_of_a_module_calling_stage_ops():
 
 
 class StepLayer(torch.nn.Module):
-    """One step over flat arrays (containers built inside, so export needs no pytree registration)."""
+    """One step over flat arrays (containers built inside, so export needs no pytree registration): its
+    output, and the token indices too with ``return_token_indices`` (another op)."""
 
-    def __init__(self, options):
+    def __init__(self, options, return_token_indices: bool = False):
         super().__init__()
         self.options = options
+        self.return_token_indices = return_token_indices
 
     def forward(self, q, k, v, index_q, index_k, cos_sin, index_cos_sin, *flat):
         from .test_step import STATE_FIELDS
 
         state = qsa_torch.QSAState(*flat[:len(STATE_FIELDS)])
         metadata = qsa_torch.StepMetadata(*flat[len(STATE_FIELDS):])
-        return qsa_torch.qsa_attention_step(q, k, v, index_q, index_k, state, metadata, cos_sin, index_cos_sin,
-                                            **self.options)[0]
+        results = qsa_torch.qsa_attention_step(q, k, v, index_q, index_k, state, metadata, cos_sin, index_cos_sin,
+                                               **self.options, return_token_indices=self.return_token_indices)
+        return (results[0], results[2]) if self.return_token_indices else results[0]
 
 
 def test_export_of_a_module_calling_the_step():
