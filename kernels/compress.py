@@ -20,6 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .fp8 import quantise
 from .launch import ArrayInfo, Buffer, Launch, Program
 from .stage import stage
 from .tuning import CompressTuning
@@ -81,8 +82,9 @@ Args:
         with ``scale``, bf16/fp16/fp32 rows quantised into an fp8 cache.
     scale: for a ``float8_e4m3fn`` cache only: a 0-d or 1-element float
         tensor, the cache's one per-tensor scale.  Each row is converted to
-        float32, divided by it (correctly rounded), saturated to +-448 and
-        rounded to nearest e4m3 (stored = value / scale, as
+        float32, divided by it (correctly rounded), saturated to +-448
+        (finite values and +-inf; NaN stays NaN, an e4m3 NaN code) and
+        rounded to nearest even e4m3 (stored = value / scale, as
         ``rope_reshape_and_cache`` writes fp8 KV caches); readers multiply by
         it (``mqa_paged_scores(..., k_scale=)``).  One scale per cache, not
         per row: on the benchmark's data per-row scales raised the selection
@@ -162,18 +164,6 @@ def cache_rows(slot_mapping_ptr, rows, in_batch, num_slots, cache_sb, cache_sp, 
     slot = tl.load(slot_mapping_ptr + rows, mask=in_batch, other=-1).to(tl.int64)
     write = in_batch & (slot >= 0) & (slot < num_slots)
     return write, (slot // PAGE) * cache_sb + (slot % PAGE) * cache_sp
-
-
-@triton.jit
-def quantise(values, scale_ptr, dtype: tl.constexpr):
-    """Values into an fp8 cache of one per-tensor scale: value / scale in float32,
-    saturated to +-448, rounded to ``dtype``.
-
-    Correctly rounded (div_rn): `/` is div.full.f32 on the GPU, 2 ulp, which
-    could pick the other fp8 neighbour next to a rounding midpoint.
-    """
-    values = tl.math.div_rn(values.to(tl.float32), tl.load(scale_ptr).to(tl.float32))
-    return tl.minimum(tl.maximum(values, -448.0), 448.0).to(dtype)
 
 
 @triton.jit

@@ -3,8 +3,8 @@
 ``compress_rotate_store_kernel`` is the composed step's stage 2 and its
 index-query RoPE in one launch (kernels/step.py uses it for steps of at most
 ``StepTuning.fused_max_rows`` rows).  It is built from the stages' public
-``@triton.jit`` helpers (:mod:`.compress`: windows, pooling, cache rows,
-fp8 quantisation; :mod:`.rope_cache`: rotation pairs, cos/sin, rotation,
+``@triton.jit`` helpers (:mod:`.compress`: windows, pooling, cache rows;
+:mod:`.fp8`: the writers' quantisation; :mod:`.rope_cache`: rotation pairs, cos/sin, rotation,
 query heads), so each piece of arithmetic lives in one place and the fused
 launch rounds exactly as the separate ones do.
 """
@@ -14,7 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .compress import cache_rows, check_compress_groups, check_store_cache_rows, pool, quantise, window_start, windows
+from .compress import cache_rows, check_compress_groups, check_store_cache_rows, pool, window_start, windows
+from .fp8 import quantise
 from .launch import ArrayInfo, Buffer, Launch, Program
 from .rope_cache import check_rope_rows, rope_cos_sin, rope_pairs, rope_query_heads, rotate
 from .stage import stage
