@@ -97,7 +97,7 @@ def _fused_compression(rows, d=128, requests=None, dtype=BF16, ratio=4, cache=No
         compressed_slots=a((rows,), index), compressor_state_slots=a((rows,), index),
         compressed_key_cache=a((4096, 64, 1, d), cache), cos_sin=a((1 << 17, 2 * d if full_rotary else d), FP32),
         index_q=a((rows, heads, d), dtype), compress_ratio=ratio, is_neox=is_neox,
-        scale=a((), FP32) if cache == FP8 else None)
+        scale=a((), FP32) if cache == FP8 else None, max_row_position=1 << 17)
 
 
 def _store(rows, width, dtype, index=I32, squeezed=True, quantise_from=None):
