@@ -37,11 +37,12 @@ from qsa_kernels.fp8 import widen_e4m3
 
 from . import reference as R
 from .test_attention import Case, force_splits, make_inputs, planned_splits  # noqa: F401 (fixture)
-from qsa_kernels.paging import STATE_FIELDS, PagedRequests
+from qsa_kernels.paging import STATE_FIELDS, CacheGeometry, PagedRequests
 from qsa_kernels.step import SCALE_FIELDS
 
 from .test_bad_arguments import FP8_BASES, _jax_inputs, step_arguments, step_to_jax
-from .test_select import assert_scores_close, jax_args, numpy_args, scoring_case
+from .test_select import (assert_fused_equals_three_launches, assert_scores_close, jax_args, long_decode_case,
+                          numpy_args, scoring_case)
 from .test_step import GEOMETRY, Model, clone_state, random_inputs, random_state, rope_table
 from .util import DEVICE, assert_bitwise_equal, assert_close, f64, host, to_jax, tolerance
 
@@ -366,13 +367,14 @@ def assert_stored_as_reference(stored: torch.Tensor, values: np.ndarray, scale: 
     assert np.isnan(expected).any() and (np.abs(expected) == FP8_MAX).any(), "the case has no NaN or saturation"
 
 
+@pytest.mark.parametrize("rows, width", [(24, 64), pytest.param(256, 128, marks=pytest.mark.gpu, id="decode256-d128")])
 @pytest.mark.parametrize("rows_dtype, scale", [(torch.float32, 0.5), (torch.bfloat16, 1.0), (torch.float16, 0.3)])
-def test_store_cache_rows_rounds_nan_and_inf_as_the_reference(rows_dtype, scale):
+def test_store_cache_rows_rounds_nan_and_inf_as_the_reference(rows_dtype, scale, rows, width):
     """Bug (issue 28, item 4): a NaN row element was stored as -448 (the saturating clamp ate
     it), so a NaN compressed key read back finite.  Now NaN is a NaN code, +-inf and finite
-    values past 448 saturate to +-448, everything else rounds to nearest even."""
+    values past 448 saturate to +-448, everything else rounds to nearest even.  (GPU: the
+    production indexer's rows, 256 x d128, through sm_90's cvt.rn.satfinite.)"""
     g = torch.Generator().manual_seed(31)
-    width, rows = 64, 24
     values = writer_values(g, width * rows).reshape(rows, width).to(rows_dtype)
     cache = torch.zeros(rows + 2, 1, 1, width, dtype=FP8, device=DEVICE)
     slots = torch.arange(rows, device=DEVICE)
@@ -385,12 +387,15 @@ def test_store_cache_rows_rounds_nan_and_inf_as_the_reference(rows_dtype, scale)
     assert not host(cache[rows:]).view(np.uint8).any(), "slots not addressed stay zero"
 
 
+@pytest.mark.parametrize("T_kv, D, P", [(17, 64, 16),
+                                        pytest.param(64, 256, 64, marks=pytest.mark.gpu, id="d256-pages64")])
 @pytest.mark.parametrize("layout", ["flash", "shuffled"])
-def test_stage1_rounds_nan_and_inf_as_the_reference(layout):
+def test_stage1_rounds_nan_and_inf_as_the_reference(layout, T_kv, D, P):
     """Stage 1's k and v (its KV-only rows: cached as given) into fp8 caches: the same
-    rounding as store_cache_rows (one quantiser, kernels/fp8.py), NaN kept, +-inf saturated."""
+    rounding as store_cache_rows (one quantiser, kernels/fp8.py), NaN kept, +-inf saturated.
+    (GPU: the production heads, 2 KV x d256 in pages of 64.)"""
     g = torch.Generator().manual_seed(32)
-    T, T_kv, KH, D, P, X = 1, 17, 2, 64, 16, 16
+    T, KH, X = 1, 2, 16
     pages = 4
     k, v = (writer_values(g, T_kv * KH * D).reshape(T_kv, KH, D).roll(shift, 0) for shift in (3, 8))
     q = torch.randn(T, 2, D, generator=g)
@@ -538,6 +543,133 @@ def test_step_nan_with_fp8_caches_as_with_bf16(fuse):
     assert_bitwise_equal(out, jax_out, "torch vs JAX out")
     for name in STATE_FIELDS:
         assert_bitwise_equal(getattr(state, name), getattr(jax_state, name), f"torch vs JAX {name}")
+
+
+# GPU: the readers' NaN codes at production geometry (the launch table's rows, the bf16 bit
+# trick and the fp16 hardware cast), and the step.
+
+def _put_nan_codes(cache8: torch.Tensor, slot_rows: list[tuple[int, int, slice | int]]) -> None:
+    """Writes the NaN codes 0x7f and 0xff (alternately) at ``(slot, kv head, dims)`` of a flash fp8 cache."""
+    flat = cache8.view(torch.uint8).view(-1, *cache8.shape[2:])
+    for i, (slot, head, dims) in enumerate(slot_rows):
+        flat[slot, head, dims] = 0x7F if i % 2 == 0 else 0xFF
+
+
+def _selected_slots(args, rows, count):
+    """``count`` distinct cache slots of valid tokens that the given rows select."""
+    indices, table, to_req = (host(args[n]) for n in ("token_indices", "block_table", "token_to_req"))
+    page, pages = args["k_cache"].shape[1], args["k_cache"].shape[0]
+    slots: list[int] = []
+    for row in rows:
+        request = int(to_req[row])
+        for token in indices[row].tolist() if 0 <= request < table.shape[0] else ():
+            physical = int(table[request, token // page]) if 0 <= token < table.shape[1] * page else -1
+            if 0 <= physical < pages and physical * page + token % page not in slots:
+                slots.append(physical * page + token % page)
+            if len(slots) == count:
+                return slots
+    raise AssertionError("too few selected tokens")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, dtype", [(1, torch.bfloat16), (64, torch.bfloat16), (256, torch.bfloat16),
+                                         (2048, torch.bfloat16), (64, torch.float16), (256, torch.float16)])
+def test_attention_fp8_nan_codes_production(rows, dtype):
+    """Production attention (24 Q / 2 KV heads x d256, pages of 64, 2051 selected tokens) at
+    each fp8 launch-table row (1, 64, 256 decode rows; the 2048-row prefill), bf16 q (the bit
+    trick) and fp16 q (the hardware cast): fp8 caches holding both NaN codes (one K element, a
+    whole K row and a whole V row of KV head 0, one V element of head 1, at tokens the first
+    rows select) give NaN exactly where
+    the 16-bit kernel over the dequantised caches does, the rest within q's dtype's tolerance
+    (the fp8 and 16-bit launch tables differ); torch and JAX agree.  Bug (issue 28, item 4):
+    the bit trick read the NaN codes as +-480."""
+    c = Case(R=rows, QH=24, KH=2, D=256, P=64, W=2051, requests=min(rows, 64), pages_per_request=40, dtype=dtype)
+    args, scales, (k_scale, v_scale) = fp8_attention_inputs(c, 0.125, 4.0)
+    slots = _selected_slots(args, range(min(rows, 8)), 4)
+    # KV head 0: NaN K (all its heads NaN where attended); head 1: one V element (one column).
+    _put_nan_codes(args["k_cache"], [(slots[0], 0, 7), (slots[1], 0, slice(None))])
+    _put_nan_codes(args["v_cache"], [(slots[2], 1, 100), (slots[3], 0, slice(None))])
+    widened = dict(args, k_cache=(args["k_cache"].to(dtype) * k_scale).to(dtype),
+                   v_cache=(args["v_cache"].to(dtype) * v_scale).to(dtype))
+    out = qsa_torch.sparse_paged_attention(**args, **scales)
+    expected = qsa_torch.sparse_paged_attention(**widened)
+    nan = np.isnan(f64(expected))
+    assert nan.any() and not nan.all()
+    assert_close(out, f64(expected), tolerance(dtype), "fp8 vs 16-bit cache of its values (NaN places exactly)")
+    if rows <= 256:
+        assert_bitwise_equal(run_jax_attention(args, scales), out, "torch vs JAX")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("columns, fused", [(8192, False), (32768, True), (32768, False)])
+def test_scorer_fp8_nan_codes_production(columns, fused):
+    """The production indexer (4 heads x d128, pages of 64) over fp8 keys holding NaN codes (a
+    whole key and one element of another, in the long requests' visible columns): logits those
+    of bf16 keys holding the dequantised values, NaN included, within float32 rounding; the
+    fused selection equals the three launches bit for bit (torch and JAX), as without NaN."""
+    case = long_decode_case(61, columns=columns, heads=4, dim=128)
+    case["k_cache"] = quantise(case["k_cache"], 0.0625)
+    page_table = host(case["page_table"])
+    page = case["k_cache"].shape[1]
+    nan_slots = [int(page_table[0, 3]) * page + 5, int(page_table[1, 2]) * page + 17]
+    codes = case["k_cache"].view(torch.uint8).view(-1, 128)
+    codes[nan_slots[0]] = 0x7F
+    codes[nan_slots[1], 64] = 0xFF
+    k_scale = scale_tensor(0.0625)
+    wide = dict(case, k_cache=case["k_cache"].to(torch.bfloat16) * 0.0625)
+    with tuning.override(select=tuning.SelectTuning(fused_max_columns=columns)):
+        logits, _ = qsa_torch.mqa_paged_scores(**case, compress_ratio=4, k_scale=k_scale)
+        expected, _ = qsa_torch.mqa_paged_scores(**wide, compress_ratio=4)
+        got, want = f64(logits), f64(expected)
+        assert np.array_equal(np.isnan(got), np.isnan(want)) and np.array_equal(np.isneginf(got), np.isneginf(want))
+        finite = np.isfinite(want)
+        np.testing.assert_allclose(got[finite], want[finite], rtol=1e-6, atol=1e-6 * np.abs(want[finite]).max())
+        if fused:
+            assert_fused_equals_three_launches(case, 2048, max_columns=columns, k_scale=k_scale,
+                                               score_columns=tuning.SelectTuning().fused_score_columns)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+def test_step_fp8_nan_production_heads(fuse):
+    """The composed step at the production heads (24 Q / 2 KV x d256; indexer 4 x d128, ratio
+    4, pages of 64) with fp8 K/V and compressed-key caches and NaN in k, v and index_k: a
+    prefill (separate compression launches: 500 rows) then a decode step (fused compression
+    unless ``fuse`` is off): NaN out elements and NaN cache places as with bf16 caches, and the
+    selection the same (token_topk covers every group); torch and JAX bitwise."""
+    model = Model(QH=24, KH=2, D=256, IH=4, DI=128, ratio=4, token_topk=1024, index_dtype=torch.bfloat16)
+    geometry = CacheGeometry(page_size=64, num_pages=24, compress_ratio=4, compressed_page_size=64,
+                             num_compressed_pages=8, max_context=1024, max_requests=2)
+    g = torch.Generator().manual_seed(35)
+    pager = PagedRequests(geometry, seed=3)
+    cos_sin, index_cos_sin = rope_table(model.D, 1024), rope_table(model.DI, 1024)
+    bf16_state = random_state(model, g, geometry)
+    state = fp8_state(clone_state(bf16_state))
+    jax_state = qsa_jax.QSAState(**{f.name: None if getattr(state, f.name) is None
+                                    else to_jax(getattr(state, f.name)) for f in dataclasses.fields(state)})
+    for schedule in ({"a": 300, "b": 200}, {"a": 1, "b": 1}):  # the decode row of a attends the NaN K/V
+        host_meta = pager.step(schedule)
+        inputs = (_nan_step_inputs if host_meta.num_rows > 5 else random_inputs)(model, host_meta.num_rows, g)
+        meta = qsa_torch.StepMetadata.from_host(host_meta, DEVICE)
+        step = dict(metadata=meta, cos_sin=cos_sin, index_cos_sin=index_cos_sin, return_token_indices=True,
+                    **model.options())
+        with tuning.override(step=tuning.StepTuning(fuse_stages=fuse)):
+            jax_out, jax_state, jax_indices = jax.jit(lambda i, s, m, c, ic: qsa_jax.qsa_attention_step(
+                **i, state=s, metadata=m, cos_sin=c, index_cos_sin=ic, return_token_indices=True,
+                **model.options()))({n: to_jax(a) for n, a in inputs.items()}, jax_state,
+                                    qsa_jax.StepMetadata.from_host(host_meta), to_jax(cos_sin), to_jax(index_cos_sin))
+            out, state, indices = qsa_torch.qsa_attention_step(**inputs, state=state, **step)
+            bf16_out, bf16_state, bf16_indices = qsa_torch.qsa_attention_step(**inputs, state=bf16_state, **step)
+        assert_bitwise_equal(indices, bf16_indices, "every group selected: the same tokens")
+        nan = np.isnan(f64(bf16_out))
+        assert nan.any() and not nan.all()
+        assert np.array_equal(np.isnan(f64(out)), nan), "NaN out elements"
+        for name in ("key_cache", "value_cache", "compressed_key_cache"):
+            assert np.array_equal(np.isnan(f64(getattr(state, name))), np.isnan(f64(getattr(bf16_state, name)))), name
+        assert_bitwise_equal(out, jax_out, "torch vs JAX out")
+        assert_bitwise_equal(indices, jax_indices, "torch vs JAX token_indices")
+        for name in STATE_FIELDS:
+            assert_bitwise_equal(getattr(state, name), getattr(jax_state, name), f"torch vs JAX {name}")
 
 
 # --------------------------------------------------------------------------
