@@ -982,3 +982,47 @@ def test_decode_step_past_cos_sin_then_retried_equals_a_clean_run(fuse, index_ta
 def _without_rows_step(step, state, meta, inputs, tables):
     """The caches after ``step`` with row 0's slots -1 (on a copy of ``state``)."""
     return step(clone_state(state), _without_rows(meta, np.array([True, False, False])), inputs, tables)[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+def test_decode_row_past_cos_sin_writes_nothing_production_heads(fuse, cache):
+    """Production heads (24 Q / 2 KV x d256; indexer 4 x d128, ratio 4, pages of 64), bf16 or
+    fp8 caches: a decode row past cos_sin completing a group writes nothing (every cache bitwise
+    the step without its slots, its slots' poison kept), the other row as usual; torch and JAX
+    agree."""
+    from .test_fp8 import fp8_state
+
+    model = Model(QH=24, KH=2, D=256, IH=4, DI=128, ratio=4, token_topk=64, index_dtype=torch.bfloat16)
+    geometry = CacheGeometry(page_size=64, num_pages=8, compress_ratio=4, compressed_page_size=64,
+                             num_compressed_pages=4, max_context=256, max_requests=2)
+    g = torch.Generator().manual_seed(37)
+    pager = PagedRequests(geometry, seed=6)
+    state = random_state(model, g, geometry)
+    if cache == "fp8":
+        state = fp8_state(state)
+    options = dict(return_token_indices=True, **model.options())
+    tables = dict(cos_sin=rope_table(model.D, 256), index_cos_sin=rope_table(model.DI, 256))
+    meta = qsa_torch.StepMetadata.from_host(pager.step({"a": 63, "b": 30}), DEVICE)
+    _, state, _ = qsa_torch.qsa_attention_step(**random_inputs(model, 93, g), state=state, metadata=meta,
+                                               **tables, **options)
+    meta = qsa_torch.StepMetadata.from_host(pager.step({"a": 1, "b": 1}), DEVICE)
+    past = np.array([True, False])
+    assert host(meta.positions).tolist() == [63, 30] and host(meta.compressed_slots)[0] >= 0
+    _poison_slots(state, meta, past)
+    arguments = dict(random_inputs(model, 2, g), state=state, metadata=meta, **options,
+                     cos_sin=tables["cos_sin"][:40], index_cos_sin=tables["index_cos_sin"])
+    (out, new_state, _), kernels = _run_step(arguments, fuse)
+    assert (FUSED_KERNEL in kernels) == fuse
+    (ref_out, ref_state, _), _ = _run_step(dict(arguments, metadata=_without_rows(meta, past)), fuse)
+    with _step_context(fuse):
+        jax_out, jax_state, _ = qsa_jax.qsa_attention_step(**_jax_arguments(arguments))
+    assert np.isnan(f64(out)[0]).all() and np.isfinite(f64(out)[1]).all()
+    assert_bitwise_equal(out, ref_out, "out")
+    assert_bitwise_equal(jax_out, out, "torch vs JAX out")
+    for name in STATE_FIELDS:
+        assert_bitwise_equal(getattr(new_state, name), getattr(ref_state, name), f"{name} vs the step without the row")
+        assert_bitwise_equal(getattr(jax_state, name), getattr(new_state, name), f"torch vs JAX {name}")
+    _assert_slots_poisoned(new_state, meta, past, "torch")
