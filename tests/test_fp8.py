@@ -488,8 +488,8 @@ def test_nan_in_stored_keys_scores_as_16bit_keys():
     expected, _ = qsa_torch.mqa_paged_scores(**wide, compress_ratio=4)
     got, want = f64(logits), f64(expected)
     assert np.array_equal(np.isnan(got), np.isnan(want)) and np.array_equal(np.isneginf(got), np.isneginf(want))
-    if runtime.INTERPRETED:  # NumPy's max keeps NaN (the GPU's relu drops it: finite either way, the same)
-        assert np.isnan(want).any(), "the NaN keys reach the logits"
+    # (Whether a NaN key gives a NaN logit is the relu's: the GPU's max.f32 drops NaN, as
+    # Triton 3.9's interpreter does, 3.6's keeps it; the same for fp8 and bf16 keys either way.)
     finite = np.isfinite(want)
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-6, atol=1e-6 * np.abs(want[finite]).max())
     scores = jax.jit(lambda s, *arrays: qsa_jax.mqa_paged_scores(*arrays, 4, k_scale=s))
