@@ -19,8 +19,8 @@ for the P.V product while the normaliser sums them in float32.
 
 fp8 e4m3 caches (``stored = value / scale``, as stage 1 writes them): each
 gathered K/V tile is converted to q's dtype, which holds every e4m3 value
-exactly (:func:`.fp8.widen_e4m3`: for bf16 on integer ops, not Triton's
-cast), so the dots are the same 16-bit tensor-core dots as for 16-bit caches
+exactly and NaN codes as NaN (:func:`.fp8.widen_e4m3`: for bf16 on integer
+ops, not Triton's cast), so the dots are the same 16-bit tensor-core dots as for 16-bit caches
 (an fp8 dot would round q to fp8).  The tiles are widened in registers in
 the layout they were loaded in and reach the dots through shared memory as
 16-bit values, like 16-bit tiles (Triton would otherwise stage the fp8 bytes
@@ -76,8 +76,9 @@ Args:
         q's dtype, accumulated in float32 and multiplied by ``softmax_scale *
         k_scale``; P.V likewise on the converted values (probabilities rounded
         to q's dtype, float32 accumulation), and the float32 output of each
-        split is multiplied by ``v_scale`` once.  (fp8 caches hold no NaN:
-        stage 1 saturates; the two NaN codes read as +-480 with bf16 q.)
+        split is multiplied by ``v_scale`` once.  Both NaN codes (0x7f,
+        0xff) are read as NaN, as a 16-bit cache's NaN (stage 1 writes a NaN
+        of k or v as a NaN code).
 
 Returns:
     ``out [R, QH, D]`` of q's dtype; rows with no valid token are zeros.

@@ -20,10 +20,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .fp8 import quantise
 from .launch import ArrayInfo, Buffer, Launch, Program
 from .stage import stage
 from .tuning import CompressTuning
-from .validate import FLOAT_DTYPES, FP8_DTYPE, INDEX_DTYPES, POSITIVE_INT, Checker
+from .validate import FLOAT_DTYPES, FP8_DTYPE, INDEX_DTYPES, NONNEGATIVE_INT, POSITIVE_INT, Checker
 
 COMPRESS_GROUPS_DOC = """\
 Mean-pool the key groups that end at this step's rows.
@@ -81,8 +82,9 @@ Args:
         with ``scale``, bf16/fp16/fp32 rows quantised into an fp8 cache.
     scale: for a ``float8_e4m3fn`` cache only: a 0-d or 1-element float
         tensor, the cache's one per-tensor scale.  Each row is converted to
-        float32, divided by it (correctly rounded), saturated to +-448 and
-        rounded to nearest e4m3 (stored = value / scale, as
+        float32, divided by it (correctly rounded), saturated to +-448
+        (finite values and +-inf; NaN stays NaN, an e4m3 NaN code) and
+        rounded to nearest even e4m3 (stored = value / scale, as
         ``rope_reshape_and_cache`` writes fp8 KV caches); readers multiply by
         it (``mqa_paged_scores(..., k_scale=)``).  One scale per cache, not
         per row: on the benchmark's data per-row scales raised the selection
@@ -165,18 +167,6 @@ def cache_rows(slot_mapping_ptr, rows, in_batch, num_slots, cache_sb, cache_sp, 
 
 
 @triton.jit
-def quantise(values, scale_ptr, dtype: tl.constexpr):
-    """Values into an fp8 cache of one per-tensor scale: value / scale in float32,
-    saturated to +-448, rounded to ``dtype``.
-
-    Correctly rounded (div_rn): `/` is div.full.f32 on the GPU, 2 ulp, which
-    could pick the other fp8 neighbour next to a rounding midpoint.
-    """
-    values = tl.math.div_rn(values.to(tl.float32), tl.load(scale_ptr).to(tl.float32))
-    return tl.minimum(tl.maximum(values, -448.0), 448.0).to(dtype)
-
-
-@triton.jit
 def compress_groups_kernel(
     # inputs
     raw_keys_ptr,  # [R, 1, D] bf16/fp16/fp32
@@ -232,25 +222,40 @@ def compress_groups_kernel(
 
 
 @triton.jit
+def in_table(position, max_position):
+    """Whether each int64 ``position`` has a row of a RoPE table of ``max_position`` rows.
+
+    The composed step's rule for a row outside its ``cos_sin`` table: it writes nothing
+    anywhere (no K/V: stage 1; no ring slot and no compressed key: here and in
+    kernels/fused.py), so the group it would complete keeps its compressed slot as it was.
+    """
+    return (position >= 0) & (position < max_position)
+
+
+@triton.jit
 def store_cache_rows_kernel(
     # inputs
     cache_ptr,  # [pages, P, 1, W] any STORE_DTYPES (read only through its alias)
     slot_mapping_ptr,  # [R] int32/int64
     rows_ptr,  # [R, W] or [R, 1, W] cache's dtype (QUANTISE: bf16/fp16/fp32)
     scale_ptr,  # [] or [1] float (read only when QUANTISE)
+    positions_ptr,  # [R] int32/int64 (HAS_POSITIONS; else a stand-in, never read)
     # outputs (the cache is the input's alias)
     cache_out_ptr,  # cache
     # sizes and strides
-    R, num_slots, cache_sb, cache_sp, rows_sr,
+    R, num_slots, max_position, cache_sb, cache_sp, rows_sr,
     # constexprs
     W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr,
     QUANTISE: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr,  # rows whose position is outside [0, max_position) are skipped (the step)
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_batch = rows < R
     rows = rows.to(tl.int64)
     cols = tl.arange(0, BLOCK_W)
     write, cache_row = cache_rows(slot_mapping_ptr, rows, in_batch, num_slots, cache_sb, cache_sp, PAGE)
+    if HAS_POSITIONS:
+        write = write & in_table(tl.load(positions_ptr + rows, mask=in_batch, other=-1).to(tl.int64), max_position)
     mask = write[:, None] & (cols < W)[None, :]
     values = tl.load(rows_ptr + rows[:, None] * rows_sr + cols[None, :], mask=mask)
     if QUANTISE:  # as stage 1 writes fp8
@@ -389,20 +394,42 @@ def plan_store_cache_rows(cache: ArrayInfo, slot_mapping: ArrayInfo, rows: Array
                           tuning: CompressTuning | None = None, scale: ArrayInfo | None = None) -> Program:
     """Validate ``store_cache_rows`` arguments and describe its launch (see docs/api.md)."""
     check_store_cache_rows(Checker("store_cache_rows"), cache, slot_mapping, rows, scale)
+    return Program("store_cache_rows", (), (_store_launch(cache, slot_mapping, rows, scale, None, 0, tuning),),
+                   ("cache",))
+
+
+def _store_launch(cache: ArrayInfo, slot_mapping: ArrayInfo, rows: ArrayInfo, scale: ArrayInfo | None,
+                  positions: ArrayInfo | None, max_position: int, tuning: CompressTuning) -> Launch:
     pages, page, _, width = cache.shape
     r = slot_mapping.shape[0]
-
     block_r, block_w, programs, num_warps = _row_tile(r, width, tuning)
-    launch = Launch(
+    return Launch(
         kernel=store_cache_rows_kernel,
         grid=(programs,),
-        # Without a scale: a stand-in pointer QUANTISE never reads.
-        inputs=("cache", "slot_mapping", "rows", "scale" if scale is not None else "slot_mapping"),
+        # Without a scale or positions: stand-in pointers QUANTISE and HAS_POSITIONS never read.
+        inputs=("cache", "slot_mapping", "rows", "scale" if scale is not None else "slot_mapping",
+                "positions" if positions is not None else "slot_mapping"),
         outputs=("cache",),
-        scalars=dict(R=r, num_slots=pages * page, cache_sb=cache.strides[0],
+        scalars=dict(R=r, num_slots=pages * page, max_position=max_position, cache_sb=cache.strides[0],
                      cache_sp=cache.strides[1], rows_sr=rows.strides[0]),
-        constexprs=dict(W=width, BLOCK_W=block_w, BLOCK_R=block_r, PAGE=page, QUANTISE=scale is not None),
+        constexprs=dict(W=width, BLOCK_W=block_w, BLOCK_R=block_r, PAGE=page, QUANTISE=scale is not None,
+                        HAS_POSITIONS=positions is not None),
         num_warps=num_warps,
         num_stages=1,
     )
-    return Program("store_cache_rows", (), (launch,), ("cache",))
+
+
+@stage(arrays=("cache", "slot_mapping", "rows", "positions", "scale"), options=dict(max_position=NONNEGATIVE_INT),
+       results=("cache",), tuning=dict(tuning="compress"))
+def plan_store_rows_in_table(cache: ArrayInfo, slot_mapping: ArrayInfo, rows: ArrayInfo, positions: ArrayInfo, *,
+                             max_position: int, scale: ArrayInfo | None = None,
+                             tuning: CompressTuning | None = None) -> Program:
+    """``store_cache_rows`` that also skips each row whose ``positions[r]`` is outside
+    ``[0, max_position)`` (the composed step's ring and compressed-key stores: a row past
+    its ``cos_sin`` table writes nothing).  Not a public stage: its checks are
+    ``store_cache_rows``' and ``positions`` ``[R]`` (under the caller's names)."""
+    check = Checker("store_rows_in_table")
+    check_store_cache_rows(check, cache, slot_mapping, rows, scale)
+    check.index_vector("positions", positions, slot_mapping.shape[0], "R")
+    return Program("store_rows_in_table", (),
+                   (_store_launch(cache, slot_mapping, rows, scale, positions, max_position, tuning),), ("cache",))

@@ -3,8 +3,8 @@
 ``compress_rotate_store_kernel`` is the composed step's stage 2 and its
 index-query RoPE in one launch (kernels/step.py uses it for steps of at most
 ``StepTuning.fused_max_rows`` rows).  It is built from the stages' public
-``@triton.jit`` helpers (:mod:`.compress`: windows, pooling, cache rows,
-fp8 quantisation; :mod:`.rope_cache`: rotation pairs, cos/sin, rotation,
+``@triton.jit`` helpers (:mod:`.compress`: windows, pooling, cache rows;
+:mod:`.fp8`: the writers' quantisation; :mod:`.rope_cache`: rotation pairs, cos/sin, rotation,
 query heads), so each piece of arithmetic lives in one place and the fused
 launch rounds exactly as the separate ones do.
 """
@@ -14,12 +14,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .compress import cache_rows, check_compress_groups, check_store_cache_rows, pool, quantise, window_start, windows
+from .compress import cache_rows, check_compress_groups, check_store_cache_rows, in_table, pool, window_start, windows
+from .fp8 import quantise
 from .launch import ArrayInfo, Buffer, Launch, Program
 from .rope_cache import check_rope_rows, rope_cos_sin, rope_pairs, rope_query_heads, rotate
 from .stage import stage
 from .tuning import RopeCacheTuning
-from .validate import BOOL, POSITIVE_INT, Checker
+from .validate import BOOL, NONNEGATIVE_INT, POSITIVE_INT, Checker
 
 
 @triton.jit
@@ -42,7 +43,7 @@ def compress_rotate_store_kernel(
     compressed_out_ptr,  # compressed key cache
     index_q_out_ptr,  # [T, IH, D] index_q's dtype
     # sizes and strides
-    T, num_requests, num_ring_blocks, num_ring_slots, num_compressed_slots, max_position,
+    T, num_requests, num_ring_blocks, num_ring_slots, num_compressed_slots, max_position, max_row_position,
     raw_sr, ring_sb, ring_sp, table_sr, ck_sb, ck_sp, cs_sr, q_sr, q_sh, qo_sr, qo_sh,
     # constexprs
     D: tl.constexpr, F: tl.constexpr, BLOCK_R: tl.constexpr, RATIO: tl.constexpr, RING: tl.constexpr,
@@ -55,7 +56,9 @@ def compress_rotate_store_kernel(
     compressed keys, then (after a barrier: every ring read is done) stores
     this step's raw keys into the ring.  Program ``1 + t`` rotates index_q's
     row ``t``.  Each value is what the separate launches give, bit for bit:
-    the same helpers, the same roundings in the same order.
+    the same helpers, the same roundings in the same order.  A row whose
+    position is outside ``[0, max_row_position)`` (past the step's cos_sin)
+    stores nothing: no compressed key, no ring slot.
     """
     program = tl.program_id(0)
     i, d_a, d_b, freq_a, freq_b = rope_pairs(D, F, IS_NEOX)
@@ -85,8 +88,10 @@ def compress_rotate_store_kernel(
         rotated_a, rotated_b = rotate(pooled_a, pooled_b, cos_a, sin_a, cos_b, sin_b)
         rotated_a = rotated_a.to(key_dtype)
         rotated_b = rotated_b.to(key_dtype)
-        # store_cache_rows into the compressed-key cache.
+        # store_cache_rows into the compressed-key cache (rows past the step's cos_sin: none).
+        row_ok = in_table(end, max_row_position)
         write, cache_row = cache_rows(compressed_slots_ptr, rows, in_batch, num_compressed_slots, ck_sb, ck_sp, CPAGE)
+        write = write & row_ok
         if QUANTISE:
             rotated_a = quantise(rotated_a, scale_ptr, compressed_out_ptr.dtype.element_ty)
             rotated_b = quantise(rotated_b, scale_ptr, compressed_out_ptr.dtype.element_ty)
@@ -96,6 +101,7 @@ def compress_rotate_store_kernel(
         # every thread's ring loads are done (the loads' values are used above).
         tl.debug_barrier()
         write, ring_row = cache_rows(ring_slots_ptr, rows, in_batch, num_ring_slots, ring_sb, ring_sp, RING)
+        write = write & row_ok
         cols = tl.arange(0, D)
         values = tl.load(raw_keys_ptr + rows[:, None] * raw_sr + cols[None, :], mask=write[:, None])
         tl.store(ring_out_ptr + ring_row[:, None] + cols[None, :], values, mask=write[:, None])
@@ -115,7 +121,7 @@ def compress_rotate_store_kernel(
     arrays=("raw_keys", "raw_positions", "compressor_state_cache", "compressor_state_block_table",
             "token_to_req", "query_start_loc", "logical_positions", "compressed_slots",
             "compressor_state_slots", "compressed_key_cache", "cos_sin", "index_q", "scale"),
-    options=dict(compress_ratio=POSITIVE_INT, is_neox=BOOL),
+    options=dict(compress_ratio=POSITIVE_INT, is_neox=BOOL, max_row_position=NONNEGATIVE_INT),
     results=("compressor_state_cache", "compressed_key_cache", "index_q_out"), tuning=dict(tuning="rope_cache"))
 def plan_compress_rotate_store(
     raw_keys: ArrayInfo, raw_positions: ArrayInfo,
@@ -123,7 +129,7 @@ def plan_compress_rotate_store(
     token_to_req: ArrayInfo, query_start_loc: ArrayInfo, logical_positions: ArrayInfo,
     compressed_slots: ArrayInfo, compressor_state_slots: ArrayInfo, compressed_key_cache: ArrayInfo,
     cos_sin: ArrayInfo, index_q: ArrayInfo, compress_ratio: int, is_neox: bool,
-    scale: ArrayInfo | None = None, *, tuning: RopeCacheTuning | None = None,
+    scale: ArrayInfo | None = None, *, max_row_position: int, tuning: RopeCacheTuning | None = None,
 ) -> Program:
     """The composed step's stage 2 and its index-query RoPE as one launch (kernels/step.py).
 
@@ -133,7 +139,9 @@ def plan_compress_rotate_store(
     ``first_positions[:, 0]`` by ``cos_sin`` (stage 1's query path);
     ``store_cache_rows`` of them into ``compressed_key_cache`` at
     ``compressed_slots`` (quantised with ``scale`` into an fp8 cache); and
-    RoPE of ``index_q`` at ``logical_positions``.  Results:
+    RoPE of ``index_q`` at ``logical_positions``; the stores skip every row whose
+    position is outside ``[0, max_row_position)`` (the step passes its
+    ``cos_sin``'s rows, as ``compress.plan_store_rows_in_table``).  Results:
     ``compressor_state_cache``, ``compressed_key_cache`` (in place) and the
     rotated ``index_q``.
 
@@ -177,6 +185,7 @@ def plan_compress_rotate_store(
         scalars=dict(
             T=rows, num_requests=query_start_loc.shape[0] - 1, num_ring_blocks=blocks,
             num_ring_slots=blocks * ring_size, num_compressed_slots=pages * page, max_position=cos_sin.shape[0],
+            max_row_position=max_row_position,
             raw_sr=raw_keys.strides[0], ring_sb=ring.strides[0], ring_sp=ring.strides[1],
             table_sr=compressor_state_block_table.strides[0], ck_sb=compressed_key_cache.strides[0],
             ck_sp=compressed_key_cache.strides[1], cs_sr=cos_sin.strides[0],

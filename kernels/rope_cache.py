@@ -18,6 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .fp8 import quantise
 from .launch import ArrayInfo, Buffer, Launch, Program
 from .stage import stage, when
 from .tuning import RopeCacheTuning
@@ -46,9 +47,10 @@ Args:
     is_neox: NeoX (split halves) if true, GPT-J (interleaved pairs) if false.
     k_scale, v_scale: for ``float8_e4m3fn`` caches only, and then both (else
         None): 0-d / 1-element float scales; k and v are divided by them in
-        float32 before the cast to fp8, which saturates at +-448.  Valid
-        scales (finite, > 0) are the caller's contract: device values are
-        never checked (no host synchronisation).
+        float32 (correctly rounded) before the cast to fp8, which saturates
+        finite values and +-inf at +-448 and keeps NaN a NaN.  Valid scales
+        (finite, > 0) are the caller's contract: device values are never
+        checked (no host synchronisation).
     offsets: optional ``[T]`` added to ``positions``.
     swa_slot_mapping: optional table: the final slot is
         ``swa_slot_mapping[slot_mapping[t]]``.
@@ -59,9 +61,6 @@ Returns:
     with ``return_zeros``, ``zeros`` last.  ``k_out`` holds rotated k for
     rows ``t < T`` (whatever their slot) and k unchanged for KV-only rows.
 """
-
-FP8_MAX = 448.0
-
 
 @triton.jit
 def _rotate_pair(x_row, d_a, d_b, cos_a, sin_a, cos_b, sin_b):
@@ -141,12 +140,13 @@ def _cache_offsets(page, offset, heads, d, SB, SH, SD1, SD2, SP1, SP2,
 
 
 @triton.jit
-def _to_cache(x, scale, HAS_SCALE: tl.constexpr, SATURATE: tl.constexpr):
-    if HAS_SCALE:
-        x = x / scale
-    if SATURATE:
-        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
-    return x
+def _to_cache(x, scale_ptr, dtype: tl.constexpr, FP8_CACHE: tl.constexpr):
+    """float32 ``x`` as the cache stores it: as it is (16-bit caches), or quantised."""
+    if FP8_CACHE:
+        stored = quantise(x, scale_ptr, dtype)
+    else:
+        stored = x.to(dtype)
+    return stored
 
 
 @triton.jit
@@ -161,8 +161,8 @@ def rope_cache_kernel(
     positions_ptr,  # [T] int32/int64
     offsets_ptr,  # [T] int32/int64 (HAS_OFFSETS; else a stand-in, never read)
     cos_sin_ptr,  # [max_position, 2*F] q's dtype or fp32
-    k_scale_ptr,  # 0-d / [1] float (HAS_K_SCALE; else a stand-in)
-    v_scale_ptr,  # 0-d / [1] float (HAS_V_SCALE; else a stand-in)
+    k_scale_ptr,  # 0-d / [1] float (FP8_CACHE; else a stand-in)
+    v_scale_ptr,  # 0-d / [1] float (FP8_CACHE; else a stand-in)
     swa_ptr,  # [num_swa_slots] int32/int64 (HAS_SWA; else a stand-in)
     # outputs (the caches are the inputs' aliases)
     q_out_ptr,  # [T, QH, D] q's dtype
@@ -179,8 +179,8 @@ def rope_cache_kernel(
     D: tl.constexpr, F: tl.constexpr, QH: tl.constexpr, KH: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, NUM_Q_TILES: tl.constexpr,
     PAGE: tl.constexpr, IS_NEOX: tl.constexpr, HAS_OFFSETS: tl.constexpr,
-    HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr, HAS_SWA: tl.constexpr,
-    WRITE_ZEROS: tl.constexpr, SATURATE: tl.constexpr,
+    HAS_SWA: tl.constexpr, WRITE_ZEROS: tl.constexpr,
+    FP8_CACHE: tl.constexpr,  # fp8 e4m3 caches, k_scale and v_scale given: fp8.quantise
     K_DX: tl.constexpr, K_PX: tl.constexpr, V_DX: tl.constexpr, V_PX: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -215,7 +215,7 @@ def rope_cache_kernel(
                 num_slots, swa_len, k_sr, k_sh, v_sr, v_sh, ko_sr, ko_sh,
                 kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2,
                 vc_sb, vc_sh, vc_sd1, vc_sd2, vc_sp1, vc_sp2,
-                D, KH, BLOCK_KH, PAGE, HAS_K_SCALE, HAS_V_SCALE, HAS_SWA, SATURATE,
+                D, KH, BLOCK_KH, PAGE, HAS_SWA, FP8_CACHE,
                 K_DX, K_PX, V_DX, V_PX)
 
 
@@ -246,8 +246,7 @@ def _rope_and_cache_kv_heads(
     kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2,
     vc_sb, vc_sh, vc_sd1, vc_sd2, vc_sp1, vc_sp2,
     D: tl.constexpr, KH: tl.constexpr, BLOCK_KH: tl.constexpr, PAGE: tl.constexpr,
-    HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr,
-    HAS_SWA: tl.constexpr, SATURATE: tl.constexpr,
+    HAS_SWA: tl.constexpr, FP8_CACHE: tl.constexpr,
     K_DX: tl.constexpr, K_PX: tl.constexpr, V_DX: tl.constexpr, V_PX: tl.constexpr,
 ):
     heads = tl.arange(0, BLOCK_KH)
@@ -270,24 +269,18 @@ def _rope_and_cache_kv_heads(
     if (slot >= 0) & (slot < num_slots) & (position_ok | (t >= T)):
         page = slot // PAGE
         offset = slot % PAGE
-        k_scale = 1.0
-        v_scale = 1.0
-        if HAS_K_SCALE:
-            k_scale = tl.load(k_scale_ptr).to(tl.float32)
-        if HAS_V_SCALE:
-            v_scale = tl.load(v_scale_ptr).to(tl.float32)
         cache_dtype = key_cache_out_ptr.dtype.element_ty
         tl.store(key_cache_out_ptr + _cache_offsets(
             page, offset, heads, d_a, kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2, K_DX, K_PX),
-            _to_cache(k_a, k_scale, HAS_K_SCALE, SATURATE).to(cache_dtype), mask=head_mask)
+            _to_cache(k_a, k_scale_ptr, cache_dtype, FP8_CACHE), mask=head_mask)
         tl.store(key_cache_out_ptr + _cache_offsets(
             page, offset, heads, d_b, kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2, K_DX, K_PX),
-            _to_cache(k_b, k_scale, HAS_K_SCALE, SATURATE).to(cache_dtype), mask=head_mask)
+            _to_cache(k_b, k_scale_ptr, cache_dtype, FP8_CACHE), mask=head_mask)
         d = tl.arange(0, D)
         v = tl.load(v_ptr + t * v_sr + safe_heads[:, None] * v_sh + d[None, :]).to(tl.float32)
         tl.store(value_cache_out_ptr + _cache_offsets(
             page, offset, heads, d, vc_sb, vc_sh, vc_sd1, vc_sd2, vc_sp1, vc_sp2, V_DX, V_PX),
-            _to_cache(v, v_scale, HAS_V_SCALE, SATURATE).to(cache_dtype), mask=head_mask)
+            _to_cache(v, v_scale_ptr, cache_dtype, FP8_CACHE), mask=head_mask)
 
 
 def _cache_geometry(check: Checker, key: ArrayInfo, value: ArrayInfo, kh: int, d: int):
@@ -445,9 +438,8 @@ def plan_rope_reshape_and_cache(
             D=d, F=width // 2, QH=qh, KH=kh, BLOCK_H=block_h,
             BLOCK_KH=triton.next_power_of_2(kh), NUM_Q_TILES=num_q_tiles,
             PAGE=page, IS_NEOX=is_neox, HAS_OFFSETS=offsets is not None,
-            HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None,
             HAS_SWA=swa_slot_mapping is not None, WRITE_ZEROS=return_zeros,
-            SATURATE=key_cache.dtype == FP8_DTYPE,
+            FP8_CACHE=key_cache.dtype == FP8_DTYPE,
             K_DX=key_terms[6], K_PX=key_terms[7], V_DX=value_terms[6], V_PX=value_terms[7],
         ),
         num_warps=tuning.num_warps,

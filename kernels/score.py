@@ -43,8 +43,8 @@ SCALE_DOC = """\
         must be None): the cache's one positive per-tensor scale, a 0-d or
         1-element float tensor (keys = stored values * k_scale, as
         ``store_cache_rows(..., scale=)`` wrote them).  The fp8 keys are
-        converted exactly to q's dtype for the dot (float32 accumulation) and
-        k_scale is folded into the float32 divisor: ``score_divisor /
+        converted exactly to q's dtype for the dot (float32 accumulation; NaN
+        codes as NaN) and k_scale is folded into the float32 divisor: ``score_divisor /
         k_scale`` (``relu`` commutes with a positive scale).  The logits
         equal those of a 16-bit cache of the dequantised keys within float32
         rounding, not bitwise (a few last-bit differences on the GPU)."""

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Self
 import numpy as np
 
 from .attention import plan_sparse_paged_attention
-from .compress import plan_compress_groups, plan_store_cache_rows
+from .compress import plan_compress_groups, plan_store_rows_in_table
 from .fused import plan_compress_rotate_store
 from .launch import ArrayInfo, Buffer, Launch, Program
 from .paging import METADATA_FIELDS, STATE_FIELDS
@@ -90,7 +90,9 @@ Args:
         ``rope_reshape_and_cache``).
     index_cos_sin: ``[max_position_i, 2*FI]`` RoPE table of the indexer heads,
         ``max_position_i >= max_position`` (cos_sin's rows).  A position past
-        cos_sin gives a NaN ``out`` row and writes no K/V (stage 1's signal).
+        cos_sin gives a NaN ``out`` row and writes nothing: no K/V, no ring
+        slot, no compressed key (the group it completes is not stored; its
+        slot keeps what it held until a step covering the position runs).
     compress_ratio: tokens per compressed group; the ring holds at least that
         many slots.
     token_topk: tokens selected per row (a multiple of compress_ratio), plus
@@ -459,7 +461,9 @@ def plan_qsa_attention_step(
 
     # 2. Pool first, then overwrite the ring with this step's raw keys; and
     # 3a. RoPE on the index queries: one launch for a few rows, in that order
-    # (_fuses_compression), else four.
+    # (_fuses_compression), else four.  A row past cos_sin stores nothing (no
+    # ring slot, no compressed key), as stage 1 writes no K/V for it.
+    max_row_position = cos_sin.shape[0]
     if _fuses_compression(rows, tuning):
         index_q_rotated = step.stage(
             "compress_rotate_store", plan_compress_rotate_store, raw_keys=a.index_k, raw_positions=a.raw_positions,
@@ -468,7 +472,7 @@ def plan_qsa_attention_step(
             query_start_loc=a.query_start_loc, logical_positions=a.positions, compressed_slots=a.compressed_slots,
             compressor_state_slots=a.compressor_state_slots, compressed_key_cache=a.compressed_key_cache,
             cos_sin=a.index_cos_sin, index_q=a.index_q, scale=a.compressed_key_scale,
-            compress_ratio=compress_ratio, is_neox=is_neox).index_q_out
+            compress_ratio=compress_ratio, is_neox=is_neox, max_row_position=max_row_position).index_q_out
     else:
         compress = step.stage(
             "compress", plan_compress_groups, raw_keys=a.index_k, raw_positions=a.raw_positions,
@@ -476,15 +480,17 @@ def plan_qsa_attention_step(
             compressor_state_block_table=a.compressor_state_block_table, token_to_req=a.token_to_req,
             query_start_loc=a.query_start_loc, logical_positions=a.positions, compressed_slots=a.compressed_slots,
             compress_ratio=compress_ratio)
-        step.stage("ring", plan_store_cache_rows, cache=a.compressor_state_cache,
-                   slot_mapping=a.compressor_state_slots, rows=a.index_k)
+        step.stage("ring", plan_store_rows_in_table, cache=a.compressor_state_cache,
+                   slot_mapping=a.compressor_state_slots, rows=a.index_k, positions=a.positions,
+                   max_position=max_row_position)
         # The pooled keys get RoPE at their group's first position: column 0
         # of compress_groups' [T, 3] first_positions.
         pooled = step.stage("rotate_pooled", plan_rope_rows, x=compress.pooled.named("index_k"),
                             positions=compress.first_positions.named("metadata.raw_positions"),
                             cos_sin=a.index_cos_sin, is_neox=is_neox).out
-        step.stage("compressed", plan_store_cache_rows, cache=a.compressed_key_cache,
-                   slot_mapping=a.compressed_slots, rows=pooled.named("index_k"), scale=a.compressed_key_scale)
+        step.stage("compressed", plan_store_rows_in_table, cache=a.compressed_key_cache,
+                   slot_mapping=a.compressed_slots, rows=pooled.named("index_k"), positions=a.positions,
+                   max_position=max_row_position, scale=a.compressed_key_scale)
         index_q_rotated = step.stage("rotate_index_q", plan_rope_rows, x=a.index_q, positions=a.positions,
                                      cos_sin=a.index_cos_sin, is_neox=is_neox).out
 

@@ -10,6 +10,39 @@ import numpy as np
 
 
 # --------------------------------------------------------------------------
+# fp8 e4m3fn (the caches' byte format): decoding and the writers' rounding
+# --------------------------------------------------------------------------
+
+def e4m3_value(code: int) -> float:
+    """The value of one e4m3fn byte ``s eeee mmm`` (bias 7, no infinities): NaN for 0x7f, 0xff."""
+    sign = -1.0 if code & 0x80 else 1.0
+    exponent, mantissa = (code >> 3) & 0xF, code & 0x7
+    if exponent == 0xF and mantissa == 0x7:
+        return float("nan")
+    if exponent == 0:  # subnormal: 0.mmm x 2**-6
+        return sign * mantissa / 8 * 2.0 ** -6
+    return sign * (1 + mantissa / 8) * 2.0 ** (exponent - 7)
+
+
+def e4m3_round(x) -> np.ndarray:
+    """What an fp8 writer stores for float64 ``x`` (docs/api.md), as a float64 value: NaN stays
+    NaN; finite values and +-inf beyond +-448 saturate to +-448; the rest round to the nearest
+    e4m3 value, ties to the even mantissa (spacing 2**(e - 3) in [2**e, 2**(e+1)), 2**-9 below
+    2**-6); the sign of zero is kept."""
+    x = np.asarray(x, np.float64)
+    out = np.empty_like(x)
+    for i, value in np.ndenumerate(x):
+        if np.isnan(value):
+            out[i] = np.nan
+            continue
+        magnitude = min(abs(value), 448.0)
+        exponent = max(int(np.floor(np.log2(magnitude))), -6) if magnitude > 0 else -6
+        spacing = 2.0 ** (exponent - 3)
+        out[i] = np.copysign(min(np.round(magnitude / spacing) * spacing, 448.0), value)  # np.round: ties to even
+    return out
+
+
+# --------------------------------------------------------------------------
 # Stage 1: RoPE + paged KV-cache write
 # --------------------------------------------------------------------------
 
@@ -60,7 +93,8 @@ def rope_reshape_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positi
 
     Caches are float64 copies of the inputs, updated where a slot addresses
     them; values are divided by the scales and, for fp8 caches, clipped to
-    +-448 (the caller rounds to the cache dtype).
+    +-448 (NaN stays NaN; the caller rounds to the cache dtype).  A row
+    whose position is outside ``cos_sin`` writes no cell.
     """
     q = np.asarray(q, np.float64)
     k = np.asarray(k, np.float64)

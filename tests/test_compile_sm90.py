@@ -36,7 +36,7 @@ import pytest
 import triton
 
 from qsa_kernels.attention import plan_sparse_paged_attention
-from qsa_kernels.compress import plan_compress_groups, plan_store_cache_rows
+from qsa_kernels.compress import plan_compress_groups, plan_store_cache_rows, plan_store_rows_in_table
 from qsa_kernels.fused import plan_compress_rotate_store
 from qsa_kernels.launch import ArrayInfo, Launch
 from qsa_kernels.rope_cache import plan_rope_reshape_and_cache
@@ -104,7 +104,7 @@ def _fused_compression(rows, d=128, requests=None, dtype=BF16, ratio=4, cache=No
         compressed_slots=a((rows,), index), compressor_state_slots=a((rows,), index),
         compressed_key_cache=a((4096, 64, 1, d), cache), cos_sin=a((1 << 17, 2 * d if full_rotary else d), FP32),
         index_q=a((rows, heads, d), dtype), compress_ratio=ratio, is_neox=is_neox,
-        scale=a((), FP32) if cache == FP8 else None)
+        scale=a((), FP32) if cache == FP8 else None, max_row_position=1 << 17)
 
 
 def _store(rows, width, dtype, index=I32, squeezed=True, quantise_from=None):
@@ -112,6 +112,14 @@ def _store(rows, width, dtype, index=I32, squeezed=True, quantise_from=None):
     scale = dict(scale=a((1,), FP32)) if quantise_from else {}
     return plan_store_cache_rows, dict(cache=a((8192, 64, 1, width), dtype), slot_mapping=a((rows,), index),
                                        rows=a((rows, width) if squeezed else (rows, 1, width), row_dtype), **scale)
+
+
+def _store_in_table(rows, width, dtype, index=I32, quantise_from=None):
+    """The composed step's ring and compressed-key stores (rows past cos_sin skipped by position)."""
+    scale = dict(scale=a((), FP32)) if quantise_from else {}
+    return plan_store_rows_in_table, dict(cache=a((8192, 64, 1, width), dtype), slot_mapping=a((rows,), index),
+                                          rows=a((rows, 1, width), quantise_from or dtype),
+                                          positions=a((rows,), index), max_position=1 << 17, **scale)
 
 
 def _scoring(rows, requests, context, heads=4, d=128, q=BF16, k=BF16, page=64, index=I32):
@@ -187,6 +195,8 @@ CASES = {
     "store/fp8-from-bf16-d128-decode-256": _store(256, 128, FP8, quantise_from=BF16),
     "store/fp8-from-fp32-d128-prefill-2048-3d-rows": _store(2048, 128, FP8, squeezed=False, quantise_from=FP32),
     "store/int32-positions-2048": _store(2048, 3, I32),
+    "store/in-table-ring-bf16-d128-prefill-2048": _store_in_table(2048, 128, BF16),
+    "store/in-table-fp8-from-bf16-d128-decode-256-int64": _store_in_table(256, 128, FP8, index=I64, quantise_from=BF16),
     # Stage 3: scoring tilings (rows per tile 1 / 16 / 64; exact fp32 dot).
     "scores/decode-256-128k": _scores(256, 256, 1 << 17),
     "scores/decode-1-1m": _scores(1, 1, 1 << 20),

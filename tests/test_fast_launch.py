@@ -537,8 +537,10 @@ def test_interpreted_launch_is_kernel_grid():
     slots = torch.tensor([3, 17, 0, 9, -1, 12, 19], dtype=torch.int32)
     rows = torch.randn(7, 24, generator=gen)
     (launch,) = plan_store_cache_rows(_info(cache), _info(slots), _info(rows)).launches
-    # The fourth input is the scale's stand-in pointer (no scale: an unquantised store).
-    assert launch.inputs == ("cache", "slot_mapping", "rows", "slot_mapping") and launch.outputs == ("cache",)
+    # The fourth and fifth inputs are the scale's and the positions' stand-in pointers (an unquantised
+    # store of every row).
+    assert launch.inputs == ("cache", "slot_mapping", "rows", "slot_mapping", "slot_mapping")
+    assert launch.outputs == ("cache",)
     env = dict(cache=cache.clone(), slot_mapping=slots, rows=rows)
     ours = FastLauncher()
     assert ours.interpreted

@@ -306,7 +306,7 @@ def rope_cases(draw):
         full_freqs=draw(st.booleans()), is_neox=draw(st.booleans()), max_position=max_position,
         positions=positions, positions_dtype=positions_dtype, offsets=offsets,
         slots=distinct_writes(slots, final_slot), slots_dtype=slots_dtype, swa=swa, swa_dtype=swa_dtype,
-        scales=None,  # 16-bit caches take no scales (issue 28); fp8 writes are GPU tests (test_rope_cache)
+        scales=None,  # 16-bit caches take no scales (issue 28); fp8 writes: test_rope_cache, test_fp8
         scale_shape=draw(st.sampled_from(((), (1,)))), return_zeros=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
     )

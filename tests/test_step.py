@@ -7,7 +7,9 @@
   and finishing: torch and JAX (jit, donated state) bit-identical at every
   step, the JAX step traced once per batch shape, and every step against a
   dense (unpaged) float64 reference of the whole step;
-* the same argument errors from both adapters.
+* the same argument errors from both adapters;
+* a row past cos_sin writes nothing anywhere (issue 28, item 5), fused and
+  separate compression launches, and a retried step completes its group.
 """
 
 from __future__ import annotations
@@ -779,7 +781,7 @@ def _fused_step_arguments(schedule: str, is_neox: bool, cache: str) -> dict:
     return dict(random_inputs(model, int(meta.positions.shape[0]), g), state=state, metadata=meta, **options)
 
 
-@pytest.mark.parametrize("cache", ["bf16", pytest.param("fp8", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])  # fp8: the interpreter's casts are exact (interpreter_compat)
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
 @pytest.mark.parametrize("schedule", ["decode", "prefill"])
 def test_fused_compression_equals_separate_launches(schedule, is_neox, cache):
@@ -861,3 +863,208 @@ def test_fused_compression_equals_separate_launches_on_metadata_to_skip(case):
     positions = host(tensors["positions"])
     assert (positions < 0).any() or (positions >= tensors["index_cos_sin"].shape[0]).any(), "no position to skip"
     _assert_same_step(dict(sanitize.step_containers(runner, tensors), **static), valid=False)
+
+
+# --------------------------------------------------------------------------
+# A row past cos_sin writes nothing anywhere (issue 28, item 5)
+# --------------------------------------------------------------------------
+
+def _step_context(fuse: bool):
+    import contextlib
+
+    return contextlib.nullcontext() if fuse else _unfused()
+
+
+CACHE_SLOTS = (("key_cache", "slot_mapping"), ("value_cache", "slot_mapping"),
+               ("compressor_state_cache", "compressor_state_slots"), ("compressed_key_cache", "compressed_slots"))
+
+
+def _slot_rows(cache: torch.Tensor, meta, slots_name: str, rows: np.ndarray) -> list[torch.Tensor]:
+    """The cache rows (``[..., D]`` of one slot) that ``rows`` of the metadata address."""
+    flat = cache.view(-1, *cache.shape[2:])
+    return [flat[slot] for slot in host(getattr(meta, slots_name))[rows].tolist() if 0 <= slot < flat.shape[0]]
+
+
+def _poison_slots(state, meta, rows: np.ndarray) -> None:
+    """-3.25 in every cache slot that ``rows`` address (K/V, ring, compressed keys)."""
+    for cache, slots in CACHE_SLOTS:
+        for row in _slot_rows(getattr(state, cache), meta, slots, rows):
+            row.fill_(-3.25)
+
+
+def _assert_slots_poisoned(state, meta, rows: np.ndarray, what: str) -> None:
+    for cache, slots in CACHE_SLOTS:
+        for row in _slot_rows(getattr(state, cache), meta, slots, rows):
+            assert (f64(row) == -3.25).all(), f"{what}: {cache} written at a slot of a row past cos_sin"
+
+
+def _without_rows(meta, rows: np.ndarray):
+    """``meta`` with ``rows``' K/V, ring and compressed-key slots -1 (a step that writes nothing for them)."""
+    mask = torch.from_numpy(rows).to(meta.slot_mapping.device)
+    return dataclasses.replace(meta, **{name: torch.where(mask, -1, getattr(meta, name)) for name in
+                                        ("slot_mapping", "compressor_state_slots", "compressed_slots")})
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+@pytest.mark.parametrize("table_rows, index_rows", [(5, None), (4, 4)], ids=["index_table_covers", "index_table_too"])
+def test_rows_past_cos_sin_write_no_ring_slot_and_no_compressed_key(fuse, table_rows, index_rows):
+    """Bug (issue 28, item 5): a row past cos_sin wrote no K/V, but its raw index key went into
+    the ring and the group it completes into the compressed-key cache (a NaN key when the
+    group's first position is past index_cos_sin too: ranked last by every later selection).
+    Now it writes nothing anywhere: every cache equals, bitwise, the same step with that row's
+    slots -1, its slots keep their poison, and the other rows' out is unchanged; torch and JAX
+    agree.  Fused and separate compression launches."""
+    arguments = _two_step_arguments()
+    meta, state = arguments["metadata"], arguments["state"]
+    past = host(meta.positions) >= table_rows
+    assert (host(meta.compressed_slots)[past] >= 0).any() and (host(meta.compressor_state_slots)[past] >= 0).any()
+    assert not past.all()
+    arguments["cos_sin"] = arguments["cos_sin"][:table_rows]
+    if index_rows is not None:
+        arguments["index_cos_sin"] = arguments["index_cos_sin"][:index_rows]
+    _poison_slots(state, meta, past)
+    before = {n: getattr(state, n).clone() for n in STATE_FIELDS}
+    (out, new_state, _), kernels = _run_step(arguments, fuse)
+    assert (FUSED_KERNEL in kernels) == fuse
+    (ref_out, ref_state, _), _ = _run_step(dict(arguments, metadata=_without_rows(meta, past)), fuse)
+    with _step_context(fuse):
+        jax_out, jax_state, _ = qsa_jax.qsa_attention_step(**_jax_arguments(arguments))
+    assert np.isnan(f64(out)[past]).all() and np.isfinite(f64(out)[~past]).all()
+    assert_bitwise_equal(out, ref_out, "out")
+    assert_bitwise_equal(jax_out, out, "torch vs JAX out")
+    for name in STATE_FIELDS:
+        assert_bitwise_equal(getattr(new_state, name), getattr(ref_state, name), f"{name} vs the step without the row")
+        assert_bitwise_equal(getattr(jax_state, name), getattr(new_state, name), f"torch vs JAX {name}")
+    _assert_slots_poisoned(new_state, meta, past, "torch")
+    for name in ("compressor_state_cache", "compressed_key_cache"):  # not vacuous: the valid rows wrote
+        assert not torch.equal(host_bits(getattr(new_state, name)), host_bits(before[name])), name
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+def test_step_with_every_row_past_cos_sin_changes_no_cache(fuse):
+    """Every row past cos_sin (and index_cos_sin): out is NaN and the four caches are bitwise
+    what they were, in torch and JAX."""
+    arguments = _two_step_arguments()
+    arguments.update(cos_sin=arguments["cos_sin"][:2], index_cos_sin=arguments["index_cos_sin"][:2])
+    assert (host(arguments["metadata"].positions) >= 2).all()
+    before = {n: getattr(arguments["state"], n).clone() for n in STATE_FIELDS}
+    (out, state, _), _ = _run_step(arguments, fuse)
+    with _step_context(fuse):
+        jax_out, jax_state, _ = qsa_jax.qsa_attention_step(**_jax_arguments(arguments))
+    assert np.isnan(f64(out)).all()
+    assert_bitwise_equal(jax_out, out, "torch vs JAX out")
+    for name in STATE_FIELDS:
+        assert_bitwise_equal(getattr(state, name), before[name], f"{name} (torch)")
+        assert_bitwise_equal(getattr(jax_state, name), before[name], f"{name} (JAX)")
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+@pytest.mark.parametrize("index_table", ["covers", "cut"])
+def test_decode_step_past_cos_sin_then_retried_equals_a_clean_run(fuse, index_table):
+    """A decode step whose row at position 15 (completing group 12..15) is past a 12-row
+    cos_sin writes nothing for it; rerun with tables that cover it, the step completes that
+    group: every cache equals a clean run's bitwise, and the next step's out and selection are
+    the clean run's (docs/api.md: a later valid step completes the group).  ``cut``:
+    index_cos_sin is 12 rows too (the group's first position, 12, is past it: before the fix a
+    NaN key was stored)."""
+    model = Model(index_dtype=torch.bfloat16)
+    geometry = dataclasses.replace(GEOMETRY, ring_size=2 * model.ratio)
+    g = torch.Generator().manual_seed(23)
+    pager = PagedRequests(geometry, seed=5)
+    cos_sin, index_cos_sin = rope_table(model.D), rope_table(model.DI)
+    state = random_state(model, g, geometry)
+    options = dict(return_token_indices=True, **model.options())
+    full = dict(cos_sin=cos_sin, index_cos_sin=index_cos_sin)
+    short = dict(cos_sin=cos_sin[:12], index_cos_sin=index_cos_sin[:12] if index_table == "cut" else index_cos_sin)
+
+    def step(state, schedule_meta, inputs, tables):
+        with _step_context(fuse):
+            return qsa_torch.qsa_attention_step(**inputs, state=state, metadata=schedule_meta, **tables, **options)
+
+    meta = qsa_torch.StepMetadata.from_host(pager.step({"a": 15, "b": 7, "c": 2}), DEVICE)
+    _, state, _ = step(state, meta, random_inputs(model, 24, g), full)
+    host_meta = pager.step({"a": 1, "b": 1, "c": 1})
+    meta = qsa_torch.StepMetadata.from_host(host_meta, DEVICE)
+    assert host(meta.positions).tolist() == [15, 7, 2] and host(meta.compressed_slots)[0] >= 0
+    inputs = random_inputs(model, 3, g)
+    after_meta = qsa_torch.StepMetadata.from_host(pager.step({"a": 1, "b": 1, "c": 1}), DEVICE)
+    next_inputs = random_inputs(model, 3, g)
+
+    clean_out, clean, clean_indices = step(clone_state(state), meta, inputs, full)
+    clean_next = step(clone_state(clean), after_meta, next_inputs, full)
+
+    bad = clone_state(state)
+    _poison_slots(bad, meta, np.array([True, False, False]))
+    poisoned = clone_state(bad)
+    jax_arguments = _jax_arguments(dict(inputs, state=bad, metadata=meta, **short, **options))
+    with _step_context(fuse):
+        jax_out, jax_bad, _ = qsa_jax.qsa_attention_step(**jax_arguments)
+    out, bad, _ = step(bad, meta, inputs, short)
+    assert np.isnan(f64(out)[0]).all() and np.isfinite(f64(out)[1:]).all()
+    assert_bitwise_equal(jax_out, out, "torch vs JAX out")
+    _assert_slots_poisoned(bad, meta, np.array([True, False, False]), "the step past cos_sin")
+    for name in STATE_FIELDS:
+        assert_bitwise_equal(getattr(jax_bad, name), getattr(bad, name), f"torch vs JAX {name}")
+        assert_bitwise_equal(getattr(bad, name), getattr(_without_rows_step(step, poisoned, meta, inputs, full), name),
+                             f"{name}: the bad step vs the step without row 0")
+
+    retry_out, retried, retry_indices = step(bad, meta, inputs, full)
+    assert_bitwise_equal(retry_out, clean_out, "retried out")
+    assert_bitwise_equal(retry_indices, clean_indices, "retried token_indices")
+    for name in STATE_FIELDS:
+        assert_bitwise_equal(getattr(retried, name), getattr(clean, name), f"{name} after the retry")
+    next_out, _, next_indices = step(retried, after_meta, next_inputs, full)
+    assert_bitwise_equal(next_out, clean_next[0], "the next step's out")
+    assert_bitwise_equal(next_indices, clean_next[2], "the next step's selection")
+
+
+def _without_rows_step(step, state, meta, inputs, tables):
+    """The caches after ``step`` with row 0's slots -1 (on a copy of ``state``)."""
+    return step(clone_state(state), _without_rows(meta, np.array([True, False, False])), inputs, tables)[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+def test_decode_row_past_cos_sin_writes_nothing_production_heads(fuse, cache):
+    """Production heads (24 Q / 2 KV x d256; indexer 4 x d128, ratio 4, pages of 64), bf16 or
+    fp8 caches: a decode row past cos_sin completing a group writes nothing (every cache bitwise
+    the step without its slots, its slots' poison kept), the other row as usual; torch and JAX
+    agree."""
+    from .test_fp8 import fp8_state
+
+    model = Model(QH=24, KH=2, D=256, IH=4, DI=128, ratio=4, token_topk=64, index_dtype=torch.bfloat16)
+    geometry = CacheGeometry(page_size=64, num_pages=8, compress_ratio=4, compressed_page_size=64,
+                             num_compressed_pages=4, max_context=256, max_requests=2)
+    g = torch.Generator().manual_seed(37)
+    pager = PagedRequests(geometry, seed=6)
+    state = random_state(model, g, geometry)
+    if cache == "fp8":
+        state = fp8_state(state)
+    options = dict(return_token_indices=True, **model.options())
+    tables = dict(cos_sin=rope_table(model.D, 256), index_cos_sin=rope_table(model.DI, 256))
+    meta = qsa_torch.StepMetadata.from_host(pager.step({"a": 63, "b": 30}), DEVICE)
+    _, state, _ = qsa_torch.qsa_attention_step(**random_inputs(model, 93, g), state=state, metadata=meta,
+                                               **tables, **options)
+    meta = qsa_torch.StepMetadata.from_host(pager.step({"a": 1, "b": 1}), DEVICE)
+    past = np.array([True, False])
+    assert host(meta.positions).tolist() == [63, 30] and host(meta.compressed_slots)[0] >= 0
+    _poison_slots(state, meta, past)
+    arguments = dict(random_inputs(model, 2, g), state=state, metadata=meta, **options,
+                     cos_sin=tables["cos_sin"][:40], index_cos_sin=tables["index_cos_sin"])
+    (out, new_state, _), kernels = _run_step(arguments, fuse)
+    assert (FUSED_KERNEL in kernels) == fuse
+    (ref_out, ref_state, _), _ = _run_step(dict(arguments, metadata=_without_rows(meta, past)), fuse)
+    with _step_context(fuse):
+        jax_out, jax_state, _ = qsa_jax.qsa_attention_step(**_jax_arguments(arguments))
+    assert np.isnan(f64(out)[0]).all() and np.isfinite(f64(out)[1]).all()
+    assert_bitwise_equal(out, ref_out, "out")
+    assert_bitwise_equal(jax_out, out, "torch vs JAX out")
+    for name in STATE_FIELDS:
+        assert_bitwise_equal(getattr(new_state, name), getattr(ref_state, name), f"{name} vs the step without the row")
+        assert_bitwise_equal(getattr(jax_state, name), getattr(new_state, name), f"torch vs JAX {name}")
+    _assert_slots_poisoned(new_state, meta, past, "torch")
