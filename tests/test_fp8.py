@@ -463,6 +463,16 @@ def test_nan_in_k_v_gives_the_nan_rows_of_a_16bit_cache(dtype):
     assert_bitwise_equal(jax_out, out, "torch vs JAX")
 
 
+def assert_logits_like(logits, expected) -> None:
+    """fp8-key logits as those of the same keys widened to bf16: NaN and -inf in the same places, the
+    rest to float32 rounding.  (Whether a NaN key gives a NaN logit is the relu's: the GPU's max.f32
+    drops NaN, as Triton 3.9's interpreter does, 3.6's keeps it; the same for fp8 and bf16 keys.)"""
+    got, want = f64(logits), f64(expected)
+    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.array_equal(np.isneginf(got), np.isneginf(want))
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-6, atol=1e-6 * np.abs(want[finite]).max())
+
+
 def test_nan_in_stored_keys_scores_as_16bit_keys():
     """Bug (issue 28, item 4): store_cache_rows(..., scale=) stored a NaN key element as -448.
     Now the fp8 compressed keys hold NaN codes where the rows had NaN, and the scorer reads them
@@ -486,12 +496,7 @@ def test_nan_in_stored_keys_scores_as_16bit_keys():
     fp8_case = dict(case, k_cache=fp8_cache)
     logits, _ = qsa_torch.mqa_paged_scores(**fp8_case, compress_ratio=4, k_scale=scale)
     expected, _ = qsa_torch.mqa_paged_scores(**wide, compress_ratio=4)
-    got, want = f64(logits), f64(expected)
-    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.array_equal(np.isneginf(got), np.isneginf(want))
-    # (Whether a NaN key gives a NaN logit is the relu's: the GPU's max.f32 drops NaN, as
-    # Triton 3.9's interpreter does, 3.6's keeps it; the same for fp8 and bf16 keys either way.)
-    finite = np.isfinite(want)
-    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-6, atol=1e-6 * np.abs(want[finite]).max())
+    assert_logits_like(logits, expected)
     scores = jax.jit(lambda s, *arrays: qsa_jax.mqa_paged_scores(*arrays, 4, k_scale=s))
     assert_bitwise_equal(scores(to_jax(scale), *jax_args(fp8_case).values())[0], logits, "logits torch vs JAX")
     tokens = qsa_torch.select_paged_tokens(**fp8_case, token_topk=8, compress_ratio=4, k_scale=scale)
@@ -620,10 +625,7 @@ def test_scorer_fp8_nan_codes_production(columns, fused):
     with tuning.override(select=tuning.SelectTuning(fused_max_columns=columns)):
         logits, _ = qsa_torch.mqa_paged_scores(**case, compress_ratio=4, k_scale=k_scale)
         expected, _ = qsa_torch.mqa_paged_scores(**wide, compress_ratio=4)
-        got, want = f64(logits), f64(expected)
-        assert np.array_equal(np.isnan(got), np.isnan(want)) and np.array_equal(np.isneginf(got), np.isneginf(want))
-        finite = np.isfinite(want)
-        np.testing.assert_allclose(got[finite], want[finite], rtol=1e-6, atol=1e-6 * np.abs(want[finite]).max())
+        assert_logits_like(logits, expected)
         if fused:
             assert_fused_equals_three_launches(case, 2048, max_columns=columns, k_scale=k_scale,
                                                score_columns=tuning.SelectTuning().fused_score_columns)

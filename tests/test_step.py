@@ -892,6 +892,25 @@ def _poison_slots(state, meta, rows: np.ndarray) -> None:
             row.fill_(-3.25)
 
 
+def _assert_rows_write_nothing(arguments, meta, past, fuse):
+    """Run the step: the ``past`` rows' out is NaN, the others' finite, and out and every cache equal the
+    same step without those rows bitwise; their slots keep their poison; torch and JAX agree.  Returns
+    ``(out, new state)``."""
+    (out, new_state, _), kernels = _run_step(arguments, fuse)
+    assert (FUSED_KERNEL in kernels) == fuse
+    (ref_out, ref_state, _), _ = _run_step(dict(arguments, metadata=_without_rows(meta, past)), fuse)
+    with _step_context(fuse):
+        jax_out, jax_state, _ = qsa_jax.qsa_attention_step(**_jax_arguments(arguments))
+    assert np.isnan(f64(out)[past]).all() and np.isfinite(f64(out)[~past]).all()
+    assert_bitwise_equal(out, ref_out, "out")
+    assert_bitwise_equal(jax_out, out, "torch vs JAX out")
+    for name in STATE_FIELDS:
+        assert_bitwise_equal(getattr(new_state, name), getattr(ref_state, name), f"{name} vs the step without the row")
+        assert_bitwise_equal(getattr(jax_state, name), getattr(new_state, name), f"torch vs JAX {name}")
+    _assert_slots_poisoned(new_state, meta, past, "torch")
+    return out, new_state
+
+
 def _assert_slots_poisoned(state, meta, rows: np.ndarray, what: str) -> None:
     for cache, slots in CACHE_SLOTS:
         for row in _slot_rows(getattr(state, cache), meta, slots, rows):
@@ -925,18 +944,7 @@ def test_rows_past_cos_sin_write_no_ring_slot_and_no_compressed_key(fuse, table_
         arguments["index_cos_sin"] = arguments["index_cos_sin"][:index_rows]
     _poison_slots(state, meta, past)
     before = {n: getattr(state, n).clone() for n in STATE_FIELDS}
-    (out, new_state, _), kernels = _run_step(arguments, fuse)
-    assert (FUSED_KERNEL in kernels) == fuse
-    (ref_out, ref_state, _), _ = _run_step(dict(arguments, metadata=_without_rows(meta, past)), fuse)
-    with _step_context(fuse):
-        jax_out, jax_state, _ = qsa_jax.qsa_attention_step(**_jax_arguments(arguments))
-    assert np.isnan(f64(out)[past]).all() and np.isfinite(f64(out)[~past]).all()
-    assert_bitwise_equal(out, ref_out, "out")
-    assert_bitwise_equal(jax_out, out, "torch vs JAX out")
-    for name in STATE_FIELDS:
-        assert_bitwise_equal(getattr(new_state, name), getattr(ref_state, name), f"{name} vs the step without the row")
-        assert_bitwise_equal(getattr(jax_state, name), getattr(new_state, name), f"torch vs JAX {name}")
-    _assert_slots_poisoned(new_state, meta, past, "torch")
+    out, new_state = _assert_rows_write_nothing(arguments, meta, past, fuse)
     for name in ("compressor_state_cache", "compressed_key_cache"):  # not vacuous: the valid rows wrote
         assert not torch.equal(host_bits(getattr(new_state, name)), host_bits(before[name])), name
 
@@ -1056,15 +1064,4 @@ def test_decode_row_past_cos_sin_writes_nothing_production_heads(fuse, cache):
     _poison_slots(state, meta, past)
     arguments = dict(random_inputs(model, 2, g), state=state, metadata=meta, **options,
                      cos_sin=tables["cos_sin"][:40], index_cos_sin=tables["index_cos_sin"])
-    (out, new_state, _), kernels = _run_step(arguments, fuse)
-    assert (FUSED_KERNEL in kernels) == fuse
-    (ref_out, ref_state, _), _ = _run_step(dict(arguments, metadata=_without_rows(meta, past)), fuse)
-    with _step_context(fuse):
-        jax_out, jax_state, _ = qsa_jax.qsa_attention_step(**_jax_arguments(arguments))
-    assert np.isnan(f64(out)[0]).all() and np.isfinite(f64(out)[1]).all()
-    assert_bitwise_equal(out, ref_out, "out")
-    assert_bitwise_equal(jax_out, out, "torch vs JAX out")
-    for name in STATE_FIELDS:
-        assert_bitwise_equal(getattr(new_state, name), getattr(ref_state, name), f"{name} vs the step without the row")
-        assert_bitwise_equal(getattr(jax_state, name), getattr(new_state, name), f"torch vs JAX {name}")
-    _assert_slots_poisoned(new_state, meta, past, "torch")
+    _assert_rows_write_nothing(arguments, meta, past, fuse)
