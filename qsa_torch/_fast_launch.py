@@ -13,9 +13,12 @@ compiled kernel's launcher directly, exactly as ``JITFunction.run`` would::
 
 The first call of each key (a miss) goes through ``kernel[grid](...)``, which
 compiles (or finds) and launches the kernel and returns it; the key's claim of
-what Triton specializes on is then checked against Triton's own binder, and a
-mismatch raises :class:`SpecializationDriftWarning` instead of caching a binding
-that could later launch the wrong kernel.
+what Triton specializes on is then checked against Triton's own binder.  A
+mismatch (or Triton internals not where this module reads them) warns once
+(:class:`SpecializationDriftWarning`) and turns the fast path off for that
+kernel instead of caching a binding that could later launch the wrong kernel;
+the call itself ran the ordinary way.  The fast path is on only for the Triton
+minors in :data:`VERIFIED` (``QSA_FAST_LAUNCH`` overrides).
 
 What the key holds, per call (``triton/runtime/jit.py`` and
 ``python/src/specialize.cc`` of Triton 3.6 are the reference):
