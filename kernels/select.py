@@ -77,7 +77,7 @@ def select_fused_kernel(
     query_positions_ptr,  # [R] int32/int64
     sequence_lengths_ptr,  # [B] int32/int64
     k_scale_ptr,  # [] or [1] float (read only when FP8_KEYS)
-    state_in_ptr,  # [rows, 4 + GROUPS] int32 zeros: state_ptr's memory (JAX aliases them; read through state_ptr)
+    state_in_ptr,  # [rows, STATE] int32 zeros: state_ptr's memory (JAX aliases them; read through state_ptr)
     previous_ptr,  # [R, WIDTH] int32: out of the earlier chunks (the same buffer; unread)
     # outputs (all but out local to the launch: row_begin + i is row i)
     out_ptr,  # [R, WIDTH] int32 token indices (row stride out_sr)
@@ -86,7 +86,7 @@ def select_fused_kernel(
     counts_ptr,  # [rows, 2, SLICES] int32: as topk_ticketed_kernel's
     cand_key_ptr,  # [rows, SLICES, REGION] int32: candidate order keys
     cand_col_ptr,  # [rows, SLICES, REGION] int32: their columns
-    state_ptr,  # [rows, 4 + GROUPS] int32: tickets, then the group maxima; zero again when the row is done
+    state_ptr,  # [rows, STATE] int32: tickets, the group maxima, the shared histogram; zero again when the row is done
     # sizes, strides, options
     row_begin, num_columns, num_pages, num_requests, table_width,
     q_sr, q_sh, kc_sb, kc_sp, pt_sr, lg_sr, out_sr, score_divisor,
@@ -97,6 +97,7 @@ def select_fused_kernel(
     K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr, GROUPS: tl.constexpr,
     REGION: tl.constexpr, CAND_TILE: tl.constexpr, COUNTS_TILE: tl.constexpr,
     BITS: tl.constexpr, BOUND_PASSES: tl.constexpr, SCALED: tl.constexpr, PAD_TILE: tl.constexpr,
+    STATE: tl.constexpr, SHARED_BITS: tl.constexpr, SHARED_PASSES: tl.constexpr,
     WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     """Score, select and expand row ``row_begin + program_id(0)`` by its
@@ -107,7 +108,7 @@ def select_fused_kernel(
     """
     local = tl.program_id(0).to(tl.int64)
     row = row_begin + local
-    tickets = state_ptr + local * (4 + GROUPS)
+    tickets = state_ptr + local * STATE
     maxima = (tickets + 4).to(tl.pointer_type(tl.uint32))
     role = tl.atomic_add(tickets, 1, sem="relaxed", scope="gpu")
     logits_row = logits_ptr + local * lg_sr
@@ -140,7 +141,7 @@ def select_fused_kernel(
                                        cand_key_ptr + local * (SLICES * REGION),
                                        cand_col_ptr + local * (SLICES * REGION), blocks_row, width, slice_id,
                                        K, SLICES, SLICE, GROUPS, REGION, CAND_TILE, COUNTS_TILE, BITS,
-                                       BOUND_PASSES, SCALED, PAD_TILE):
+                                       BOUND_PASSES, SCALED, PAD_TILE, SHARED_BITS, SHARED_PASSES):
             tl.debug_barrier()  # the blocks every thread wrote, visible to every thread
             # (Loaded again here: not held in registers through the selection.)
             _request, _request_ok, length = row_request(token_to_req_ptr, sequence_lengths_ptr, row, True,

@@ -323,10 +323,23 @@ class TopkTuning:
     #: than k group maxima the plan takes "fixed" whatever this says.
     ticketed_bound: str = "scaled"
     ticketed_bound_passes: int = 1
+    #: How the ticketed path (and the fused selection) finds the k-th largest
+    #: candidate: "last" (the last compaction program's radix passes over all
+    #: the row's candidates, ``radix_bits`` a pass; timed: the default) or
+    #: "shared" (every compaction program counts its own candidates, keys >=
+    #: the bound L, into one histogram per row of ``2**ticketed_shared_bits``
+    #: digits of ``key - L`` fitted to the candidates' span ``[L, T]``, by
+    #: atomic adds whose order cannot matter; the last program reads it, takes
+    #: the digit holding the k-th largest, and runs ``radix_bits`` passes of
+    #: digits fitted to that digit's range only while its keys are not yet
+    #: resolved: often none).  Bit for bit the same selection; not yet timed
+    #: on the H200 (``bench_topk.py --ticketed-select``).
+    ticketed_select: str = "last"
+    ticketed_shared_bits: int = 11
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
-            if field.name not in ("path", "ticketed_bound"):  # the choices, below
+            if field.name not in ("path", "ticketed_bound", "ticketed_select"):  # the choices, below
                 _positive_int("TopkTuning", field.name, getattr(self, field.name))
         for name in ("radix_bits", "register_radix_bits"):
             value = getattr(self, name)
@@ -334,7 +347,8 @@ class TopkTuning:
                 raise ValueError(f"TopkTuning: {name} must divide 32, got {value!r}")
             if value > 8:  # a digit's counts (up to 2**bits) are packed in 16 bits
                 raise ValueError(f"TopkTuning: {name} must be at most 8, got {value!r}")
-        for name, choices in (("ticketed_bound", TICKETED_BOUNDS), ("path", TOPK_PATHS)):
+        for name, choices in (("ticketed_bound", TICKETED_BOUNDS), ("path", TOPK_PATHS),
+                              ("ticketed_select", TICKETED_SELECTS)):
             value = getattr(self, name)
             if not isinstance(value, str) or value not in choices:
                 raise ValueError(f"TopkTuning: {name} must be one of {', '.join(map(repr, choices))}, "
@@ -352,6 +366,11 @@ class TopkTuning:
                 raise ValueError(f"TopkTuning: {name} must be at most 32, got {getattr(self, name)!r}")
         if not 16 <= self.ticketed_slice <= 4096:  # registers: 8 keys a thread at 16 warps
             raise ValueError(f"TopkTuning: ticketed_slice must be from 16 to 4096, got {self.ticketed_slice!r}")
+        # The shared histogram: shifts below 32 (spans to 33 bits), 16-bit packed digit counts, and
+        # at most 4096 counts in the last program's registers.
+        if not 4 <= self.ticketed_shared_bits <= 12:
+            raise ValueError(f"TopkTuning: ticketed_shared_bits must be from 4 to 12, "
+                             f"got {self.ticketed_shared_bits!r}")
         for name in ("bound_passes", "ticketed_bound_passes"):
             if getattr(self, name) > 32 // self.radix_bits:
                 raise ValueError(f"TopkTuning: {name} must be at most 32 // radix_bits = "
@@ -365,6 +384,8 @@ ROW_ADDRESSING_MODES = ("slot", "page")
 TOPK_PATHS = ("auto", "register", "row", "ticketed", "sliced")
 #: The values of ``TopkTuning.ticketed_bound``.
 TICKETED_BOUNDS = ("scaled", "fixed")
+#: The values of ``TopkTuning.ticketed_select``.
+TICKETED_SELECTS = ("last", "shared")
 
 
 @_tuning_value

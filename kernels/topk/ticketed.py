@@ -69,6 +69,61 @@ def _scaled_lower_bound(keys, k, lo, hi, PASSES: tl.constexpr, BITS: tl.constexp
 
 
 @triton.jit
+def _fitted_shift(span, BITS: tl.constexpr):
+    """The shift that makes ``(key - lo) >> shift`` a BITS-bit digit of keys
+    in ``[lo, lo + span]``: the span's bit length (from its float32
+    exponent, rounded up at worst: a digit a bit coarser, never wrong) less
+    BITS, at least 0."""
+    length = ((span.to(tl.float32).to(tl.uint32, bitcast=True) >> 23) - 126).to(tl.int32)
+    return tl.maximum(length - BITS, 0).to(tl.uint32)
+
+
+@triton.jit
+def _fitted_range(lo, hi, digit, shift):
+    """The range ``[lo', hi']`` of the keys of ``[lo, hi]`` whose digit
+    ``(key - lo) >> shift`` is ``digit``."""
+    lo = lo + (digit.to(tl.uint32) << shift)  # <= the digit's keys <= hi: no overflow
+    # The digit's keys lie below lo + 2**shift (when that fits 32 bits) and at most hi.
+    last = lo + ((tl.full((), 1, tl.uint32) << shift) - 1)
+    return lo, tl.where(last >= lo, tl.minimum(hi, last), hi)
+
+
+@triton.jit
+def _shared_digit(histogram, bound, top, k, SHARED_BITS: tl.constexpr):
+    """From the row's shared histogram (every candidate's digit ``(key -
+    bound) >> shift``, SHARED_BITS bits fitted to ``[bound, top]``): the
+    range ``[lo, hi]`` of the digit holding the k-th largest candidate, what
+    remains to take of its keys, and whether that is final (its keys are
+    exactly those left to take, or one value)."""
+    counts = tl.load(histogram + tl.arange(0, 1 << SHARED_BITS), cache_modifier=".cg")
+    digit, above, exact = digit_of_kth(counts, k, SHARED_BITS)
+    lo, hi = _fitted_range(bound, top, digit, _fitted_shift(top - bound, SHARED_BITS))
+    return lo, hi, k - above, (exact | (lo == hi)).to(tl.int32)
+
+
+@triton.jit
+def _fitted_select(keys, valid, remaining, lo, hi, done, PASSES: tl.constexpr, BITS: tl.constexpr):
+    """(threshold, equal keys to take), as :func:`place_tile` takes them, of
+    the ``remaining``-th largest of the valid keys in ``[lo, hi]`` (at least
+    that many; every valid key above ``hi`` is taken too): BITS-bit digits
+    of ``key - lo`` fitted to the range, narrowing it a pass at a time until
+    it is one value or its keys are exactly those left to take (``done``);
+    PASSES passes resolve any span (the plan's count).  The threshold is the
+    range's lowest value: keys below it are not taken, keys above it are,
+    and of those equal to it the first ``remaining``."""
+    for p in tl.static_range(PASSES):
+        if done == 0:
+            shift = _fitted_shift(hi - lo, BITS)
+            match = valid & (keys >= lo) & (keys <= hi)
+            digits = ((keys - lo) >> shift).to(tl.int32)
+            digit, above, exact = digit_of_kth(tl.histogram(digits, 1 << BITS, mask=match), remaining, BITS)
+            lo, hi = _fitted_range(lo, hi, digit, shift)
+            remaining -= above
+            done = (exact | (lo == hi)).to(tl.int32)
+    return lo, remaining
+
+
+@triton.jit
 def _ticketed_group_maxima(logits_row, maxima, slice_id, width, num_columns,
                            SLICE: tl.constexpr, GROUPS: tl.constexpr):
     """Folds the slice's keys into the row's G strided group maxima (column
@@ -85,12 +140,16 @@ def _ticketed_group_maxima(logits_row, maxima, slice_id, width, num_columns,
 
 
 @triton.jit
-def _ticketed_finish(logits_row, counts_row, cand_keys, cand_cols, out_row, width, bound, top,
+def _ticketed_finish(logits_row, counts_row, cand_keys, cand_cols, histogram, out_row, width, bound, top,
                      K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr, REGION: tl.constexpr,
-                     CAND_TILE: tl.constexpr, COUNTS_TILE: tl.constexpr, BITS: tl.constexpr):
+                     CAND_TILE: tl.constexpr, COUNTS_TILE: tl.constexpr, BITS: tl.constexpr,
+                     SHARED_BITS: tl.constexpr, SHARED_PASSES: tl.constexpr):
     """The selection from every slice's candidates (keys >= bound, each
     slice's in its REGION of the buffers, in column order), held in
-    registers; or, when they do not fit CAND_TILE, from the row itself."""
+    registers; or, when they do not fit CAND_TILE, from the row itself.
+    With SHARED_BITS, the k-th largest candidate's digit comes from the
+    row's shared histogram (module docstring) and the radix passes run only
+    within that digit's range, while it is not resolved."""
     s = tl.arange(0, COUNTS_TILE)
     # (.cg: written by other programs of this launch.)
     at_least = tl.load(counts_row + s, mask=s < SLICES, other=0, cache_modifier=".cg")
@@ -99,6 +158,10 @@ def _ticketed_finish(logits_row, counts_row, cand_keys, cand_cols, out_row, widt
     zero = tl.full((), 0, tl.int32)
     UNROLL: tl.constexpr = 8
     if total <= CAND_TILE:  # then no slice overflowed its region (REGION >= min(SLICE, CAND_TILE))
+        if SHARED_BITS > 0:
+            # Before the gather: the counts' registers are free again for the candidates'.
+            # (Meaningless when total <= K, and then unused.)
+            lo, hi, remaining, done = _shared_digit(histogram, bound, top, K, SHARED_BITS)
         # Entry i of the concatenation lies in the region of the slice whose
         # candidates it reaches: skip the unused rest of every region before.
         # (UNROLL slices a step, unrolled: their loads do not wait for one another.
@@ -117,7 +180,10 @@ def _ticketed_finish(logits_row, counts_row, cand_keys, cand_cols, out_row, widt
         threshold = tl.full((), 0, tl.uint32)
         take_equal = zero + K
         if total > K:
-            threshold, take_equal = kth_largest_between(keys, valid, K, bound, top, 32 // BITS, BITS)
+            if SHARED_BITS > 0:
+                threshold, take_equal = _fitted_select(keys, valid, remaining, lo, hi, done, SHARED_PASSES, BITS)
+            else:
+                threshold, take_equal = kth_largest_between(keys, valid, K, bound, top, 32 // BITS, BITS)
         place_tile(keys, cols, valid, threshold, take_equal, zero, zero, out_row)
     elif tl.sum(above, 0) < K:
         # Too many keys equal the bound, and it is the k-th largest: all keys
@@ -135,11 +201,13 @@ def ticketed_compact_and_select(logits_row, raw, cols, tickets, maxima, counts_r
                                 K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr, GROUPS: tl.constexpr,
                                 REGION: tl.constexpr, CAND_TILE: tl.constexpr, COUNTS_TILE: tl.constexpr,
                                 BITS: tl.constexpr, BOUND_PASSES: tl.constexpr, SCALED: tl.constexpr,
-                                PAD_TILE: tl.constexpr):
+                                PAD_TILE: tl.constexpr, SHARED_BITS: tl.constexpr, SHARED_PASSES: tl.constexpr):
     """Steps 2 and 3 of the ticketed path for slice ``slice_id`` (its keys
     ``raw`` at columns ``cols``), once the group maxima are all folded.
     Returns whether this program was the row's last: it selected into
-    ``out_row``, padded it, and put the row's state back to zero."""
+    ``out_row``, padded it, and put the row's state back to zero.  The
+    row's state (``tickets``): 4 tickets, the GROUPS maxima (``maxima``),
+    then with SHARED_BITS the shared histogram's ``2**SHARED_BITS`` counts."""
     # Every such program derives the same bound L <= the k-th largest key
     # (k groups have a maximum >= L); empty groups (0) only lower it.
     groups = tl.arange(0, GROUPS)
@@ -160,6 +228,13 @@ def ticketed_compact_and_select(logits_row, raw, cols, tickets, maxima, counts_r
     region = slice_id * REGION
     tl.store(cand_keys + region + slot, keys.to(tl.int32, bitcast=True), mask=keep)
     tl.store(cand_cols + region + slot, cols, mask=keep)
+    histogram = tickets + 4 + GROUPS
+    if SHARED_BITS > 0:
+        # Every candidate (kept or not) counted in the row's histogram of its
+        # digit fitted to [bound, top] (every key <= top): integer adds, the
+        # same counts in any order.
+        digits = ((keys - bound) >> _fitted_shift(top - bound, SHARED_BITS)).to(tl.int32)
+        tl.atomic_add(histogram + digits, 1, mask=at_least != 0, sem="relaxed", scope="gpu")
     # SLICE <= 16384: both counts fit the 16-bit halves of one sum.
     totals = tl.sum(at_least + ((valid & (keys > bound)).to(tl.int32) << 16), 0)
     tl.store(counts_row + slice_id, totals & 0xFFFF)
@@ -168,13 +243,16 @@ def ticketed_compact_and_select(logits_row, raw, cols, tickets, maxima, counts_r
     tl.debug_barrier()
     last = finish_ticket(tickets + 2) == SLICES - 1
     if last:
-        _ticketed_finish(logits_row, counts_row, cand_keys, cand_cols, out_row, width, bound, top,
-                         K, SLICES, SLICE, REGION, CAND_TILE, COUNTS_TILE, BITS)
+        _ticketed_finish(logits_row, counts_row, cand_keys, cand_cols, histogram, out_row, width, bound, top,
+                         K, SLICES, SLICE, REGION, CAND_TILE, COUNTS_TILE, BITS, SHARED_BITS, SHARED_PASSES)
         pad(out_row, tl.minimum(width, K), K, PAD_TILE)
         # Every program of the row has started and is past its waits:
         # the state is free again (select_paged_tokens' chunks reuse it).
         tl.store(tickets + tl.arange(0, 4), tl.zeros((4,), tl.int32))
         tl.store(maxima + groups, tl.zeros((GROUPS,), tl.uint32))
+        if SHARED_BITS > 0:
+            bins = tl.arange(0, 1 << SHARED_BITS)
+            tl.store(histogram + bins, tl.zeros((1 << SHARED_BITS,), tl.int32))
     return last
 
 
@@ -182,17 +260,19 @@ def ticketed_compact_and_select(logits_row, raw, cols, tickets, maxima, counts_r
 def topk_ticketed_kernel(
     logits_ptr,  # [rows, C] float32/bf16/fp16 (row stride lg_sr)
     visible_ptr,  # [rows] int32/int64
-    state_in_ptr,  # [rows, 4 + GROUPS] int32 zeros: state_ptr's memory (JAX aliases them; read through state_ptr)
+    state_in_ptr,  # [rows, STATE] int32 zeros: state_ptr's memory (JAX aliases them; read through state_ptr)
     out_ptr,  # [rows, K] int32: selected columns, then -1
     counts_ptr,  # [rows, 2, SLICES] int32: each slice's keys >= L, then its keys > L
     cand_key_ptr,  # [rows, SLICES, REGION] int32: candidate order keys, a region per slice
     cand_col_ptr,  # [rows, SLICES, REGION] int32: their columns
-    state_ptr,  # [rows, 4 + GROUPS] int32: tickets (programs started, maxima folded, slices compacted, unused),
-                # then the group maxima (order keys); zero again when the row is done
+    state_ptr,  # [rows, STATE] int32: tickets (programs started, maxima folded, slices compacted, unused),
+                # the group maxima (order keys), then the shared histogram (SHARED_BITS > 0);
+                # zero again when the row is done
     num_columns, lg_sr,
     K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr, GROUPS: tl.constexpr,
     REGION: tl.constexpr, CAND_TILE: tl.constexpr, COUNTS_TILE: tl.constexpr,
     BITS: tl.constexpr, BOUND_PASSES: tl.constexpr, SCALED: tl.constexpr, PAD_TILE: tl.constexpr,
+    STATE: tl.constexpr, SHARED_BITS: tl.constexpr, SHARED_PASSES: tl.constexpr,
 ):
     """The whole top-k of one row by its 2 x SLICES programs (module
     docstring, ticketed path).
@@ -206,7 +286,7 @@ def topk_ticketed_kernel(
     finds every wait already met.
     """
     row = tl.program_id(0).to(tl.int64)
-    tickets = state_ptr + row * (4 + GROUPS)
+    tickets = state_ptr + row * STATE
     maxima = (tickets + 4).to(tl.pointer_type(tl.uint32))
     role = start_ticket(tickets)
     width = row_width(visible_ptr, row, num_columns)
@@ -223,7 +303,8 @@ def topk_ticketed_kernel(
         ticketed_compact_and_select(logits_row, raw, cols, tickets, maxima, counts_ptr + row * (2 * SLICES),
                                     cand_key_ptr + row * (SLICES * REGION), cand_col_ptr + row * (SLICES * REGION),
                                     out_ptr + row * K, width, slice_id, K, SLICES, SLICE, GROUPS, REGION,
-                                    CAND_TILE, COUNTS_TILE, BITS, BOUND_PASSES, SCALED, PAD_TILE)
+                                    CAND_TILE, COUNTS_TILE, BITS, BOUND_PASSES, SCALED, PAD_TILE, SHARED_BITS,
+                                    SHARED_PASSES)
 
 
 def ticketed_layout(columns: int, k: int, tuning: TopkTuning, widest_slice: int = 4096) -> tuple[dict, int]:
@@ -248,17 +329,25 @@ def ticketed_layout(columns: int, k: int, tuning: TopkTuning, widest_slice: int 
     least_warps = max(1, widest // (32 * (16 if widest <= 2048 else 8)))
     # The scaled bound needs k maxima (fewer: the fixed radix's bound is 0, as it must be).
     scaled = tuning.ticketed_bound == "scaled" and groups >= k
+    # The shared histogram's digits (0: the last program's radix passes), and
+    # the passes of radix_bits that resolve what remains of any span: one of
+    # up to 33 bits (a float32 exponent rounds up) leaves at most
+    # 33 - shared bits, and each pass takes radix_bits more.
+    shared_bits = tuning.ticketed_shared_bits if tuning.ticketed_select == "shared" else 0
+    shared_passes = -(-(33 - shared_bits) // tuning.radix_bits) if shared_bits else 0
     constexprs = dict(K=k, SLICES=slices, SLICE=slice_columns, GROUPS=groups, REGION=region, CAND_TILE=cand_tile,
                       COUNTS_TILE=triton.next_power_of_2(slices), BITS=tuning.radix_bits,
                       BOUND_PASSES=tuning.ticketed_bound_passes if scaled else tuning.bound_passes, SCALED=scaled,
-                      PAD_TILE=min(1024, triton.next_power_of_2(k)))
+                      PAD_TILE=min(1024, triton.next_power_of_2(k)),
+                      STATE=4 + groups + ((1 << shared_bits) if shared_bits else 0), SHARED_BITS=shared_bits,
+                      SHARED_PASSES=shared_passes)
     return constexprs, least_warps
 
 
 def ticketed_buffers(rows: int, layout: dict) -> tuple[Buffer, ...]:
     """The ticketed path's state (zeros, left at zero) and workspaces for ``rows`` rows."""
     slices, region = layout["SLICES"], layout["REGION"]
-    return (Buffer("topk_state", (rows, 4 + layout["GROUPS"]), "int32", fill=0),
+    return (Buffer("topk_state", (rows, layout["STATE"]), "int32", fill=0),
             Buffer("topk_counts", (rows, 2, slices), "int32"),
             Buffer("topk_cand_key", (rows, slices, region), "int32"),
             Buffer("topk_cand_col", (rows, slices, region), "int32"))
