@@ -369,6 +369,10 @@ def test_fused_selection_default_tuning(integer, token_topk):
     ("k1_fixed_bound", tuning.TopkTuning(path="ticketed", ticketed_slice=128, ticketed_bound="fixed"), 4),
     # Fewer group maxima than k (the fixed bound, 0), so candidates overflow: the whole-row fallback.
     ("few_groups", tuning.TopkTuning(path="ticketed", ticketed_slice=32, max_groups=16), 160),
+    # The shared selection (the compaction programs' histogram), with 4-bit shared digits too.
+    ("shared", tuning.TopkTuning(path="ticketed", ticketed_slice=64, ticketed_select="shared"), 64),
+    ("shared_4_bits", tuning.TopkTuning(path="ticketed", ticketed_slice=32, ticketed_select="shared",
+                                        ticketed_shared_bits=4), 160),
 ])
 @pytest.mark.parametrize("integer", [False, True])
 def test_fused_selection_branches(name, topk, token_topk, integer):
@@ -382,6 +386,22 @@ def test_fused_selection_chunks_reuse_the_state():
     case = long_decode_case(40, columns=512)
     assert_fused_equals_three_launches(case, 64, chunks=3, workspace=2 * 4 * 512,
                                        topk=tuning.TopkTuning(path="ticketed", ticketed_slice=64))
+
+
+@pytest.mark.parametrize("select", ["last", "shared"])
+def test_ticketed_chunks_reuse_the_state_every_row_long(select):
+    """Six long rows, two a chunk (three chunks), exact scores: each chunk's launch, the fused
+    one and the three launches' top-k, finds the tickets, maxima and (``ticketed_select =
+    "shared"``) the shared histogram that the last left at zero: stale counts would move the
+    digit of the k-th largest, and the reference would tell."""
+    case = long_decode_case(43, columns=512, integer=True)
+    lengths = host(case["sequence_lengths"])
+    case["token_to_req"] = torch.tensor([0, 1, 1, 0, 0, 1], dtype=torch.int32, device=DEVICE)
+    case["query_positions"] = torch.tensor([lengths[0] - 1, lengths[1] - 1, lengths[1] - 9, lengths[0] - 300,
+                                            lengths[0] - 1, 700], dtype=torch.int64, device=DEVICE)
+    assert_fused_equals_three_launches(case, 64, chunks=3, workspace=2 * 4 * 512, reference_too=True,
+                                       topk=tuning.TopkTuning(path="ticketed", ticketed_slice=64,
+                                                              ticketed_select=select))
 
 
 def test_fused_selection_fp8_keys():

@@ -272,10 +272,10 @@ def test_many_rows_switch(small_tiles):
 # The ticketed path (one launch, several programs a row), at small widths
 # --------------------------------------------------------------------------
 
-def ticketed_branch(values: np.ndarray, k: int, launch) -> str:
-    """Which branch of the ticketed kernel's selection a row takes (its
-    bound recomputed here from the definition: the k-th largest of the G
-    strided group maxima, truncated)."""
+def ticketed_bound(values: np.ndarray, k: int, launch) -> tuple[np.ndarray, int]:
+    """(The row's order keys, the ticketed kernel's bound), the bound
+    recomputed here from the definition: the k-th largest of the G strided
+    group maxima, truncated."""
     c = launch.constexprs
     keys = _order_keys(values)
     maxima = np.zeros(c["GROUPS"], np.uint32)
@@ -286,6 +286,13 @@ def ticketed_branch(values: np.ndarray, k: int, launch) -> str:
     else:
         bits = c["BITS"] * c["BOUND_PASSES"]
         bound = (kth >> (32 - bits)) << (32 - bits)
+    return keys, bound
+
+
+def ticketed_branch(values: np.ndarray, k: int, launch) -> str:
+    """Which branch of the ticketed kernel's selection a row takes."""
+    c = launch.constexprs
+    keys, bound = ticketed_bound(values, k, launch)
     if np.sum(keys >= bound) <= c["CAND_TILE"]:
         return "candidates in registers"
     return "ties at the bound" if np.sum(keys > bound) < k else "whole row"
@@ -399,6 +406,124 @@ def test_ticketed_state_is_reused_by_later_runs():
         jax_out = jax.jit(lambda *arrays: qsa_jax.select_paged_tokens(*arrays, 12, 4))(*jax_args(case).values())
     assert_bitwise_equal(expected, chunked, "chunked ticketed vs default")
     assert_bitwise_equal(expected, jax_out, "chunked ticketed jax vs torch")
+
+
+# --------------------------------------------------------------------------
+# The ticketed path's shared selection (TopkTuning.ticketed_select =
+# "shared"): the same bits as the last program's passes
+# --------------------------------------------------------------------------
+
+def _fitted_shift(span: int, bits: int) -> int:
+    """The kernels' shift for ``bits``-bit digits of a span (its bit length from its float32 exponent)."""
+    return max(int(np.frexp(np.float32(span))[1]) - bits, 0)
+
+
+def shared_passes(values: np.ndarray, k: int, launch) -> int | None:
+    """How many radix passes the last program of the shared selection runs
+    after the shared histogram's digit, recomputed from the definition
+    (digits of ``key - lo`` fitted to the range, from ``[bound, top]``;
+    stop once the range is one value or holds exactly the keys left to
+    take); None where it takes no digit (the candidates overflow the tile,
+    or there are at most k of them)."""
+    c = launch.constexprs
+    keys, bound = ticketed_bound(values, k, launch)
+    candidates = np.sort(keys[keys >= bound].astype(np.int64))[::-1]
+    if len(candidates) > c["CAND_TILE"] or len(candidates) <= k:
+        return None
+    kth = int(candidates[k - 1])
+    lo, hi, remaining, passes = int(bound), int(keys.max()), k, -1
+    bits = c["SHARED_BITS"]
+    while True:
+        shift = _fitted_shift(hi - lo, bits)
+        new_lo = lo + (((kth - lo) >> shift) << shift)
+        new_hi = min(hi, new_lo + (1 << shift) - 1)
+        remaining -= int(np.sum((candidates > new_hi) & (candidates <= hi)))
+        in_range = int(np.sum((candidates >= new_lo) & (candidates <= new_hi)))
+        lo, hi, passes, bits = new_lo, new_hi, passes + 1, c["BITS"]
+        if in_range == remaining or lo == hi:
+            assert passes <= c["SHARED_PASSES"]
+            return passes
+
+
+def adjacent_case(columns=200, rows=3):
+    """Keys over a wide span (1e-30 to 1e30), with the k-th largest among
+    neighbouring float32 values (and ties): the ranges resolve only at the
+    last bits."""
+    g = np.random.default_rng(22)
+    logits = (10.0 ** g.uniform(-30, 30, (rows, columns))).astype(np.float32)
+    near = np.float32(1.5) + (g.integers(0, 6, (rows, columns)) * np.float32(2.0 ** -23)).astype(np.float32)
+    logits[:, 40:160] = near[:, 40:160]
+    logits[:, 40:45] = np.float32(1e31)
+    return torch.from_numpy(logits)
+
+
+def check_shared_equals_last(logits, visible, k, **fields):
+    """The shared selection against the reference (both adapters, check_topk), and bitwise
+    equal to the last program's passes (``fields``: the rest of the ticketed tuning)."""
+    outs = {}
+    for select in ("last", "shared"):
+        with retuned(path="ticketed", ticketed_select=select, **fields):
+            if select == "shared":
+                check_topk(logits, visible, k)
+            outs[select] = qsa_torch.topk_blocks(logits.to(DEVICE), visible.to(DEVICE), k)
+    assert_bitwise_equal(outs["last"], outs["shared"], "ticketed top-k: shared vs last selection")
+
+
+@pytest.mark.parametrize("kind, k, bits, passes", [
+    ("sorted", 5, 11, None),     # at most k candidates: all taken, no digit
+    ("random", 5, 11, 0),        # the shared digit's keys are exactly those left to take
+    ("random", 5, 4, 1),         # 4-bit shared digits: one fitted pass more
+    ("periodic", 5, 11, 0),
+    ("narrow", 70, 11, 1),       # every key shares the top 16 bits
+    ("narrow", 80, 11, 2),
+    ("ties", 37, 11, 3),         # ties at the threshold (zeros): resolved by every pass
+    ("ties", 37, 4, 4),
+    ("adjacent", 60, 11, 3),     # neighbouring floats over a 2**32 span
+    ("ties", 5, 11, None),       # T is the bound and overflows: placed from the row
+    ("clustered", 5, 11, None),  # the candidates overflow: the whole-row fallback
+])
+def test_ticketed_shared_selection_branches(kind, k, bits, passes):
+    """Each branch of the shared selection (how many fitted passes follow
+    the shared digit, or none taken: the fallbacks), exact and bitwise the
+    last program's passes."""
+    logits = adjacent_case() if kind == "adjacent" else branch_case(kind)
+    with retuned(path="ticketed", ticketed_slice=16, ticketed_select="shared", ticketed_shared_bits=bits):
+        (launch,) = plan(3, logits.shape[1], k).launches
+    c = launch.constexprs
+    assert c["SHARED_BITS"] == bits and c["SHARED_PASSES"] == -(-(33 - bits) // 8)
+    assert c["STATE"] == 4 + c["GROUPS"] + (1 << bits) and launch.grid == (3, 2 * 13)
+    assert shared_passes(host(logits[0]), k, launch) == passes
+    check_shared_equals_last(logits, torch.tensor([200, 150, 77], dtype=torch.int32), k,
+                             ticketed_slice=16, ticketed_shared_bits=bits)
+
+
+@pytest.mark.parametrize("columns, k", [(17, 8), (64, 1), (301, 20), (300, 64), (33, 40)])
+@pytest.mark.parametrize("special", [False, True])
+def test_ticketed_shared_selection_matches_reference(columns, k, special):
+    """One slice and many, odd widths, k = 1, k past a slice, the candidate
+    tile and the columns; visible widths below k, zero, negative and past
+    the row; ties, -0.0, -inf and NaN."""
+    logits = topk_logits(60 + columns, 6, columns, special)
+    visible = torch.tensor([columns, k - 1, 0, -5, columns + 3, max(columns // 2, 1)], dtype=torch.int32)
+    check_shared_equals_last(logits, visible, k, ticketed_slice=16)
+
+
+@pytest.mark.parametrize("value", [0.5, -0.0, float("-inf"), float("nan")])
+def test_ticketed_shared_selection_all_ties(value):
+    logits = torch.full((2, 100), value)
+    logits[1, ::2] = -value if value == value else value  # +0.0 among -0.0, +inf among -inf
+    check_shared_equals_last(logits, torch.tensor([100, 60], dtype=torch.int32), 7, ticketed_slice=16)
+
+
+def test_ticketed_shared_selection_fixed_bound_and_few_groups():
+    """The fixed radix's bound, and fewer group maxima than k (bound 0: a
+    span of every key, NaN's 0 among them)."""
+    logits = topk_logits(70, 3, 300, special=True)
+    visible = torch.tensor([300, 299, 7], dtype=torch.int32)
+    check_shared_equals_last(logits, visible, 5, ticketed_slice=16, ticketed_bound="fixed")
+    with retuned(max_groups=4, ticketed_slice=16, path="ticketed", ticketed_select="shared"):
+        assert not plan(3, 300, 8).launches[0].constexprs["SCALED"]
+    check_shared_equals_last(logits, visible, 8, ticketed_slice=16, max_groups=4)
 
 
 # --------------------------------------------------------------------------
