@@ -14,6 +14,9 @@ Per shape, CUDA-graph replay (device time, L2 warm), median µs per call:
   streaming path, the one-launch ticketed path (several programs a row)
   and the four-launch sliced path, each forced
   (``tuning.override`` of ``TopkTuning.path``), in the same run;
+- ``ticketed_shared_us``: the ticketed path forced with its shared
+  selection (``TopkTuning.ticketed_select = "shared"``: the compaction
+  programs' histogram), beside ``ticketed_us`` (the last program's passes);
 - ``torch_topk_us``: ``torch.topk(logits, k, sorted=False)`` (values and
   indices, unordered; ours also orders the columns);
 - ``lax_topk_us``: ``jax.lax.top_k`` on the same logits (a jitted fori_loop
@@ -24,13 +27,17 @@ row once, the row and ticketed paths twice (group maxima, compaction) plus
 ~1.4k candidates a row, the sliced path three times.  ``*_gbps`` is one pass's bytes over the time (a lower bound of
 the achieved bandwidth).  The summary gives median speedups over the grid.
 
-    python benchmarks/bench_topk.py [--json PATH] [--smoke] [--sweep | --register-sweep | --ticketed-sweep]
+    python benchmarks/bench_topk.py [--json PATH] [--smoke] [--sweep | --register-sweep | --ticketed-sweep |
+                                                             --ticketed-select]
 
 ``--sweep`` instead times the row path's tuning (``TopkTuning.row_warps`` x
 ``row_keys_per_thread`` x ``bound_passes``) on a few shapes;
 ``--register-sweep`` the register path's (``register_keys_per_thread`` x
 ``register_radix_bits``); ``--ticketed-sweep``
-the ticketed path's (``ticketed_slice`` x ``ticketed_warps`` x ``ticketed_bound``).
+the ticketed path's (``ticketed_slice`` x ``ticketed_warps`` x ``ticketed_bound``);
+``--ticketed-select`` the ticketed path's two selections (``ticketed_select``
+"last", and "shared" with 11- and 12-bit histograms) on the shapes where the
+plan takes the ticketed path or forced beside it (results/topk_ticketed_select.json).
 """
 
 from __future__ import annotations
@@ -88,10 +95,16 @@ REGISTER_SWEEP_SHAPES = [(1, 2048), (1, 8192), (1, 16384), (256, 8192), (2048, 2
 REGISTER_SWEEP = dict(register_keys_per_thread=[8, 16], register_radix_bits=[4, 8])
 TICKETED_SWEEP_SHAPES = [(1, 8192), (1, 32768), (8, 32768), (8, 131072)]
 TICKETED_SWEEP = dict(ticketed_slice=[2048, 4096], ticketed_warps=[4, 8], ticketed_bound=["scaled", "fixed"])
+TICKETED_SELECT_SHAPES = [(1, 8192), (1, 32768), (8, 32768), (64, 32768), (1, 131072), (8, 131072)]
+#: The variants of --ticketed-select (TopkTuning fields), the first the default.
+TICKETED_SELECTS = [dict(ticketed_select="last"), dict(ticketed_select="shared", ticketed_shared_bits=11),
+                    dict(ticketed_select="shared", ticketed_shared_bits=12)]
 
 
-def sweep(args, path="row", grid=SWEEP, sweep_shapes=SWEEP_SHAPES):
-    """A path's µs per tuning, on ``sweep_shapes`` (results checked against the default's)."""
+def sweep(args, path="row", grid=SWEEP, sweep_shapes=SWEEP_SHAPES, name=None):
+    """A path's µs per tuning, on ``sweep_shapes`` (results checked against the default's).
+
+    ``grid``: field -> values (every combination), or a list of field dicts (those variants)."""
     import itertools
 
     import torch
@@ -104,20 +117,21 @@ def sweep(args, path="row", grid=SWEEP, sweep_shapes=SWEEP_SHAPES):
     k = SMOKE["K"] if args.smoke else K
     generator = torch.Generator(device=device).manual_seed(0)
     row = TopkTuning(path=path)
-    defaults = {name: getattr(row, name) for name in grid}
+    variants = grid if isinstance(grid, list) else [dict(zip(grid, values))
+                                                    for values in itertools.product(*grid.values())]
+    defaults = {field: getattr(row, field) for variant in variants for field in variant}
     results = []
     for rows, columns in shapes:
         logits = torch.randn(rows, columns, device=device, generator=generator).abs_()
         visible = torch.full((rows,), columns, device=device, dtype=torch.int32)
         _, expected = ours_us(qsa_torch, row, logits, visible, k, args.smoke)
-        for values in itertools.product(*grid.values()):
-            fields = dict(zip(grid, values))
+        for fields in variants:
             us, out = ours_us(qsa_torch, dataclasses.replace(row, **fields), logits, visible, k, args.smoke)
             result = dict(rows=rows, columns=columns, k=k, **fields, **{f"{path}_us": us},
                           matches=bool(torch.equal(out, expected)))
             results.append(result)
             common.print_table([result], list(result))
-    name = "topk_sweep.json" if path == "row" else f"topk_{path}_sweep.json"
+    name = name or ("topk_sweep.json" if path == "row" else f"topk_{path}_sweep.json")
     out = args.json.replace("topk.json", name) if args.json.endswith("results/topk.json") else args.json
     common.write_json(out, f"topk_blocks {path}-path tuning sweep", results,
                       [f"defaults {defaults}; CUDA-graph replay, median us per call; logits |N(0,1)|"])
@@ -130,7 +144,11 @@ def main():
                         help="time the register path's tuning instead of the grid")
     parser.add_argument("--ticketed-sweep", action="store_true",
                         help="time the ticketed path's tuning instead of the grid")
+    parser.add_argument("--ticketed-select", action="store_true",
+                        help="time the ticketed path's selections (last program, shared histogram) instead")
     args = parser.parse_args()
+    if args.ticketed_select:
+        return sweep(args, "ticketed", TICKETED_SELECTS, TICKETED_SELECT_SHAPES, "topk_ticketed_select.json")
     if args.ticketed_sweep:
         return sweep(args, "ticketed", TICKETED_SWEEP, TICKETED_SWEEP_SHAPES)
     if args.sweep:
@@ -161,7 +179,8 @@ def main():
     notes = [
         f"k = {k}; logits |N(0,1)| fp32, every column visible; CUDA-graph replay, median us per call",
         "ours_us: TopkTuning.path auto (path = the plan's choice); register_us / row_us / ticketed_us / sliced_us: "
-        f"each path forced (register_us up to {topk_plans.REGISTER_MAX_TILE} columns)",
+        f"each path forced (register_us up to {topk_plans.REGISTER_MAX_TILE} columns); ticketed_shared_us: "
+        "the ticketed path forced with ticketed_select 'shared'",
         "torch_topk_us: torch.topk(sorted=False); lax_topk_us: jax.lax.top_k, jitted fori_loop per call",
         "one pass = R x C x 4 bytes; *_gbps = one pass / time; register path reads a row once, row and "
         "ticketed paths twice, sliced thrice",
@@ -188,11 +207,15 @@ def main():
                 forced = dataclasses.replace(auto, path=path)
                 row[f"{path}_us"], out = ours_us(qsa_torch, forced, logits, visible, k, args.smoke)
                 row[f"{path}_matches"] = bool(torch.equal(out, expected))
+            shared = dataclasses.replace(auto, path="ticketed", ticketed_select="shared")
+            row["ticketed_shared_us"], out = ours_us(qsa_torch, shared, logits, visible, k, args.smoke)
+            row["ticketed_shared_matches"] = bool(torch.equal(out, expected))
             row["torch_topk_us"] = timed_us(lambda: torch.topk(logits, k, dim=1, sorted=False), args.smoke)
             if jax_gpu and nbytes <= g["MAX_LAX_BYTES"]:
                 torch.cuda.synchronize()
                 row["lax_topk_us"] = lax_topk_us(jax, common.to_jax(logits), k, args.smoke)
-            for name in ("ours", "register", "row", "ticketed", "sliced", "torch_topk", "lax_topk"):
+            for name in ("ours", "register", "row", "ticketed", "ticketed_shared", "sliced", "torch_topk",
+                         "lax_topk"):
                 row[f"{name}_gbps"] = common.gbps(nbytes, row.get(f"{name}_us"))
             for name in ("torch_topk", "sliced", "lax_topk"):
                 if row.get(f"{name}_us") and row["ours_us"]:
@@ -208,9 +231,11 @@ def main():
             summary[f"min_speedup_vs_{name}"] = min(speedups)
     notes.append("summary: " + ", ".join(f"{key} {value:.2f}" for key, value in summary.items()))
     notes.append(f"total run time {time.perf_counter() - started:.0f} s")
-    common.print_table(results, ["rows", "columns", "path", "ours_us", "register_us", "row_us", "sliced_us",
+    common.print_table(results, ["rows", "columns", "path", "ours_us", "register_us", "row_us", "ticketed_us",
+                                 "ticketed_shared_us", "sliced_us",
                                  "torch_topk_us", "lax_topk_us", "speedup_vs_torch_topk", "speedup_vs_sliced",
-                                 "ours_gbps", "register_matches", "row_matches", "sliced_matches"])
+                                 "ours_gbps", "register_matches", "row_matches", "ticketed_shared_matches",
+                                 "sliced_matches"])
     print(notes[-2])
     common.write_json(args.json, "topk_blocks paths vs torch.topk and jax.lax.top_k", results, notes)
 

@@ -141,7 +141,7 @@ def select_fused_kernel(
                                        cand_key_ptr + local * (SLICES * REGION),
                                        cand_col_ptr + local * (SLICES * REGION), blocks_row, width, slice_id,
                                        K, SLICES, SLICE, GROUPS, REGION, CAND_TILE, COUNTS_TILE, BITS,
-                                       BOUND_PASSES, SCALED, PAD_TILE, SHARED_BITS, SHARED_PASSES):
+                                       BOUND_PASSES, SCALED, PAD_TILE, STATE, SHARED_BITS, SHARED_PASSES):
             tl.debug_barrier()  # the blocks every thread wrote, visible to every thread
             # (Loaded again here: not held in registers through the selection.)
             _request, _request_ok, length = row_request(token_to_req_ptr, sequence_lengths_ptr, row, True,

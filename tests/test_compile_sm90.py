@@ -150,9 +150,10 @@ def _expand(rows, token_topk, ratio=4, index=I32):
         compress_ratio=ratio, token_topk=token_topk)
 
 
-def _select(rows, requests, context, token_topk=2048, **kw):
+def _select(rows, requests, context, token_topk=2048, topk=None, **kw):
+    """``topk``: TopkTuning fields (the fused selection's top-k variants)."""
     return plan_select_paged_tokens, dict(_scoring(rows, requests, context, **kw), token_topk=token_topk,
-                                          compress_ratio=4)
+                                          compress_ratio=4, **(dict(topk_tuning=TopkTuning(**topk)) if topk else {}))
 
 
 def _attention(rows, qh=24, kh=2, d=256, dtype=BF16, index=I32, width=2051, page=64, scale=None, cache=None,
@@ -240,6 +241,15 @@ CASES = {
     "topk/ticketed-decode-1-256k-k2048": _topk(1, 1 << 16, 2048),
     "topk/ticketed-4096-slices-1-1m-k512": _topk(1, 1 << 18, 512, path="ticketed", ticketed_slice=4096),
     "topk/ticketed-fixed-bound-1-128k-k512": _topk(1, 1 << 15, 512, ticketed_bound="fixed"),
+    # The ticketed path's shared selection (TopkTuning.ticketed_select): 2048 counts (4096 with
+    # 12 bits) in the last program's registers before the candidates', and the fitted passes.
+    "topk/ticketed-shared-decode-1-128k-k512": _topk(1, 1 << 15, 512, ticketed_select="shared"),
+    "topk/ticketed-shared-decode-8-512k-k512-bf16": _topk(8, 1 << 17, 512, dtype=BF16, ticketed_select="shared"),
+    "topk/ticketed-shared-decode-1-256k-k2048": _topk(1, 1 << 16, 2048, ticketed_select="shared"),
+    "topk/ticketed-shared-12-bits-1-128k-k512": _topk(1, 1 << 15, 512, ticketed_select="shared",
+                                                      ticketed_shared_bits=12),
+    "topk/ticketed-shared-fixed-bound-1-128k-k512": _topk(1, 1 << 15, 512, ticketed_select="shared",
+                                                          ticketed_bound="fixed"),
     # Each path forced where another is chosen (benchmarks/bench_topk.py
     # times them all), and the --sweep's smallest row-path configuration.
     "topk/forced-sliced-decode-256-128k-k512": _topk(256, 1 << 15, 512, path="sliced"),
@@ -266,6 +276,8 @@ CASES = {
     "select/fused-fp8-decode-1-128k": _select(1, 1, 1 << 17, k=FP8),
     "select/fused-fp16-16-heads-decode-3-32k-topk1024": _select(3, 3, 1 << 15, token_topk=1024, q=FP16, k=FP16,
                                                                heads=16),
+    "select/fused-shared-decode-1-128k": _select(1, 1, 1 << 17, topk=dict(ticketed_select="shared")),
+    "select/fused-shared-fp8-decode-8-128k": _select(8, 8, 1 << 17, k=FP8, topk=dict(ticketed_select="shared")),
     # Stage 4: sparse_paged_attention (split-K where programs are few, then a merge launch).
     "attention/decode-1": _attention(1),
     "attention/decode-8-22-splits": _attention(8),  # merge chunks of 16 splits, with a tail

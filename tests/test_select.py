@@ -456,6 +456,31 @@ def test_fused_selection_production(columns, fp8, integer):
         assert np.array_equal(host(again), tokens), "the fused selection differs between runs"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("columns, fp8", [(32768, False), (131072, False), (32768, True)])
+def test_fused_selection_shared_production(columns, fp8):
+    """The fused selection with the top-k's shared selection
+    (``TopkTuning.ticketed_select = "shared"``) at production geometry: the
+    three launches' bits, torch = JAX, the default selection's bits, and the
+    same bits over repeated runs."""
+    case = long_decode_case(52, columns=columns, heads=4, dim=128)
+    options = {}
+    if fp8:
+        case["k_cache"] = (case["k_cache"].float() / 0.05).to(torch.float8_e4m3fn)
+        options["k_scale"] = torch.tensor(0.05, dtype=torch.float32, device=DEVICE)
+    select = tuning.SelectTuning(fused_max_columns=columns)
+    shared = tuning.TopkTuning(ticketed_select="shared")
+    tokens = assert_fused_equals_three_launches(case, 2048, max_columns=columns, topk=shared,
+                                                score_columns=select.fused_score_columns, **options)
+    with tuning.override(select=select):
+        default = qsa_torch.select_paged_tokens(**case, token_topk=2048, compress_ratio=4, **options)
+    assert np.array_equal(host(default), tokens), "shared vs last selection"
+    for _ in range(10):
+        with tuning.override(select=select, topk=shared):
+            again = qsa_torch.select_paged_tokens(**case, token_topk=2048, compress_ratio=4, **options)
+        assert np.array_equal(host(again), tokens), "the fused selection differs between runs"
+
+
 # --------------------------------------------------------------------------
 # GPU only: production-sized shapes
 # --------------------------------------------------------------------------

@@ -445,14 +445,14 @@ def shared_passes(values: np.ndarray, k: int, launch) -> int | None:
             return passes
 
 
-def adjacent_case(columns=200, rows=3):
-    """Keys over a wide span (1e-30 to 1e30), with the k-th largest among
-    neighbouring float32 values (and ties): the ranges resolve only at the
-    last bits."""
+def adjacent_case(columns=200, rows=3, k=60):
+    """Keys over a wide span (1e-30 to 1e31), with the k-th largest among
+    2k neighbouring float32 values (six of them, so ties too): the ranges
+    resolve only at the last bits."""
     g = np.random.default_rng(22)
-    logits = (10.0 ** g.uniform(-30, 30, (rows, columns))).astype(np.float32)
-    near = np.float32(1.5) + (g.integers(0, 6, (rows, columns)) * np.float32(2.0 ** -23)).astype(np.float32)
-    logits[:, 40:160] = near[:, 40:160]
+    logits = (10.0 ** g.uniform(-30, 0, (rows, columns))).astype(np.float32)
+    near = np.float32(1.5) + (g.integers(0, 6, (rows, 2 * k)) * np.float32(2.0 ** -23)).astype(np.float32)
+    logits[:, 40:40 + 2 * k] = near
     logits[:, 40:45] = np.float32(1e31)
     return torch.from_numpy(logits)
 
@@ -632,6 +632,15 @@ def test_tuning_reaches_the_row_plan():
     # Past ticketed_max_slices a row, slices widen (to 4096 columns).
     (launch,) = plan(4, 16384, 64, TopkTuning(ticketed_max_slices=2)).launches
     assert launch.constexprs["SLICE"] == 4096 and launch.grid == (4, 2 * 4)
+    # The ticketed selection: the last program's passes (no histogram in the state), or shared.
+    (launch,) = plan(4, 16384, 64).launches
+    assert launch.constexprs["SHARED_BITS"] == 0 and launch.constexprs["STATE"] == 4 + launch.constexprs["GROUPS"]
+    (launch,) = plan(4, 16384, 64, TopkTuning(ticketed_select="shared")).launches
+    assert launch.constexprs["SHARED_BITS"] == 11 and launch.constexprs["SHARED_PASSES"] == 3
+    assert launch.constexprs["STATE"] == 4 + launch.constexprs["GROUPS"] + 2048 and launch.num_warps == 8
+    program = plan(4, 16384, 64, TopkTuning(ticketed_select="shared", ticketed_shared_bits=12, radix_bits=4))
+    assert program.launches[0].constexprs["SHARED_PASSES"] == 6  # 21 bits left, 4 a pass
+    assert {b.name: b.info.shape for b in program.buffers}["topk_state"] == (4, 4 + 128 + 4096)
     with tuning.override(topk=TopkTuning(path="sliced")):
         assert kernels(plan(32, 16384, 64))[0] == "topk_group_max_kernel"
     assert plan(32, 16384, 64) is default
@@ -689,7 +698,13 @@ def test_topk_tuning_is_checked():
                                                            "'scaled', 'fixed', got 'float'"),
                             (dict(ticketed_bound_passes=0), "TopkTuning: ticketed_bound_passes must be a positive"),
                             (dict(ticketed_bound_passes=5), "TopkTuning: ticketed_bound_passes must be at most 32 "
-                                                            "// radix_bits = 4, got 5")):
+                                                            "// radix_bits = 4, got 5"),
+                            (dict(ticketed_select="all"), "TopkTuning: ticketed_select must be one of "
+                                                          "'last', 'shared', got 'all'"),
+                            (dict(ticketed_shared_bits=13), "TopkTuning: ticketed_shared_bits must be from 4 to 12, "
+                                                            "got 13"),
+                            (dict(ticketed_shared_bits=3), "TopkTuning: ticketed_shared_bits must be from 4 to 12"),
+                            (dict(ticketed_shared_bits=0), "TopkTuning: ticketed_shared_bits must be a positive")):
         with pytest.raises(ValueError) as error:
             TopkTuning(**fields)
         assert str(error.value).startswith(message), error.value
@@ -811,3 +826,79 @@ def test_ticketed_path_production(rows, columns, k, kind):
             assert torch.equal(qsa_torch.topk_blocks(logits, visible, k), out)
         jax_out = jax.jit(qsa_jax.topk_blocks, static_argnums=2)(to_jax(logits), to_jax(visible), k)
     assert_bitwise_equal(out, jax_out, "ticketed top-k torch vs jax")
+
+
+def _production_logits(kind: str, rows: int, columns: int) -> torch.Tensor:
+    if kind == "half-normal":  # the benchmarks' scores
+        return torch.randn(rows, columns, generator=torch.Generator().manual_seed(34)).abs_()
+    if kind == "special":
+        return topk_logits(35, rows, columns, special=True)
+    if kind == "ties":
+        return torch.full((rows, columns), 0.25)
+    if kind == "narrow":
+        return 1.0 + torch.randint(0, 1000, (rows, columns), generator=torch.Generator().manual_seed(36)) * 1e-6
+    if kind == "wide":  # 1e-30..1e30 with neighbouring floats near the threshold
+        return adjacent_case(columns, rows, 512)
+    logits = torch.arange(columns, dtype=torch.float32).repeat(rows, 1) / columns
+    return logits.flip(1) if kind == "decreasing" else logits
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, columns, k, kind, bits", [
+    (1, 32768, 512, "half-normal", 11),   # the decode shape of issue 26
+    (1, 32768, 512, "half-normal", 12),
+    (8, 32768, 512, "half-normal", 11),
+    (64, 32768, 512, "half-normal", 11),  # forced: the plan takes the row path from 32 rows
+    (8, 131072, 512, "special", 11),
+    (1, 65536, 2048, "special", 11),      # k = 2048: 16 warps
+    (1, 32768, 512, "increasing", 11),    # the top keys all in the last slices
+    (2, 32768, 512, "decreasing", 11),
+    (1, 32768, 2048, "ties", 11),         # one value: ties at the bound, placed from the row
+    (3, 8193, 512, "narrow", 11),         # the whole-row fallback
+    (4, 32768, 512, "wide", 11),          # fitted passes down to the last bit
+    (5, 20000, 64, "special", 11),        # a partial last slice, k = 64
+])
+def test_ticketed_shared_selection_production(rows, columns, k, kind, bits):
+    """The ticketed path forced with the shared selection at production
+    widths, the programs of a row running concurrently: exact, the same
+    bits over 20 runs (whichever programs finish first), bitwise the last
+    program's selection, and torch = JAX."""
+    logits = _production_logits(kind, rows, columns)
+    visible = torch.full((rows,), columns, dtype=torch.int32)
+    visible[-1] = columns - columns // 3
+    logits, visible = logits.to(DEVICE), visible.to(DEVICE)
+    expected = sorted_reference(host(logits), host(visible), k)
+    with tuning.override(topk=TopkTuning(path="ticketed")):
+        last = qsa_torch.topk_blocks(logits, visible, k)
+    shared = TopkTuning(path="ticketed", ticketed_select="shared", ticketed_shared_bits=bits)
+    with tuning.override(topk=shared):
+        out = qsa_torch.topk_blocks(logits, visible, k)
+        assert np.array_equal(host(out), expected)
+        for _ in range(20):
+            assert torch.equal(qsa_torch.topk_blocks(logits, visible, k), out)
+        jax_out = jax.jit(qsa_jax.topk_blocks, static_argnums=2)(to_jax(logits), to_jax(visible), k)
+    assert_bitwise_equal(out, last, "ticketed top-k: shared vs last selection")
+    assert_bitwise_equal(out, jax_out, "shared ticketed top-k torch vs jax")
+
+
+@pytest.mark.gpu
+def test_ticketed_shared_selection_two_streams():
+    """Two streams running the shared selection on different rows at once
+    (each call its own state): each the result it has alone."""
+    rows, columns, k = 8, 32768, 512
+    inputs = [(_production_logits(kind, rows, columns).to(DEVICE),
+               torch.full((rows,), columns, dtype=torch.int32, device=DEVICE)) for kind in ("half-normal", "special")]
+    with tuning.override(topk=TopkTuning(path="ticketed", ticketed_select="shared")):
+        alone = [qsa_torch.topk_blocks(logits, visible, k) for logits, visible in inputs]
+        streams = [torch.cuda.Stream() for _ in inputs]
+        torch.cuda.synchronize()
+        for _ in range(10):
+            outs = []
+            for stream, (logits, visible) in zip(streams, inputs):
+                with torch.cuda.stream(stream):
+                    outs.append(qsa_torch.topk_blocks(logits, visible, k))
+            torch.cuda.synchronize()
+            for out, expected in zip(outs, alone):
+                assert torch.equal(out, expected)
+    for (logits, visible), out in zip(inputs, alone):
+        assert np.array_equal(host(out), sorted_reference(host(logits), host(visible), k))

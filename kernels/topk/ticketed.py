@@ -96,16 +96,23 @@ def _shared_digit(histogram, bound, top, k, SHARED_BITS: tl.constexpr):
     remains to take of its keys, and whether that is final (its keys are
     exactly those left to take, or one value)."""
     counts = tl.load(histogram + tl.arange(0, 1 << SHARED_BITS), cache_modifier=".cg")
-    digit, above, exact = digit_of_kth(counts, k, SHARED_BITS)
+    # digit_of_kth's three counts in two int32 reductions (not one of int64: registers).
+    at_or_above = tl.cumsum(counts, 0, reverse=True)
+    reaching = (at_or_above >= k).to(tl.int32) + ((at_or_above == k).to(tl.int32) << 16)
+    packed = tl.sum(reaching, 0)  # at most 4096 digits each: 16-bit halves
+    above = tl.sum(tl.where(at_or_above < k, counts, 0), 0)
+    digit = tl.maximum((packed & 0xFFFF) - 1, 0)
+    exact = (packed >> 16) != 0
     lo, hi = _fitted_range(bound, top, digit, _fitted_shift(top - bound, SHARED_BITS))
     return lo, hi, k - above, (exact | (lo == hi)).to(tl.int32)
 
 
 @triton.jit
-def _fitted_select(keys, valid, remaining, lo, hi, done, PASSES: tl.constexpr, BITS: tl.constexpr):
+def _fitted_select(keys, remaining, lo, hi, done, PASSES: tl.constexpr, BITS: tl.constexpr):
     """(threshold, equal keys to take), as :func:`place_tile` takes them, of
-    the ``remaining``-th largest of the valid keys in ``[lo, hi]`` (at least
-    that many; every valid key above ``hi`` is taken too): BITS-bit digits
+    the ``remaining``-th largest of the keys in ``[lo, hi]`` (at least that
+    many; keys outside it are not counted, and every valid key above ``hi``
+    is taken too): BITS-bit digits
     of ``key - lo`` fitted to the range, narrowing it a pass at a time until
     it is one value or its keys are exactly those left to take (``done``);
     PASSES passes resolve any span (the plan's count).  The threshold is the
@@ -114,7 +121,7 @@ def _fitted_select(keys, valid, remaining, lo, hi, done, PASSES: tl.constexpr, B
     for p in tl.static_range(PASSES):
         if done == 0:
             shift = _fitted_shift(hi - lo, BITS)
-            match = valid & (keys >= lo) & (keys <= hi)
+            match = (keys >= lo) & (keys <= hi)
             digits = ((keys - lo) >> shift).to(tl.int32)
             digit, above, exact = digit_of_kth(tl.histogram(digits, 1 << BITS, mask=match), remaining, BITS)
             lo, hi = _fitted_range(lo, hi, digit, shift)
@@ -137,6 +144,28 @@ def _ticketed_group_maxima(logits_row, maxima, slice_id, width, num_columns,
     raw = tl.load(logits_row + offsets, mask=offsets < num_columns, other=0.0)
     keys = tl.where(offsets < width, order_key(raw.to(tl.float32)), 0)
     tl.atomic_max(maxima + (first + span) % GROUPS, tl.max(keys, 0), sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _count_candidates(logits_row, histogram, first, width, bound, top, SLICE: tl.constexpr,
+                      SHARED_BITS: tl.constexpr):
+    """Counts every candidate of the slice's columns ``[first, first +
+    SLICE)`` (keys >= bound, kept in its region or not) in the row's shared
+    histogram, at its digit fitted to ``[bound, top]`` (every key <= top):
+    integer adds, the same counts in any order.  The keys are loaded again
+    (the slice was just read: cached), a chunk at a time, once the slice's
+    own are dead: an atomic a key takes 64-bit scattered addresses in
+    another layout, which next to the slice's registers would spill."""
+    CHUNK: tl.constexpr = min(SLICE, 512)
+    shift = _fitted_shift(top - bound, SHARED_BITS)
+    for c in tl.static_range(SLICE // CHUNK):
+        cols = first + c * CHUNK + tl.arange(0, CHUNK)
+        valid = cols < width
+        # (.cg: the fused selection's logits are written by other programs of its launch.)
+        raw = tl.load(logits_row + cols, mask=valid, other=0.0, cache_modifier=".cg")
+        keys = tl.where(valid, order_key(raw.to(tl.float32)), 0)
+        digits = ((keys - bound) >> shift).to(tl.int32)
+        tl.atomic_add(histogram + digits, 1, mask=valid & (keys >= bound), sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -174,17 +203,25 @@ def _ticketed_finish(logits_row, counts_row, cand_keys, cand_cols, histogram, ou
                 count = tl.load(counts_row + base + j, mask=base + j < SLICES, other=0, cache_modifier=".cg")
                 first += count
                 src = tl.where(idx >= first, src + (REGION - count), src)
-        valid = idx < total
-        keys = tl.load(cand_keys + src, mask=valid, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
-        cols = tl.load(cand_cols + src, mask=valid, other=-1, cache_modifier=".cg")
         threshold = tl.full((), 0, tl.uint32)
         take_equal = zero + K
-        if total > K:
-            if SHARED_BITS > 0:
-                threshold, take_equal = _fitted_select(keys, valid, remaining, lo, hi, done, SHARED_PASSES, BITS)
-            else:
+        if SHARED_BITS > 0:
+            # Unused entries: key 0xFFFFFFFF (above every key: order_key gives NaN 0, +inf
+            # 0xFF800000), which no fitted range holds, and column -1; valid again only to
+            # place (not held through the passes: registers).
+            keys = tl.load(cand_keys + src, mask=idx < total, other=-1, cache_modifier=".cg").to(tl.uint32,
+                                                                                                   bitcast=True)
+            cols = tl.load(cand_cols + src, mask=idx < total, other=-1, cache_modifier=".cg")
+            if total > K:
+                threshold, take_equal = _fitted_select(keys, remaining, lo, hi, done, SHARED_PASSES, BITS)
+            place_tile(keys, cols, cols >= 0, threshold, take_equal, zero, zero, out_row)
+        else:
+            valid = idx < total
+            keys = tl.load(cand_keys + src, mask=valid, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+            cols = tl.load(cand_cols + src, mask=valid, other=-1, cache_modifier=".cg")
+            if total > K:
                 threshold, take_equal = kth_largest_between(keys, valid, K, bound, top, 32 // BITS, BITS)
-        place_tile(keys, cols, valid, threshold, take_equal, zero, zero, out_row)
+            place_tile(keys, cols, valid, threshold, take_equal, zero, zero, out_row)
     elif tl.sum(above, 0) < K:
         # Too many keys equal the bound, and it is the k-th largest: all keys
         # above it, then the first K - above equal to it.
@@ -201,7 +238,8 @@ def ticketed_compact_and_select(logits_row, raw, cols, tickets, maxima, counts_r
                                 K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr, GROUPS: tl.constexpr,
                                 REGION: tl.constexpr, CAND_TILE: tl.constexpr, COUNTS_TILE: tl.constexpr,
                                 BITS: tl.constexpr, BOUND_PASSES: tl.constexpr, SCALED: tl.constexpr,
-                                PAD_TILE: tl.constexpr, SHARED_BITS: tl.constexpr, SHARED_PASSES: tl.constexpr):
+                                PAD_TILE: tl.constexpr, STATE: tl.constexpr, SHARED_BITS: tl.constexpr,
+                                SHARED_PASSES: tl.constexpr):
     """Steps 2 and 3 of the ticketed path for slice ``slice_id`` (its keys
     ``raw`` at columns ``cols``), once the group maxima are all folded.
     Returns whether this program was the row's last: it selected into
@@ -228,17 +266,13 @@ def ticketed_compact_and_select(logits_row, raw, cols, tickets, maxima, counts_r
     region = slice_id * REGION
     tl.store(cand_keys + region + slot, keys.to(tl.int32, bitcast=True), mask=keep)
     tl.store(cand_cols + region + slot, cols, mask=keep)
-    histogram = tickets + 4 + GROUPS
-    if SHARED_BITS > 0:
-        # Every candidate (kept or not) counted in the row's histogram of its
-        # digit fitted to [bound, top] (every key <= top): integer adds, the
-        # same counts in any order.
-        digits = ((keys - bound) >> _fitted_shift(top - bound, SHARED_BITS)).to(tl.int32)
-        tl.atomic_add(histogram + digits, 1, mask=at_least != 0, sem="relaxed", scope="gpu")
     # SLICE <= 16384: both counts fit the 16-bit halves of one sum.
     totals = tl.sum(at_least + ((valid & (keys > bound)).to(tl.int32) << 16), 0)
     tl.store(counts_row + slice_id, totals & 0xFFFF)
     tl.store(counts_row + SLICES + slice_id, totals >> 16)
+    histogram = tickets + 4 + GROUPS
+    if SHARED_BITS > 0:
+        _count_candidates(logits_row, histogram, slice_id * SLICE, width, bound, top, SLICE, SHARED_BITS)
     # Every thread's stores before the ticket; the last slice to draw sees them all.
     tl.debug_barrier()
     last = finish_ticket(tickets + 2) == SLICES - 1
@@ -248,11 +282,16 @@ def ticketed_compact_and_select(logits_row, raw, cols, tickets, maxima, counts_r
         pad(out_row, tl.minimum(width, K), K, PAD_TILE)
         # Every program of the row has started and is past its waits:
         # the state is free again (select_paged_tokens' chunks reuse it).
-        tl.store(tickets + tl.arange(0, 4), tl.zeros((4,), tl.int32))
-        tl.store(maxima + groups, tl.zeros((GROUPS,), tl.uint32))
         if SHARED_BITS > 0:
-            bins = tl.arange(0, 1 << SHARED_BITS)
-            tl.store(histogram + bins, tl.zeros((1 << SHARED_BITS,), tl.int32))
+            # Tickets, maxima and histogram in tiles of the state (not through
+            # the maxima's addresses: those would stay live through the selection).
+            RESET: tl.constexpr = 1024
+            for t in tl.static_range((STATE + RESET - 1) // RESET):
+                at = t * RESET + tl.arange(0, RESET)
+                tl.store(tickets + at, tl.zeros((RESET,), tl.int32), mask=at < STATE)
+        else:
+            tl.store(tickets + tl.arange(0, 4), tl.zeros((4,), tl.int32))
+            tl.store(maxima + groups, tl.zeros((GROUPS,), tl.uint32))
     return last
 
 
@@ -303,8 +342,8 @@ def topk_ticketed_kernel(
         ticketed_compact_and_select(logits_row, raw, cols, tickets, maxima, counts_ptr + row * (2 * SLICES),
                                     cand_key_ptr + row * (SLICES * REGION), cand_col_ptr + row * (SLICES * REGION),
                                     out_ptr + row * K, width, slice_id, K, SLICES, SLICE, GROUPS, REGION,
-                                    CAND_TILE, COUNTS_TILE, BITS, BOUND_PASSES, SCALED, PAD_TILE, SHARED_BITS,
-                                    SHARED_PASSES)
+                                    CAND_TILE, COUNTS_TILE, BITS, BOUND_PASSES, SCALED, PAD_TILE, STATE,
+                                    SHARED_BITS, SHARED_PASSES)
 
 
 def ticketed_layout(columns: int, k: int, tuning: TopkTuning, widest_slice: int = 4096) -> tuple[dict, int]:
