@@ -22,8 +22,25 @@ before it (docs/design.md, "Numerics and determinism").
 
 What bounds it (the last program's four histogram passes over ~1.4k
 candidates), from a timeline of one call: docs/performance.md.
+
+``TopkTuning.ticketed_select = "shared"`` (SHARED_BITS > 0) spreads that
+selection over the compaction programs: each also counts its slice's
+candidates into one histogram per row, in the row's state after the maxima,
+of ``2**SHARED_BITS`` digits of ``key - L`` fitted to the candidates' span
+``[L, T]`` (T the largest maximum; atomic adds: the same counts in any
+order).  The last program, whose acq_rel ticket sees every count, reads the
+histogram, takes the digit holding the k-th largest (one reduction, no pass
+over the candidates), and only while that digit's keys are not resolved
+(one value, or exactly the keys left to take) runs ``radix_bits`` passes of
+digits fitted to the digit's range over the gathered candidates (at most
+SHARED_PASSES; at 11 bits on half-normal scores usually none or one).  The
+threshold and equal count are the k-th largest's, so the placement, and the
+result, are those of the last program's passes bit for bit.  No program
+waits for more than before: the histogram is one more thing published by
+the tickets already drawn.
+
 :func:`ticketed_compact_and_select` is also the fused selection's
-(``select.select_fused_kernel``).
+(``select.select_fused_kernel``), both selections.
 """
 
 from __future__ import annotations
@@ -156,10 +173,10 @@ def _count_candidates(logits_row, histogram, first, width, bound, top, SLICE: tl
     (the slice was just read: cached), a chunk at a time, once the slice's
     own are dead: an atomic a key takes 64-bit scattered addresses in
     another layout, which next to the slice's registers would spill."""
-    CHUNK: tl.constexpr = min(SLICE, 512)
+    CHUNK: tl.constexpr = min(SLICE, 1024)
     shift = _fitted_shift(top - bound, SHARED_BITS)
-    for c in tl.static_range(SLICE // CHUNK):
-        cols = first + c * CHUNK + tl.arange(0, CHUNK)
+    for start in range(first, first + SLICE, CHUNK):
+        cols = start + tl.arange(0, CHUNK)
         valid = cols < width
         # (.cg: the fused selection's logits are written by other programs of its launch.)
         raw = tl.load(logits_row + cols, mask=valid, other=0.0, cache_modifier=".cg")
@@ -272,6 +289,8 @@ def ticketed_compact_and_select(logits_row, raw, cols, tickets, maxima, counts_r
     tl.store(counts_row + SLICES + slice_id, totals >> 16)
     histogram = tickets + 4 + GROUPS
     if SHARED_BITS > 0:
+        # (After a barrier: its loads not hoisted among the slice's registers.)
+        tl.debug_barrier()
         _count_candidates(logits_row, histogram, slice_id * SLICE, width, bound, top, SLICE, SHARED_BITS)
     # Every thread's stores before the ticket; the last slice to draw sees them all.
     tl.debug_barrier()
