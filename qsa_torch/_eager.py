@@ -109,7 +109,7 @@ def run(stage: Stage, arguments) -> tuple:
         prepared = _PREPARED.get(key)
     except TypeError:  # an unhashable option: the general path rejects it
         return MISS, None
-    if prepared is None or _launch_module._observers:
+    if prepared is None or _launch_module._observers or runtime.CHECK_SCALES:  # (the general path reads scales)
         return MISS, key
     results = prepared.run(tensors, present)
     if results is MISS:
