@@ -325,9 +325,15 @@ def test_ptx_form_is_a_context_variable_read_from_the_environment():
 
 
 def _nvidia_tool(name: str) -> str | None:
+    """Triton's bundled ``name``; for ptxas the one Triton itself runs for sm_90 (3.9: ptxas-blackwell,
+    the CUDA 13 one its PTX version needs)."""
     try:
         from triton import knobs
 
+        if name == "ptxas":
+            from triton.backends.nvidia.compiler import get_ptxas
+
+            return get_ptxas(90).path
         return getattr(knobs.nvidia, name).path
     except (ImportError, RuntimeError, AttributeError):  # no bundled NVIDIA tools in this triton
         return None
