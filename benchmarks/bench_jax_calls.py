@@ -217,6 +217,8 @@ def main():
     p.add_argument("--payload", action="store_true", help="the payload sweep and the step per PTX form")
     p.add_argument("--pad-kb", type=int, nargs="*", default=[0, 8, 32, 128, 256],
                    help="--payload: KB of comment appended to each chain launch's PTX")
+    p.add_argument("--budget-s", type=float, default=110.0,
+                   help="--payload: start no step measurement past this many seconds of them")
     args = p.parse_args()
     import qsa_jax
 
@@ -256,9 +258,13 @@ def payload_main(args, lowerings: list[str], flags: str) -> None:
         print(f"{lowering}: {slope and round(slope, 3)} us per launch per 100 KB of payload "
               f"(first and last pads, jaxlib {jaxlib.__version__})")
         rows += sweep
+    began, skipped = time.perf_counter(), []
     for batch in args.batches or [1, 8]:
         for lowering in lowerings:
             for ptx in ("full", "minified"):
+                if time.perf_counter() - began > args.budget_s:  # the whole run must stay < 3 min
+                    skipped.append(f"{lowering}/{ptx}/{batch}")
+                    continue
                 row = dict(kind="step", xla_flags=flags, **step_trace(lowering, batch, args.context, ptx))
                 print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()
                        if k not in ("ops", "custom_calls")})
@@ -270,7 +276,9 @@ def payload_main(args, lowerings: list[str], flags: str) -> None:
         f"step: the composed decode step, unrolled fori_loop of {LOOP}, per PTX form (ptx_form: full = "
         "Triton's PTX, minified = without comments and blanks; the same SASS)",
         f"XLA_FLAGS={flags!r}",
-    ])
+    ] + ([f"not run (past --budget-s {args.budget_s:g} s of steps): {', '.join(skipped)}"] if skipped else []))
+    if skipped:
+        print("not run, past the time budget:", ", ".join(skipped))
 
 
 if __name__ == "__main__":

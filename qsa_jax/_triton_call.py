@@ -17,9 +17,10 @@ one of three lowerings:
 
 ``"ffi"`` and ``"legacy"`` replace jax-triton's lowering rule for this
 package's launches: jax-triton's rule emits its call, this module reads the
-proto back, slims it (:func:`_slim_call_proto`: jaxlib copies and hashes it
-per launch, so its size is host time) and emits the chosen call with the same
-operands, results and aliases.  That relies on private internals of
+proto back, slims it (:func:`_slim_call_proto`: no TTIR, the PTX minified;
+jaxlib copies and hashes it per launch with some versions, so its size is
+host time) and emits the chosen call with the same operands, results and
+aliases.  ``QSA_JAX_PTX=full`` (or :func:`ptx_form`) keeps Triton's PTX as is.  That relies on private internals of
 jax-triton and jaxlib, so it is used only with the versions :data:`VERIFIED`
 lists; elsewhere ``"auto"`` (the default) falls back to ``"jax-triton"``.
 ``"auto"`` otherwise takes ``"ffi"`` where jaxlib registers the FFI handler.
@@ -89,7 +90,8 @@ class Verified:
 
 _JAXLIB_USES = (
     "the call proto's wire layout (TritonAnyKernelCall.kernel_call(1).kernel(1).ttir(5), which "
-    "_slim_call_proto drops); jaxlib.gpu_triton._cuda_triton.registrations() naming triton_kernel_call_ffi, "
+    "_slim_call_proto drops, and .ptx(4), the text jaxlib's ptxas compiles, which it minifies); "
+    "jaxlib.gpu_triton._cuda_triton.registrations() naming triton_kernel_call_ffi, "
     "whose handler reads the proto from its opaque attribute (API version 4); the legacy "
     "triton_kernel_call target (API version 2, the proto as backend_config)")
 
@@ -396,14 +398,16 @@ def _payload(op, ir) -> bytes:
 
 # --------------------------------------------------------------------------
 # The call proto, slimmed.  jaxlib keys its kernel cache on the whole
-# compressed proto and, per call (legacy) or per execution of an executable
-# (FFI: the initialize stage), copies it into a std::string to look it up
-# (jaxlib/gpu/triton_kernels.cc, GetOrCreateKernelCall), and XLA copies it
-# into each FFI call frame: host time proportional to its size, ~280 KB per
-# decode step as jax-triton builds it.  The kernel's TTIR text in it is never
-# read at run time, and Triton's line info is only debug text in the PTX; both
-# go.  (Protobuf wire format, TritonAnyKernelCall -> kernel_call (1) ->
-# kernel (1) -> ttir (5): see jaxlib/gpu/triton.proto.)
+# compressed proto: per call (legacy) and per execution of an executable
+# (jaxlib 0.11.2's FFI initialize stage) it copies the proto into a
+# std::string, hashes it and compares it with the cached key
+# (GetOrCreateKernelCall): three passes over its bytes (jaxlib 0.12's execute
+# stage reuses the launch it cached in its instantiate state and reads no
+# payload; docs/design.md, "JAX call overhead").  The kernel's TTIR text in it
+# is never read at run time, Triton's line info and the PTX's comments and
+# blanks are never read by ptxas; all go.  (Protobuf wire format,
+# TritonAnyKernelCall -> kernel_call (1) -> kernel (1) -> ptx (4), ttir (5):
+# see jaxlib/gpu/triton.proto.)
 # --------------------------------------------------------------------------
 
 def _varint(value: int) -> bytes:
