@@ -253,10 +253,12 @@ def payload_main(args, lowerings: list[str], flags: str) -> None:
         sweep = [dict(kind="sweep", xla_flags=flags, **chain_us(lowering, kb << 10)) for kb in args.pad_kb]
         for row in sweep:
             print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()})
-        (x0, y0), (x1, y1) = [(r["payload_bytes_per_launch"], r["us_per_kernel"]) for r in (sweep[0], sweep[-1])]
-        slope = (y1 - y0) / (x1 - x0) * 1e5 if x1 > x0 else None
+        xs, ys = [r["payload_bytes_per_launch"] for r in sweep], [r["us_per_kernel"] for r in sweep]
+        slope = statistics.linear_regression(xs, ys).slope * 1e5 if len(set(xs)) > 1 else None
+        for row in sweep:
+            row["fit_us_per_100kb"] = slope
         print(f"{lowering}: {slope and round(slope, 3)} us per launch per 100 KB of payload "
-              f"(first and last pads, jaxlib {jaxlib.__version__})")
+              f"(least squares over the pads, jaxlib {jaxlib.__version__})")
         rows += sweep
     began, skipped = time.perf_counter(), []
     for batch in args.batches or [1, 8]:
