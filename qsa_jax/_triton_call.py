@@ -22,8 +22,8 @@ jaxlib copies and hashes it per launch with some versions, so its size is
 host time) and emits the chosen call with the same operands, results and
 aliases (``QSA_JAX_PTX=full``, or :func:`ptx_form`, keeps Triton's PTX as
 is).  That relies on private internals of jax-triton and jaxlib, so it is
-used only with the versions :data:`VERIFIED` lists; elsewhere ``"auto"`` (the default) falls back to ``"jax-triton"``.
-``"auto"`` otherwise takes ``"ffi"`` where jaxlib registers the FFI handler.
+used only with the versions :data:`VERIFIED` lists; elsewhere ``"auto"``
+(the default) falls back to ``"jax-triton"``.  ``"auto"`` otherwise takes ``"ffi"`` where jaxlib registers the FFI handler.
 ``QSA_JAX_LOWERING`` (read at import) or :func:`use_triton_lowering` names one
 instead; naming ``"ffi"`` or ``"legacy"`` forces the private path even
 outside the table (with a warning).  Every lowering launches the same
