@@ -23,9 +23,9 @@ host time) and emits the chosen call with the same operands, results and
 aliases (``QSA_JAX_PTX=full``, or :func:`ptx_form`, keeps Triton's PTX as
 is).  That relies on private internals of jax-triton and jaxlib, so it is
 used only with the versions :data:`VERIFIED` lists; elsewhere ``"auto"``
-(the default) falls back to ``"jax-triton"``.  ``"auto"`` otherwise takes ``"ffi"`` where jaxlib registers the FFI handler.
-``QSA_JAX_LOWERING`` (read at import) or :func:`use_triton_lowering` names one
-instead; naming ``"ffi"`` or ``"legacy"`` forces the private path even
+(the default) falls back to ``"jax-triton"``.  ``"auto"`` otherwise takes
+``"ffi"`` where jaxlib registers the FFI handler.  ``QSA_JAX_LOWERING`` (read
+at import) or :func:`use_triton_lowering` names one instead; naming ``"ffi"`` or ``"legacy"`` forces the private path even
 outside the table (with a warning).  Every lowering launches the same
 compiled kernel with the same arguments, so results are bitwise equal.
 
