@@ -18,16 +18,17 @@ one of three lowerings:
 ``"ffi"`` and ``"legacy"`` replace jax-triton's lowering rule for this
 package's launches: jax-triton's rule emits its call, this module reads the
 proto back, slims it (:func:`_slim_call_proto`: no TTIR, the PTX minified;
-jaxlib copies and hashes it per launch with some versions, so its size is
-host time) and emits the chosen call with the same operands, results and
-aliases (``QSA_JAX_PTX=full``, or :func:`ptx_form`, keeps Triton's PTX as
-is).  That relies on private internals of jax-triton and jaxlib, so it is
-used only with the versions :data:`VERIFIED` lists; elsewhere ``"auto"``
-(the default) falls back to ``"jax-triton"``.  ``"auto"`` otherwise takes
-``"ffi"`` where jaxlib registers the FFI handler.  ``QSA_JAX_LOWERING`` (read
-at import) or :func:`use_triton_lowering` names one instead; naming ``"ffi"`` or ``"legacy"`` forces the private path even
-outside the table (with a warning).  Every lowering launches the same
-compiled kernel with the same arguments, so results are bitwise equal.
+jaxlib copies and hashes it per launch with some versions, so its size is host
+time) and emits the chosen call with the same operands, results and aliases
+(``QSA_JAX_PTX=full``, or :func:`ptx_form`, keeps Triton's PTX as is). That
+relies on private internals of jax-triton and jaxlib, so it is used only with
+the versions :data:`VERIFIED` lists; elsewhere ``"auto"`` (the default) falls
+back to ``"jax-triton"``. ``"auto"`` otherwise takes ``"ffi"`` where jaxlib
+registers the FFI handler. ``QSA_JAX_LOWERING`` (read at import) or
+:func:`use_triton_lowering` names one instead; naming ``"ffi"`` or
+``"legacy"`` forces the private path even outside the table (with a warning).
+Every lowering launches the same compiled kernel with the same arguments, so
+results are bitwise equal.
 
 Binding: jax-triton 0.3's ``triton_call`` gives every output a pointer of
 its own (aliased ones too, as this package's kernels expect: torch passes an
