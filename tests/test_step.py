@@ -428,11 +428,15 @@ def test_unverified_versions_fall_back_to_jax_tritons_lowering_with_the_same_bit
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lowering", LOWERINGS)
-def test_production_geometry_graph_and_jax(lowering):
+@pytest.mark.parametrize("lowering, ptx", [("legacy", "minified"), ("legacy", "full"), ("ffi", "minified"),
+                                          ("ffi", "full"), ("jax-triton", "full")])
+def test_production_geometry_graph_and_jax(lowering, ptx):
     """24 Q / 2 KV heads x d256, indexer 4 x d128, ratio 4, pages of 64, top 2048 tokens: a prefill
-    chunk then a decode step; torch eager, torch CUDA-graph replay and JAX (each Triton lowering,
-    state donated: its buffers are updated in place) agree bitwise."""
+    chunk then a decode step; torch eager, torch CUDA-graph replay and JAX (each Triton lowering, with
+    each PTX form it can carry: ``qsa_jax._triton_call.ptx_form``; state donated: its buffers are
+    updated in place) agree bitwise."""
+    from qsa_jax import _triton_call
+
     model = Model(QH=24, KH=2, D=256, IH=4, DI=128, token_topk=2048, index_dtype=torch.bfloat16)
     geometry = CacheGeometry(page_size=64, num_pages=256, compress_ratio=4, compressed_page_size=64,
                              num_compressed_pages=64, max_context=4096, max_requests=8)
@@ -464,7 +468,7 @@ def test_production_geometry_graph_and_jax(lowering):
         **i, state=s, metadata=m, cos_sin=c, index_cos_sin=ic, return_token_indices=True, **model.options()),
         donate_argnums=(1,))
     pointers = {n: getattr(jax_state, n).unsafe_buffer_pointer() for n in STATE_FIELDS}
-    with _lowering(lowering):
+    with _lowering(lowering), _triton_call.ptx_form(ptx):
         jax_out, jax_state, jax_indices = jax_step({n: to_jax(a) for n, a in inputs.items()}, jax_state,
                                                    qsa_jax.StepMetadata.from_host(host_meta), to_jax(cs), to_jax(ics))
     assert {n: getattr(jax_state, n).unsafe_buffer_pointer() for n in STATE_FIELDS} == pointers, \
