@@ -529,6 +529,42 @@ def test_production_decode_shape():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_production_fused_merge(rows, cache):
+    """Production decode (24 Q / 2 KV heads x d256, pages of 64, 128K-token requests, top 512
+    blocks + tail = 2051 selected tokens) at 1 and 8 rows, where the plan merges the splits in
+    their launch (33 and 22 splits, 12 merging programs per KV head): 20 repeats bitwise, the
+    merge launch's bits, near the float64 reference, torch = JAX."""
+    c = Case(R=rows, QH=24, KH=2, D=256, P=64, W=2051, requests=min(rows, 2), pages_per_request=2048)
+    args = make_inputs(c)
+    arrays, scales = {n: args[n] for n in ARGUMENTS}, {}
+    k_ref, v_ref = f64(args["k_cache"]), f64(args["v_cache"])
+    if cache == "fp8":
+        k8, v8 = (args[n].to(torch.float8_e4m3fn) for n in ("k_cache", "v_cache"))
+        scales = dict(k_scale=torch.tensor(1.0, device=DEVICE), v_scale=torch.tensor([1.0], device=DEVICE))
+        arrays.update(k_cache=k8, v_cache=v8, **scales)
+        k_ref, v_ref = f64(k8), f64(v8)
+    ref = R.sparse_paged_attention(f64(args["q"]), k_ref, v_ref, host(args["token_indices"]),
+                                   host(args["block_table"]), host(args["token_to_req"]))
+    programs = {}
+    for fused_merge in (None, False):
+        with tuning.override(attention=tuning.AttentionTuning(fused_merge=fused_merge)):
+            programs[fused_merge] = qsa_torch.sparse_paged_attention.plan(**arrays)
+    (fused,) = programs[None].launches
+    assert fused.kernel is attention.sparse_attention_fused_merge_kernel
+    (first,) = qsa_torch.run_program(programs[None], arrays)
+    for repeat in range(20):
+        (again,) = qsa_torch.run_program(programs[None], arrays)
+        assert_bitwise_equal(again, first, f"repeat {repeat}")
+    (merge_launch,) = qsa_torch.run_program(programs[False], arrays)
+    assert_bitwise_equal(first, merge_launch, "merged in the launch vs the merge launch")
+    assert_close(first, ref, tolerance(c.dtype), "fused merge vs reference")
+    call = jax.jit(lambda a: qsa_jax.sparse_paged_attention(**a))
+    assert_bitwise_equal(call({n: to_jax(x) for n, x in arrays.items()}), first, "torch vs JAX")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("addressing", tuning.ROW_ADDRESSING_MODES)
 def test_page_offsets_past_int32(addressing):
     """page * block stride exceeds 2**31 elements: offsets must be int64 (by page, or by slot)."""
