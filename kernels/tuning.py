@@ -239,7 +239,8 @@ class AttentionTuning:
         _positive_int("AttentionTuning", "num_splits", self.num_splits, optional=True)
         _positive_int("AttentionTuning", "merge_chunk_elements", self.merge_chunk_elements)
         if self.fused_merge is not None:
-            object.__setattr__(self, "fused_merge", BOOL.canonical("AttentionTuning", "fused_merge", self.fused_merge))
+            object.__setattr__(self, "fused_merge", BOOL.or_none().canonical("AttentionTuning", "fused_merge",
+                                                                              self.fused_merge))
         _positive_int("AttentionTuning", "fused_merge_max_programs", self.fused_merge_max_programs)
         _positive_int("AttentionTuning", "fused_merge_heads", self.fused_merge_heads)
         _power_of_two("AttentionTuning", "fused_merge_heads", self.fused_merge_heads)
