@@ -876,6 +876,29 @@ def test_decode_step_launches_per_batch_size(requests):
     assert "sparse_attention_fused_merge_kernel" not in names
 
 
+def test_step_with_the_merge_in_its_launch_equals_the_merge_launch():
+    """A decode step (3 requests) whose attention splits: merged in its launch (the default at
+    this size) and by a merge launch, the same out, token indices and caches, bit for bit."""
+    from qsa_kernels import tuning
+
+    # 32 + 3 selected tokens: 3 tiles of 16 (16-token tiles at D = 32), 2 splits.
+    arguments = dict(_fused_step_arguments("decode", True, "bf16"), token_topk=32)
+    results = {}
+    for fused in (True, False):
+        with tuning.override(attention=tuning.AttentionTuning(num_splits=2, tile_bytes=16 * 2 * 32,
+                                                              fused_merge=fused)):
+            results[fused], kernels = _run_step(arguments, fuse=True)
+        merged_in_launch = "sparse_attention_fused_merge_kernel" in kernels
+        assert merged_in_launch == fused and ("merge_splits_kernel" in kernels) == (not fused), kernels
+    for what, a, b in zip(("out", "state", "token_indices"), results[True], results[False]):
+        if what == "state":
+            for name in STATE_FIELDS:
+                assert_bitwise_equal(getattr(a, name), getattr(b, name), name)
+        else:
+            assert_bitwise_equal(a, b, what)
+    assert np.isfinite(f64(results[True][0])).all() and np.abs(f64(results[True][0])).sum() > 0
+
+
 @pytest.mark.parametrize("case", ["step_fused_compression", pytest.param("step_fused_compression_fp8_gptj",
                                                                         marks=pytest.mark.gpu)])
 def test_fused_compression_equals_separate_launches_on_metadata_to_skip(case):
