@@ -522,7 +522,9 @@ def test_ffi_lowering_puts_the_step_in_command_buffers(tmp_path):
     top = [kind for nesting, kind in ffi if nesting == 0]
     nested = [kind for nesting, kind in ffi if nesting > 0]
     assert "kCommandBuffer" in top and "kCustomCall" not in top, ffi
-    assert nested.count("kCustomCall") >= 5, ffi  # the step's launches, recorded into the command buffer
+    # The step's launches, recorded into the command buffer (4 at 2 requests: stage 1, the fused
+    # stage 2, the fused selection, the attention with its split-K merged in the launch).
+    assert nested.count("kCustomCall") >= 4, ffi
     legacy = _thunks(make_step, args, "legacy", tmp_path / "legacy")
     assert [kind for nesting, kind in legacy if nesting == 0].count("kCustomCall") == nested.count("kCustomCall"), legacy
 
