@@ -220,12 +220,30 @@ class AttentionTuning:
     #: "slot" takes 15 more registers at decode 256 (5 -> 4 programs per SM).
     row_addressing: str = "page"
     fp8_row_addressing: str = "slot"
+    #: Several splits merged in their own launch (``sparse_attention_fused_merge_kernel``:
+    #: after the splits of a (row, KV head), merging programs that wait for them by
+    #: ticket) instead of a merge launch, for at most ``fused_merge_max_programs``
+    #: programs (rows x KV heads: decode batches of up to 8 requests at 2 KV heads), so
+    #: that a decode step is four launches.  ``fused_merge`` True / False forces either
+    #: path (benchmarks time both); the split count, hence the bits, are the same.  Not
+    #: yet timed on the H200 (the first in-launch merge, one program merging a KV head's
+    #: whole group, was 16.4 us against 9.2 at 1 row: docs/design.md, "Retired variants").
+    fused_merge: bool | None = None
+    fused_merge_max_programs: int = 16
+    #: Query heads each merging program merges (a power of two): GROUP / this programs a (row, KV head).
+    fused_merge_heads: int = 1
 
     def __post_init__(self):
         _positive_int("AttentionTuning", "tile_bytes", self.tile_bytes, optional=True)
         _power_of_two("AttentionTuning", "tile_bytes", self.tile_bytes, optional=True)  # BLOCK_N = tile / (2 D)
         _positive_int("AttentionTuning", "num_splits", self.num_splits, optional=True)
         _positive_int("AttentionTuning", "merge_chunk_elements", self.merge_chunk_elements)
+        if self.fused_merge is not None:
+            object.__setattr__(self, "fused_merge", BOOL.or_none().canonical("AttentionTuning", "fused_merge",
+                                                                              self.fused_merge))
+        _positive_int("AttentionTuning", "fused_merge_max_programs", self.fused_merge_max_programs)
+        _positive_int("AttentionTuning", "fused_merge_heads", self.fused_merge_heads)
+        _power_of_two("AttentionTuning", "fused_merge_heads", self.fused_merge_heads)
         for name in ("row_addressing", "fp8_row_addressing"):
             if getattr(self, name) not in ROW_ADDRESSING_MODES:
                 raise ValueError(f"AttentionTuning: {name} must be one of "

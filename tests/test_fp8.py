@@ -186,6 +186,34 @@ def test_attention_fp8_equals_16bit_cache_of_its_values(dtype, splits, variant, 
     assert_bitwise_equal(out, qsa_torch.sparse_paged_attention(**widened), "fp8 vs 16-bit cache")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_attention_fp8_fused_merge_equals_the_merge_launch(dtype):
+    """fp8 caches, 3 splits merged in their launch (AttentionTuning.fused_merge): the merge
+    launch's bits, NaN codes included (one K row of a row's selected tokens: that row's KV
+    group NaN either way), near the dequantised reference elsewhere."""
+    c = Case(QH=8, KH=2, D=64, W=150, R=6, dtype=dtype, seed=2)
+    args, scales, (k_scale, v_scale) = fp8_attention_inputs(c, 0.37, 1.9)
+    _put_nan_codes(args["k_cache"], [(_selected_slots(args, [0], 1)[0], 1, slice(None))])
+    ref = R.sparse_paged_attention(f64(args["q"]), dequantised(args["k_cache"], k_scale),
+                                   dequantised(args["v_cache"], v_scale), host(args["token_indices"]),
+                                   host(args["block_table"]), host(args["token_to_req"]))
+    outputs = {}
+    for fused in (True, False):
+        with tuning.override(attention=tuning.AttentionTuning(num_splits=3, tile_bytes=16 * 2 * 64, fused_merge=fused)):
+            program = qsa_torch.sparse_paged_attention.plan(**args, **scales)
+            assert program.buffer("partial_lse").shape[0] == 3
+            assert (program.buffer("tickets") is not None) == fused
+            outputs[fused] = qsa_torch.sparse_paged_attention(**args, **scales)
+            if fused:
+                assert_bitwise_equal(run_jax_attention(args, scales), outputs[fused], "torch vs JAX")
+    assert_bitwise_equal(outputs[True], outputs[False], "fp8: merged in the launch vs the merge launch")
+    out, nan = f64(outputs[True]), np.isnan(ref)
+    assert nan[0, 4:].all() and not nan[0, :4].any(), "the NaN K row: KV head 1's query heads of row 0"
+    assert np.array_equal(np.isnan(out), nan), "NaN exactly where the float64 reference has it"
+    assert_close(out[~nan], ref[~nan], tolerance(dtype), "fp8 fused merge vs the dequantised reference")
+    assert np.abs(ref[~nan]).sum() > 0
+
+
 # --------------------------------------------------------------------------
 # mqa_paged_scores, select_paged_tokens
 # --------------------------------------------------------------------------
