@@ -276,14 +276,20 @@ class Schedule:
     ``program.buffers`` order.  Buffers that are neither results nor filled
     (workspaces the launches write before reading) are carved from one
     ``scratch_bytes`` allocation at ``scratch`` offsets, each
-    :data:`SCRATCH_ALIGNMENT`-aligned; the others are ``allocated`` one by one
-    (``fill`` ``None``: uninitialised).  An in-place executor (torch) needs no
-    output threading: every launch's outputs are the arrays in its slots.
+    :data:`SCRATCH_ALIGNMENT`-aligned; workspaces that must start at zero
+    (tickets, histograms: ``fill`` 0) likewise from one ``zeroed_bytes``
+    allocation of zeros at ``zeroed`` offsets, so a program pays one fill
+    whatever the number of its zeroed workspaces (all-zero bytes are a zero of
+    every dtype); the others are ``allocated`` one by one (``fill`` ``None``:
+    uninitialised).  An in-place executor (torch) needs no output threading:
+    every launch's outputs are the arrays in its slots.
     """
 
     arguments: tuple[str, ...]
     scratch: tuple[tuple[int, Buffer, int], ...]  # (slot, buffer, byte offset)
     scratch_bytes: int
+    zeroed: tuple[tuple[int, Buffer, int], ...]  # (slot, buffer, byte offset) in the zeroed allocation
+    zeroed_bytes: int
     allocated: tuple[tuple[int, Buffer, int | float | None], ...]  # (slot, buffer, fill or None)
     launches: tuple[tuple[Launch, tuple[int, ...]], ...]  # (launch, slots of its inputs then outputs)
     results: tuple[int, ...]
@@ -295,19 +301,28 @@ class Schedule:
         missing = set(program.updated_arguments) - set(slot)
         if missing:
             raise ValueError(f"{program.function}: arguments {sorted(missing)} are not among {arguments}")
-        scratch, allocated, offset = [], [], 0
+        scratch, zeroed, allocated, ends = [], [], [], {"scratch": 0, "zeroed": 0}
         filled, results = program.filled_buffers, set(program.results)
+
+        def carve(region: str, carved: list, index: int, buffer: Buffer) -> None:
+            carved.append((index, buffer, ends[region]))
+            size = math.prod(buffer.shape) * ITEMSIZE[buffer.dtype]
+            ends[region] += -(-size // SCRATCH_ALIGNMENT) * SCRATCH_ALIGNMENT
+
         for i, buffer in enumerate(program.buffers):
             index = slot[buffer.name] = len(arguments) + i
-            if buffer.name in results or buffer.name in filled:
+            if buffer.name in results:
                 allocated.append((index, buffer, buffer.fill if buffer.name in filled else None))
+            elif buffer.name not in filled:
+                carve("scratch", scratch, index, buffer)
+            elif buffer.fill == 0:
+                carve("zeroed", zeroed, index, buffer)
             else:
-                scratch.append((index, buffer, offset))
-                size = math.prod(buffer.shape) * ITEMSIZE[buffer.dtype]
-                offset += -(-size // SCRATCH_ALIGNMENT) * SCRATCH_ALIGNMENT
+                allocated.append((index, buffer, buffer.fill))
         launches = tuple((launch, tuple(slot[name] for name in (*launch.inputs, *launch.outputs)))
                          for launch in program.runnable_launches)
-        return cls(arguments, tuple(scratch), offset, tuple(allocated), launches,
+        return cls(arguments, tuple(scratch), ends["scratch"], tuple(zeroed), ends["zeroed"], tuple(allocated),
+                   launches,
                    tuple(slot[name] for name in program.results),
                    tuple(slot[name] for name in program.updated_arguments))
 
