@@ -256,6 +256,18 @@ def _prefetch_l2(pointers, mask):
 
 
 @triton.jit
+def _score_tile(q, keys, present, logits_row, col_start, lane, num_columns, score_divisor, UPCAST: tl.constexpr,
+                FP8_KEYS: tl.constexpr, BIT_TRICK: tl.constexpr, IN_REGISTERS: tl.constexpr):
+    """A tile's scores from its loaded keys, as ``score_row_tile`` computes them, stored."""
+    if FP8_KEYS:
+        keys = widen_e4m3(keys, q.dtype, BIT_TRICK, IN_REGISTERS)  # exact: q's dtype holds every e4m3 value
+    # Padded heads are zero rows: relu(0) adds nothing.
+    total = tl.sum(tl.maximum(_dot(q, tl.trans(keys), UPCAST), 0.0), axis=0)
+    tl.store(logits_row + col_start + lane, tl.where(present, total / score_divisor, float("-inf")),
+             mask=lane < num_columns - col_start)
+
+
+@triton.jit
 def scores_rows_kernel(
     # inputs (scores_kernel's)
     q_ptr, k_cache_ptr, page_table_ptr, token_to_req_ptr, query_positions_ptr, sequence_lengths_ptr, k_scale_ptr,
@@ -268,7 +280,7 @@ def scores_rows_kernel(
     HEADS: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, RATIO: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
     UPCAST: tl.constexpr, FP8_KEYS: tl.constexpr, BIT_TRICK: tl.constexpr, IN_REGISTERS: tl.constexpr,
-    SPAN: tl.constexpr, PREFETCH: tl.constexpr,
+    SPAN: tl.constexpr, PREFETCH: tl.constexpr, PIPELINED: tl.constexpr,
 ):
     """A row a program (decode rows), ``TILES`` consecutive tiles of BLOCK_N columns in a loop
     (program ``(i, j)``: row i, tiles ``j * TILES ...``), each scored as ``score_row_tile``
@@ -307,27 +319,45 @@ def scores_rows_kernel(
     in_page = (lane % PAGE) * kc_sp
     offsets = in_page[:, None] + dims[None, :]
     dims_ok = dims[None, :] < D
-    off0, ok0, off1, ok1 = _tile_pages(page_table_ptr, request, request_ok, first, num_pages, table_width,
-                                       pt_sr, kc_sb, kc_sp, PAGE, SPAN)
-    for t in range(live):
-        cols = first + t * BLOCK_N + lane
-        present = tl.where(second, ok1, ok0) & (cols < visible)
-        keys = tl.load(k_cache_ptr + tl.where(second, off1, off0)[:, None] + offsets,
-                       mask=present[:, None] & dims_ok, other=0.0)
-        # The next tile's pages (carried to the next iteration), its keys hinted into L2.
-        off0, ok0, off1, ok1 = _tile_pages(page_table_ptr, request, request_ok & (t + 1 < live),
-                                           first + (t + 1) * BLOCK_N, num_pages, table_width, pt_sr, kc_sb,
-                                           kc_sp, PAGE, SPAN)
-        if PREFETCH:
-            _prefetch_l2(k_cache_ptr + tl.where(second, off1, off0) + in_page, tl.where(second, ok1, ok0))
-        if FP8_KEYS:
-            keys = widen_e4m3(keys, q.dtype, BIT_TRICK, IN_REGISTERS)  # exact, as in score_row_tile
-        # Padded heads are zero rows: relu(0) adds nothing.
-        total = tl.sum(tl.maximum(_dot(q, tl.trans(keys), UPCAST), 0.0), axis=0)
-        tl.store(logits_row + cols, tl.where(present, total / score_divisor, float("-inf")), mask=cols < num_columns)
+    if PIPELINED:
+        # Triton's software pipelining (the launch's num_stages): each tile's pages looked up in
+        # its iteration, so that the pipeliner can issue its loads (cp.async) stages ahead.
+        for t in range(live):
+            col_start = first + t * BLOCK_N
+            off0, ok0, off1, ok1 = _tile_pages(page_table_ptr, request, request_ok, col_start, num_pages,
+                                               table_width, pt_sr, kc_sb, kc_sp, PAGE, SPAN)
+            present = tl.where(second, ok1, ok0) & (lane < visible - col_start)
+            keys = tl.load(k_cache_ptr + tl.where(second, off1, off0)[:, None] + offsets,
+                           mask=present[:, None] & dims_ok, other=0.0)
+            _score_tile(q, keys, present, logits_row, col_start, lane, num_columns, score_divisor,
+                         UPCAST, FP8_KEYS, BIT_TRICK, IN_REGISTERS)
+    else:
+        # The pages of tiles t (off0...) and t + 1 (next0...), looked up an iteration ahead of
+        # their use (the prefetch's address needs them), and tile t + 1's keys hinted into L2.
+        off0, ok0, off1, ok1 = _tile_pages(page_table_ptr, request, request_ok, first, num_pages, table_width,
+                                           pt_sr, kc_sb, kc_sp, PAGE, SPAN)
+        next0, next_ok0, next1, next_ok1 = _tile_pages(page_table_ptr, request, request_ok & (live > 1),
+                                                       first + BLOCK_N, num_pages, table_width, pt_sr, kc_sb,
+                                                       kc_sp, PAGE, SPAN)
+        for t in range(live):
+            col_start = first + t * BLOCK_N
+            # Scalars against the lanes (not columns against scalars: 32-bit compares).
+            present = tl.where(second, ok1, ok0) & (lane < visible - col_start)
+            keys = tl.load(k_cache_ptr + tl.where(second, off1, off0)[:, None] + offsets,
+                           mask=present[:, None] & dims_ok, other=0.0)
+            if PREFETCH:  # the next tile's keys into L2 while this one is scored
+                _prefetch_l2(k_cache_ptr + tl.where(second, next1, next0) + in_page,
+                             tl.where(second, next_ok1, next_ok0))
+            off0, ok0, off1, ok1 = next0, next_ok0, next1, next_ok1
+            next0, next_ok0, next1, next_ok1 = _tile_pages(
+                page_table_ptr, request, request_ok & (t + 2 < live), col_start + 2 * BLOCK_N, num_pages,
+                table_width, pt_sr, kc_sb, kc_sp, PAGE, SPAN)
+            _score_tile(q, keys, present, logits_row, col_start, lane, num_columns, score_divisor,
+                         UPCAST, FP8_KEYS, BIT_TRICK, IN_REGISTERS)
     for t in range(live, TILES):
-        cols = first + t * BLOCK_N + lane
-        tl.store(logits_row + cols, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=cols < num_columns)
+        col_start = first + t * BLOCK_N
+        tl.store(logits_row + col_start + lane, tl.full((BLOCK_N,), float("-inf"), tl.float32),
+                 mask=lane < num_columns - col_start)
 
 
 def check_scoring(check: Checker, q, k_cache, page_table, token_to_req, query_positions,
@@ -467,7 +497,8 @@ def score_launches(q, k_cache, page_table, compress_ratio, num_columns, score_di
                 scalars=dict(row_begin=first, **scalars, lg_sr=logits_stride),
                 constexprs=dict(constexprs, TILES=tiles, SPAN=span,
                                 # A hint by inline asm: compiled only.
-                                PREFETCH=tuning.fp8_row_prefetch and not runtime.INTERPRETED),
+                                PREFETCH=tuning.fp8_row_prefetch and not runtime.INTERPRETED,
+                                PIPELINED=tuning.fp8_row_stages > 1),
                 num_warps=warps,
                 num_stages=tuning.fp8_row_stages,
             ))
