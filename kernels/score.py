@@ -247,6 +247,13 @@ def _tile_pages(page_table_ptr, request, request_ok, col_start, num_pages, table
 
 
 @triton.jit
+def _row_offsets(second, off0, off1):
+    """The page offset of each row of a tile (``second``: in its second page), by arithmetic:
+    Triton 3.9's contiguity analysis loses the 16-byte loads through a select here."""
+    return off0 + second.to(tl.int64) * (off1 - off0)
+
+
+@triton.jit
 def _prefetch_l2(pointers, mask):
     """Hints the 128-byte lines at ``pointers`` into L2 where ``mask`` (``prefetch.global.L2``,
     SASS ``CCTL.E.PF2``: no register waits for it, nothing changes but the cache)."""
@@ -327,7 +334,7 @@ def scores_rows_kernel(
             off0, ok0, off1, ok1 = _tile_pages(page_table_ptr, request, request_ok, col_start, num_pages,
                                                table_width, pt_sr, kc_sb, kc_sp, PAGE, SPAN)
             present = tl.where(second, ok1, ok0) & (lane < visible - col_start)
-            keys = tl.load(k_cache_ptr + tl.where(second, off1, off0)[:, None] + offsets,
+            keys = tl.load(k_cache_ptr + _row_offsets(second, off0, off1)[:, None] + offsets,
                            mask=present[:, None] & dims_ok, other=0.0)
             _score_tile(q, keys, present, logits_row, col_start, lane, num_columns, score_divisor,
                          UPCAST, FP8_KEYS, BIT_TRICK, IN_REGISTERS)
@@ -343,10 +350,10 @@ def scores_rows_kernel(
             col_start = first + t * BLOCK_N
             # Scalars against the lanes (not columns against scalars: 32-bit compares).
             present = tl.where(second, ok1, ok0) & (lane < visible - col_start)
-            keys = tl.load(k_cache_ptr + tl.where(second, off1, off0)[:, None] + offsets,
+            keys = tl.load(k_cache_ptr + _row_offsets(second, off0, off1)[:, None] + offsets,
                            mask=present[:, None] & dims_ok, other=0.0)
             if PREFETCH:  # the next tile's keys into L2 while this one is scored
-                _prefetch_l2(k_cache_ptr + tl.where(second, next1, next0) + in_page,
+                _prefetch_l2(k_cache_ptr + _row_offsets(second, next0, next1) + in_page,
                              tl.where(second, next_ok1, next_ok0))
             off0, ok0, off1, ok1 = next0, next_ok0, next1, next_ok1
             next0, next_ok0, next1, next_ok1 = _tile_pages(
