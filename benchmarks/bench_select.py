@@ -84,6 +84,7 @@ FP8_SWEEP = {
     "loop_16": dict(fp8_row_tiles=16),
     "loop_8_1024_programs": dict(fp8_row_tiles=8, fp8_row_min_programs=1024),
     "loop_8_3_stages": dict(fp8_row_tiles=8, fp8_row_prefetch=False, fp8_row_stages=3),
+    "loop_8_8_warps": dict(fp8_row_tiles=8, fp8_row_warps=8),
 }
 FP8_SWEEP_SHAPES = [("decode", rows, 131072) for rows in (8, 64, 256)]
 

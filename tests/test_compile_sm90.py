@@ -218,7 +218,8 @@ CASES = {
            ("8-tiles", dict(fp8_row_tiles=8)), ("8-tiles-no-prefetch", dict(fp8_row_tiles=8, fp8_row_prefetch=False)),
            ("4-tiles", dict(fp8_row_tiles=4)), ("16-tiles", dict(fp8_row_tiles=16)),
            ("8-tiles-1024-programs", dict(fp8_row_tiles=8, fp8_row_min_programs=1024)),
-           ("8-tiles-3-stages", dict(fp8_row_tiles=8, fp8_row_prefetch=False, fp8_row_stages=3)))},
+           ("8-tiles-3-stages", dict(fp8_row_tiles=8, fp8_row_prefetch=False, fp8_row_stages=3)),
+           ("8-tiles-8-warps", dict(fp8_row_tiles=8, fp8_row_warps=8)))},
     "scores/fp8-decode-256-128k-row-loop-page-128-int64": _scores(256, 256, 1 << 17, k=FP8, page=128, index=I64,
                                                                   tuning=dict(fp8_row_tiles=8)),
     # Stage 3: top-k (a top-k set takes ~20 s of compiling: few shapes).

@@ -308,6 +308,63 @@ def test_scores_fp8_row_loop_equals_default(page, loop, nan_codes):
                         "row loop vs reference on the dequantised keys")
 
 
+def test_selection_fp8_row_loop_equals_default():
+    """select_paged_tokens scores through the row loop too (unfused: its scorer launches over
+    row chunks): the default's tokens bit for bit."""
+    case = fp8_long_decode_case(5, page=64)
+    k_scale = scale_tensor(0.5)
+    select = lambda: qsa_torch.select_paged_tokens(**case, token_topk=64, compress_ratio=4,  # noqa: E731
+                                                   k_scale=k_scale)
+    with tuning.override(select=tuning.SelectTuning(fused=False)):
+        default = select()
+    loop = tuning.SelectTuning(fused=False, fp8_row_tiles=4, fp8_row_min_programs=1)
+    with tuning.override(select=loop):
+        program = qsa_torch.select_paged_tokens.plan(**case, token_topk=64, compress_ratio=4, k_scale=k_scale)
+        assert "scores_rows_kernel" in [kernel_name(launch.kernel) for launch in program.launches]
+        assert_bitwise_equal(select(), default, "selection through the row loop vs the default")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [8, 64, 256])
+def test_scores_fp8_row_loop_production(rows):
+    """Production geometry (4 heads x d128, pages of 64, 32K context, random pages of a shared
+    pool, NaN codes in two keys): every fp8_row_* candidate of bench_select.py --fp8-sweep
+    (the L2 prefetch and Triton's pipelining included: compiled only) gives the default's
+    logits bit for bit, and the default matches the float64 reference."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from bench_select import FP8_SWEEP  # noqa: E402
+
+    g = torch.Generator(device=DEVICE).manual_seed(rows)
+    columns, page, pool_pages = 8192, 64, 2 * 8192 // 64 * 4
+    pool = torch.randn(pool_pages, page, 1, 128, device=DEVICE, generator=g).to(torch.bfloat16)
+    k8 = quantise(pool, 0.01)
+    k8.view(torch.uint8)[3, 5, 0, 9] = 0x7F
+    k8.view(torch.uint8)[7, 0, 0, :] = 0xFF
+    width = columns // page
+    page_table = torch.stack([torch.randperm(pool_pages, device=DEVICE, generator=g)[:width] for _ in range(rows)])
+    lengths = torch.full((rows,), columns * 4, dtype=torch.int32, device=DEVICE)
+    lengths[1::3] = columns * 4 // 3 + 7  # shorter requests: the loop's tails
+    case = dict(q=torch.randn(rows, 4, 128, device=DEVICE, generator=g).to(torch.bfloat16), k_cache=k8,
+                page_table=page_table.int(), token_to_req=torch.arange(rows, dtype=torch.int32, device=DEVICE),
+                query_positions=(lengths - 1).int(), sequence_lengths=lengths)
+    k_scale = scale_tensor(0.01)
+    default, visible = qsa_torch.mqa_paged_scores(**case, compress_ratio=4, k_scale=k_scale)
+    for name, variant in FP8_SWEEP.items():
+        with tuning.override(select=tuning.SelectTuning(**variant)):
+            logits, loop_visible = qsa_torch.mqa_paged_scores(**case, compress_ratio=4, k_scale=k_scale)
+        assert_bitwise_equal(logits, default, f"{name} vs the default kernel")
+        assert_bitwise_equal(loop_visible, visible, f"{name}: visible blocks")
+    expected, expected_visible = R.mqa_paged_scores(
+        **dict(numpy_args(case), k_cache=dequantised(k8, 0.01)), compress_ratio=4)
+    assert np.array_equal(host(visible), expected_visible)
+    nan = np.isnan(expected)
+    assert_scores_close(torch.from_numpy(np.where(nan, 0.0, f64(default))), np.where(nan, 0.0, expected), 1e-5,
+                        "default vs reference on the dequantised keys")
+
+
 def test_scores_fp8_row_loop_plan():
     """Where the row loop applies (fp8 keys, decode rows on tensor cores, a tile within at most
     two pages) and how many tiles a program takes (halved while fewer than fp8_row_min_programs
