@@ -7,6 +7,11 @@ keys are gathered once and every head is one tensor-core dot
 ``[BLOCK_R, D] x [D, BLOCK_N]``; otherwise (decode, or a tile straddling two
 requests) each row is scored alone with its heads padded to a dot of at least
 16 rows.  Keys past the tile's visible columns are never loaded.
+
+With fp8 keys and ``SelectTuning.fp8_row_tiles`` > 1 (issue 27's candidates,
+not the default), decode rows are scored by :func:`scores_rows_kernel`
+instead: a program scores several of a row's tiles in a loop, each as
+``score_row_tile`` scores it (the same bits).
 """
 
 from __future__ import annotations
