@@ -387,8 +387,9 @@ class SelectTuning:
     #: spans), halved while fewer than ``fp8_row_min_programs`` programs would cover
     #: the launch; with ``fp8_row_prefetch``, the next tile's keys are hinted into L2
     #: while a tile is scored; ``fp8_row_stages`` is Triton's num_stages for the loop
-    #: (3: the keys loaded by cp.async two tiles ahead, 2 shared-memory buffers).  The
-    #: same bits as the defaults (docs/design.md, "Measured tuning values").
+    #: (3: the next tile's keys loaded by cp.async into shared memory).  The same bits
+    #: as the defaults (docs/design.md, "Measured tuning values"); the fused
+    #: selection's scoring does not take them.
     fp8_row_tiles: int = 1
     fp8_row_min_programs: int = 4096
     fp8_row_prefetch: bool = True
