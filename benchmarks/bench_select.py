@@ -263,6 +263,8 @@ def main():
     deadline_s, hard_stop_s = DEADLINE_S + extra_s, HARD_STOP_S + extra_s
     if args.fp8_sweep:
         started = time.perf_counter()
+        if args.json == parser.get_default("json"):  # not over the full run's select.json
+            args.json = args.json.replace("select.json", "select_fp8_sweep.json")
         sweep_shapes = args.shapes or ([("decode", r, c) for c in g["CONTEXTS"][-1:] for r in g["DECODE_ROWS"]]
                                        if args.smoke else FP8_SWEEP_SHAPES)
         rows_out = fp8_sweep(torch, qsa_torch, g, pool, sweep_shapes, device, generator, args.smoke)
