@@ -398,6 +398,20 @@ class SelectTuning:
     #: warps 466.3 (sm_90 registers: docs/design.md, "Measured tuning values").
     fp8_row_columns: int = 128
     fp8_row_warps: int = 4
+    #: Candidates of issue 27, not yet timed (the defaults keep the kernel above):
+    #: ``fp8_row_tiles`` > 1 scores each row's tiles of ``fp8_row_columns`` in a loop,
+    #: up to that many tiles a program (``score.scores_rows_kernel``: the row's
+    #: request, q and pages read once, a tile's keys as at most two contiguous page
+    #: spans), halved while fewer than ``fp8_row_min_programs`` programs would cover
+    #: the launch; with ``fp8_row_prefetch``, the next tile's keys are hinted into L2
+    #: while a tile is scored; ``fp8_row_stages`` is Triton's num_stages for the loop
+    #: (3: the next tile's keys loaded by cp.async into shared memory).  The same bits
+    #: as the defaults (docs/design.md, "Measured tuning values"); the fused
+    #: selection's scoring does not take them.
+    fp8_row_tiles: int = 1
+    fp8_row_min_programs: int = 4096
+    fp8_row_prefetch: bool = True
+    fp8_row_stages: int = 1
     #: Decode rows whose top-k takes the ticketed path are scored, ranked and
     #: expanded by one launch (``select.select_fused_kernel``): bit for bit
     #: the three launches.  Off: the three launches (tests compare the two).
@@ -416,11 +430,15 @@ class SelectTuning:
 
     def __post_init__(self):
         object.__setattr__(self, "fused", BOOL.canonical("SelectTuning", "fused", self.fused))
-        for name in ("logits_workspace_bytes", "fp8_row_columns", "fp8_row_warps", "fused_max_rows",
+        object.__setattr__(self, "fp8_row_prefetch", BOOL.canonical("SelectTuning", "fp8_row_prefetch",
+                                                                    self.fp8_row_prefetch))
+        for name in ("logits_workspace_bytes", "fp8_row_columns", "fp8_row_warps", "fp8_row_tiles",
+                     "fp8_row_min_programs", "fp8_row_stages", "fused_max_rows",
                      "fused_max_columns", "fused_warps", "fused_score_columns"):
             _positive_int("SelectTuning", name, getattr(self, name))
         for name in ("fp8_row_warps", "fused_warps"):
             _power_of_two("SelectTuning", name, getattr(self, name), most=MAX_WARPS)
+        _power_of_two("SelectTuning", "fp8_row_tiles", self.fp8_row_tiles)
         for name in ("fp8_row_columns", "fused_score_columns"):
             value = getattr(self, name)
             if value < 128 or value & (value - 1):

@@ -212,6 +212,16 @@ CASES = {
     "scores/fp8-fp32-queries": _scores(8, 8, 1 << 15, q=FP32, k=FP8),
     "scores/fp8-decode-256-128k-8-warps": _scores(256, 256, 1 << 17, k=FP8, tuning=dict(fp8_row_warps=8)),
     "scores/fp8-decode-256-128k-256-columns": _scores(256, 256, 1 << 17, k=FP8, tuning=dict(fp8_row_columns=256)),
+    # The row loop's candidates (SelectTuning.fp8_row_*, bench_select.py --fp8-sweep; issue 27).
+    **{f"scores/fp8-decode-{rows}-128k-row-loop-{name}": _scores(rows, rows, 1 << 17, k=FP8, tuning=variant)
+       for rows in (8, 64, 256) for name, variant in (
+           ("8-tiles", dict(fp8_row_tiles=8)), ("8-tiles-no-prefetch", dict(fp8_row_tiles=8, fp8_row_prefetch=False)),
+           ("4-tiles", dict(fp8_row_tiles=4)), ("16-tiles", dict(fp8_row_tiles=16)),
+           ("8-tiles-1024-programs", dict(fp8_row_tiles=8, fp8_row_min_programs=1024)),
+           ("8-tiles-3-stages", dict(fp8_row_tiles=8, fp8_row_prefetch=False, fp8_row_stages=3)),
+           ("8-tiles-8-warps", dict(fp8_row_tiles=8, fp8_row_warps=8)))},
+    "scores/fp8-decode-256-128k-row-loop-page-128-int64": _scores(256, 256, 1 << 17, k=FP8, page=128, index=I64,
+                                                                  tuning=dict(fp8_row_tiles=8)),
     # Stage 3: top-k (a top-k set takes ~20 s of compiling: few shapes).
     "topk/decode-1-1m-k512": _topk(1, 1 << 18, 512),  # the sliced path past ticketed_max_columns
     "topk/decode-256-128k-k512": _topk(256, 1 << 15, 512),
