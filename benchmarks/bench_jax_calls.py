@@ -16,13 +16,28 @@ Two measurements per lowering (``qsa_jax.use_triton_lowering``), in one process:
 ``XLA_FLAGS`` decides command buffers (XLA's default: on); run once as is and
 once with ``--xla_gpu_enable_command_buffer=`` to compare (``--json`` names the
 file).
+
+``--payload`` measures instead what a launch's call proto costs (docs/design.md,
+"JAX call overhead"), in one process:
+
+* ``sweep``: the same chain with each launch's PTX padded by N bytes of comment
+  lines of random letters (``--pad-kb``; the kernel is unchanged, its payload
+  grows by about 3/4 of N after compression): wall µs per kernel against
+  payload bytes per launch, per lowering;
+* ``step``: the step as above with each PTX form (``qsa_jax._triton_call.ptx_form``:
+  ``"full"``, Triton's PTX, and ``"minified"``, the default), per lowering and batch.
+
+    python benchmarks/bench_jax_calls.py --payload --batches 1 8 --json benchmarks/results/jax_payload.json
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
+import random
 import re
+import string
 import statistics
 import time
 import warnings
@@ -52,7 +67,48 @@ def chain_kernel():
     return add_one_kernel
 
 
-def chain_us(lowering: str) -> dict:
+@contextlib.contextmanager
+def padded_ptx(extra: int):
+    """Launches lowered inside the block carry their minified PTX followed by ``extra`` bytes of
+    comment lines of random letters: ptxas skips them (the kernel is the same), only the payload grows."""
+    from qsa_jax import _triton_call
+
+    if not extra:
+        yield
+        return
+    rng = random.Random(extra)
+    lines = ["//" + "".join(rng.choices(string.ascii_letters + string.digits, k=98)) for _ in range(-(-extra // 101))]
+    pad, real = "\n".join(lines) + "\n", _triton_call.minify_ptx
+    _triton_call.minify_ptx = lambda ptx: real(ptx) + pad
+    try:
+        yield
+    finally:
+        _triton_call.minify_ptx = real
+
+
+def payload_bytes(lowered) -> tuple[int, int]:
+    """``(launches, compressed call-proto bytes of them all)`` in ``lowered``'s StableHLO."""
+    from jax.extend.mlir import ir
+
+    from qsa_jax import _triton_call
+
+    sizes = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    if inner.operation.name == "stablehlo.custom_call":
+                        sizes.append(len(_triton_call._payload(inner.operation, ir)))
+                    walk(inner.operation)
+
+    walk(lowered.compiler_ir("stablehlo").operation)
+    return len(sizes), sum(sizes)
+
+
+def chain_us(lowering: str, pad: int | None = None) -> dict:
+    """The chain; ``pad``: bytes of comment appended to each launch's PTX (:func:`padded_ptx`; the
+    sweep's rows: wall only, no trace)."""
     import jax
     import jax.numpy as jnp
 
@@ -70,10 +126,13 @@ def chain_us(lowering: str) -> dict:
             (x,) = _triton_call.run(program, {"x": x})
         return x
 
-    with qsa_jax.use_triton_lowering(lowering):
+    with qsa_jax.use_triton_lowering(lowering), padded_ptx(pad or 0):
         looped = jax.jit(lambda x: jax.lax.fori_loop(0, LOOP, lambda i, x: chain(x), x, unroll=True))
         x = jnp.zeros((n,), jnp.float32)
-        out = jax.block_until_ready(looped(x))
+        lowered = looped.lower(x)
+        launches, payload = payload_bytes(lowered)
+        hlo = lowered.compile().as_text() if pad is None else ""
+        out = jax.block_until_ready(looped(x))  # traced and compiled here, in the block: cached for the calls
     assert float(out[0]) == CHAIN * LOOP, out[0]
     times = []
     for _ in range(20):
@@ -81,10 +140,12 @@ def chain_us(lowering: str) -> dict:
         jax.block_until_ready(looped(x))
         times.append((time.perf_counter() - start) * 1e6)
     per_loop = statistics.median(times)
-    hlo = looped.lower(x).compile().as_text()
+    row = dict(lowering=lowering, us_per_kernel=per_loop / (CHAIN * LOOP), us_per_chain=per_loop / LOOP,
+               payload_bytes_per_launch=payload / max(launches, 1))
+    if pad is not None:
+        return dict(row, pad_bytes=pad)
     trace = common.gpu_trace(lambda: jax.block_until_ready(looped(x)), CHAIN * LOOP) or {}
-    return dict(lowering=lowering, us_per_kernel=per_loop / (CHAIN * LOOP), us_per_chain=per_loop / LOOP,
-                gpu_busy_us_per_kernel=trace.get("busy_us"), gpu_span_us_per_kernel=trace.get("device_us"),
+    return dict(row, gpu_busy_us_per_kernel=trace.get("busy_us"), gpu_span_us_per_kernel=trace.get("device_us"),
                 **hlo_counts(hlo))
 
 
@@ -97,22 +158,25 @@ def hlo_counts(hlo: str) -> dict:
                 fusions=len(re.findall(r"\bfusion\(", hlo)))
 
 
-def step_trace(lowering: str, batch: int, context: int) -> dict:
+def step_trace(lowering: str, batch: int, context: int, ptx: str = "minified") -> dict:
     import jax
     import torch
 
     import bench_step
     import qsa_jax
+    from qsa_jax import _triton_call
 
     shape = bench_step.Shape(bench_step.PRODUCTION, batch, context, torch.device("cuda"))
     inputs, state, meta, tables = bench_step.jax_arrays(shape)
     step, loop = bench_step.jax_step_and_loop(shape, LOOP)
 
-    with qsa_jax.use_triton_lowering(lowering), warnings.catch_warnings():
+    with qsa_jax.use_triton_lowering(lowering), _triton_call.ptx_form(ptx), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
         looped = jax.jit(loop, donate_argnums=1)
+        lowered = looped.lower(inputs, state, meta, *tables)
+        launches, payload = payload_bytes(lowered)
+        hlo = lowered.compile().as_text()
         _, state = jax.block_until_ready(looped(inputs, state, meta, *tables))
-        hlo = looped.lower(inputs, state, meta, *tables).compile().as_text()
         single = jax.jit(step, donate_argnums=1)
         out, state = jax.block_until_ready(single(inputs, state, meta, *tables))
     opaque = sum(len(m) for m in re.findall(r'(?:opaque = |backend_config=)"((?:[^"\\]|\\.)*)"', hlo)) / LOOP
@@ -136,7 +200,8 @@ def step_trace(lowering: str, batch: int, context: int) -> dict:
         jax.block_until_ready(state)
         wall.append((time.perf_counter() - start) * 1e6 / LOOP)
     trace = common.gpu_trace(lambda: jax.block_until_ready(looped(inputs, state, meta, *tables)), LOOP)
-    row = dict(lowering=lowering, batch=batch, context=context, opaque_text_kb_per_step=opaque / 1e3,
+    row = dict(lowering=lowering, ptx=ptx, batch=batch, context=context, opaque_text_kb_per_step=opaque / 1e3,
+               payload_bytes_per_step=payload / LOOP, launches_per_step=launches / LOOP,
                loop_us_per_step=statistics.median(times), loop_us_outputs_freed=statistics.median(dropped),
                wall_us_per_call=statistics.median(wall),
                **trace, **hlo_counts(hlo))
@@ -147,19 +212,26 @@ def step_trace(lowering: str, batch: int, context: int) -> dict:
 
 def main():
     p = common.parser(__doc__, "jax_calls.json")
-    p.add_argument("--batches", type=int, nargs="*", default=[1, 64])
+    p.add_argument("--batches", type=int, nargs="*", default=None, help="default: 1 64 (--payload: 1 8)")
     p.add_argument("--context", type=int, default=131072)
+    p.add_argument("--payload", action="store_true", help="the payload sweep and the step per PTX form")
+    p.add_argument("--pad-kb", type=int, nargs="*", default=[0, 8, 32, 128, 256],
+                   help="--payload: KB of comment appended to each chain launch's PTX")
+    p.add_argument("--budget-s", type=float, default=110.0,
+                   help="--payload: start no step measurement past this many seconds of them")
     args = p.parse_args()
     import qsa_jax
 
     lowerings = ["legacy"] + (["ffi"] if qsa_jax.triton_lowering_available("ffi") else [])
     flags = os.environ.get("XLA_FLAGS", "")
+    if args.payload:
+        return payload_main(args, lowerings, flags)
     rows = []
     for lowering in lowerings:
-        row = dict(kind="chain", xla_flags=flags, **chain_us(lowering))  # a 1 KB call proto: slimming moot
+        row = dict(kind="chain", xla_flags=flags, **chain_us(lowering))
         print(row)
         rows.append(row)
-    for batch in args.batches:
+    for batch in args.batches or [1, 64]:
         for lowering in lowerings:
             row = dict(kind="step", xla_flags=flags, **step_trace(lowering, batch, args.context))
             print({k: v for k, v in row.items() if k != "ops"})
@@ -171,6 +243,44 @@ def main():
         "(torch.profiler) of one loop; busy = summed op time, span = first start to last end",
         f"XLA_FLAGS={flags!r}",
     ])
+
+
+def payload_main(args, lowerings: list[str], flags: str) -> None:
+    import jaxlib
+
+    rows = []
+    for lowering in lowerings:
+        sweep = [dict(kind="sweep", xla_flags=flags, **chain_us(lowering, kb << 10)) for kb in args.pad_kb]
+        for row in sweep:
+            print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()})
+        xs, ys = [r["payload_bytes_per_launch"] for r in sweep], [r["us_per_kernel"] for r in sweep]
+        slope = statistics.linear_regression(xs, ys).slope * 1e5 if len(set(xs)) > 1 else None
+        for row in sweep:
+            row["fit_us_per_100kb"] = slope
+        print(f"{lowering}: {slope and round(slope, 3)} us per launch per 100 KB of payload "
+              f"(least squares over the pads, jaxlib {jaxlib.__version__})")
+        rows += sweep
+    began, skipped = time.perf_counter(), []
+    for batch in args.batches or [1, 8]:
+        for lowering in lowerings:
+            for ptx in ("full", "minified"):
+                if time.perf_counter() - began > args.budget_s:  # the whole run must stay < 3 min
+                    skipped.append(f"{lowering}/{ptx}/{batch}")
+                    continue
+                row = dict(kind="step", xla_flags=flags, **step_trace(lowering, batch, args.context, ptx))
+                print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()
+                       if k not in ("ops", "custom_calls")})
+                rows.append(row)
+    common.write_json(args.json, "jax dispatch: per-launch host cost against the call proto's size", rows, [
+        f"sweep: {CHAIN} chained 1024-element Triton kernels per jitted chain, unrolled fori_loop of {LOOP}; "
+        "each launch's PTX padded by pad_bytes of comment lines of random letters (the same kernel); "
+        "us_per_kernel = wall / (chains x kernels); payload_bytes_per_launch = the compressed call proto",
+        f"step: the composed decode step, unrolled fori_loop of {LOOP}, per PTX form (ptx_form: full = "
+        "Triton's PTX, minified = without comments and blanks; the same SASS)",
+        f"XLA_FLAGS={flags!r}",
+    ] + ([f"not run (past --budget-s {args.budget_s:g} s of steps): {', '.join(skipped)}"] if skipped else []))
+    if skipped:
+        print("not run, past the time budget:", ", ".join(skipped))
 
 
 if __name__ == "__main__":

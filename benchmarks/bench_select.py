@@ -31,6 +31,8 @@ with bf16 (fraction of a row's top-k blocks both select: mean and min over
 rows).  fp8 bytes count 1 byte per key element plus the scale.
 ``fp8_scorer_<variant>_*``: the fp8 scorer under the SelectTuning variants of
 FP8_SCORER_VARIANTS, with ``_equal``: logits bitwise the default's.
+``--fp8-sweep``: only the fp8 scorer, at decode 8/64/256 x 128K: the bf16 scorer,
+the fp8 default and each FP8_SWEEP candidate (issue 27's row loop) in one process.
 torch: CUDA-graph replay (device time; fewer calls per graph for slow
 shapes) and do_bench (median, L2 flushed) for the scorer.  JAX: wall clock of
 back-to-back jitted calls (host overhead included) and, for the selection and
@@ -77,6 +79,19 @@ FP8_SCORER_VARIANTS = {
     "8_warps": dict(fp8_row_warps=8),
     "2_warps": dict(fp8_row_warps=2),
 }
+
+#: --fp8-sweep (issue 27): the fp8 scorer's row-loop candidates (SelectTuning fields), each
+#: timed beside the default fp8 scorer and the bf16 one on FP8_SWEEP_SHAPES, in one process.
+FP8_SWEEP = {
+    "loop_8": dict(fp8_row_tiles=8),
+    "loop_8_no_prefetch": dict(fp8_row_tiles=8, fp8_row_prefetch=False),
+    "loop_4": dict(fp8_row_tiles=4),
+    "loop_16": dict(fp8_row_tiles=16),
+    "loop_8_1024_programs": dict(fp8_row_tiles=8, fp8_row_min_programs=1024),
+    "loop_8_3_stages": dict(fp8_row_tiles=8, fp8_row_prefetch=False, fp8_row_stages=3),
+    "loop_8_8_warps": dict(fp8_row_tiles=8, fp8_row_warps=8),
+}
+FP8_SWEEP_SHAPES = [("decode", rows, 131072) for rows in (8, 64, 256)]
 
 SMOKE = dict(PAGE=16, TOKEN_TOPK=32, DECODE_ROWS=[1, 2], PREFILL_ROWS=[8], CONTEXTS=[512, 2048],
              PREFILL_CONTEXTS=[512], POOL_BYTES=1 << 20, JAX_SHAPES={("decode", 1, 512)},
@@ -178,6 +193,47 @@ def jax_select_us(jax, qsa_jax, arrays, topk, smoke):
     return wall, common.jax_loop_us(step, args, calls=calls, smoke=smoke)
 
 
+def fp8_sweep(torch, qsa_torch, g, pool, shapes, device, generator, smoke):
+    """--fp8-sweep: per shape, the bf16 scorer, the fp8 default, each FP8_SWEEP candidate
+    (``fp8_<name>_graph_us``, ``_vs_bf16``, ``_vs_default``; ``_equal``: logits and visible
+    blocks bitwise the default's) and the fp8 default again (drift), CUDA-graph µs."""
+    pool8, k_scale = fp8_pool(torch, pool)
+    rows_out = []
+    for mode, rows, context in shapes:
+        arrays = make_shape(torch, g, mode, rows, context, pool, device, generator)
+        columns = context // RATIO
+        fp8_arrays = dict(arrays, k_cache=pool8, k_scale=k_scale)
+        score = lambda: qsa_torch.mqa_paged_scores(**arrays, compress_ratio=RATIO)  # noqa: E731
+        score8 = lambda: qsa_torch.mqa_paged_scores(**fp8_arrays, compress_ratio=RATIO)  # noqa: E731
+        row = dict(mode=mode, rows=rows, context=context, columns=columns,
+                   scorer_bytes=scorer_bytes(mode, rows, columns),
+                   fp8_scorer_bytes=scorer_bytes(mode, rows, columns, key_bytes=1))
+        row["bf16_graph_us"] = graph_us(score, smoke)
+        row["bf16_pct_peak"] = common.pct_peak(row["scorer_bytes"], row["bf16_graph_us"])
+        row["fp8_default_graph_us"] = graph_us(score8, smoke)
+        default_logits, default_visible = score8()
+        for name, variant in [("default", {})] + list(FP8_SWEEP.items()):
+            if name != "default":
+                with tuning.override(select=SelectTuning(**variant)):
+                    row[f"fp8_{name}_graph_us"] = graph_us(score8, smoke)
+                    logits, visible = score8()
+                row[f"fp8_{name}_equal"] = bool(torch.equal(logits, default_logits)
+                                                and torch.equal(visible, default_visible))
+                del logits, visible
+            us = row[f"fp8_{name}_graph_us"]
+            if us:
+                row[f"fp8_{name}_pct_peak"] = common.pct_peak(row["fp8_scorer_bytes"], us)
+                if row["bf16_graph_us"]:
+                    row[f"fp8_{name}_vs_bf16"] = us / row["bf16_graph_us"]
+                if row["fp8_default_graph_us"]:
+                    row[f"fp8_{name}_vs_default"] = us / row["fp8_default_graph_us"]
+        row["fp8_default_again_graph_us"] = graph_us(score8, smoke)
+        del default_logits, default_visible
+        rows_out.append(row)
+        common.print_table([row], list(row))
+    return rows_out
+
+
 def main():
     parser = common.parser(__doc__, "select.json")
     parser.add_argument("--fused-sweep", action="store_true",
@@ -188,6 +244,9 @@ def main():
                              "(topk_shared_graph_us, select_shared_graph_us, _equal: the default's bits)")
     parser.add_argument("--fp8", action="store_true",
                         help="also score an fp8 e4m3 key pool (per-tensor scale) on FP8_SHAPES, side by side")
+    parser.add_argument("--fp8-sweep", action="store_true",
+                        help="only the fp8 scorer: the default and each FP8_SWEEP candidate beside the bf16 scorer "
+                             "on FP8_SWEEP_SHAPES (--shapes to change them), then exit")
     args = parser.parse_args()
     import jax
     import torch
@@ -201,6 +260,8 @@ def main():
              JAX_SHAPES=JAX_SHAPES, LAX_TOPK_SHAPES=LAX_TOPK_SHAPES, FP8_SHAPES=FP8_SHAPES)
     if args.smoke:
         g.update(SMOKE)
+        if args.fp8_sweep:  # the candidates' kernel needs a tile within two pages
+            g["PAGE"] = PAGE
     device = "cuda" if torch.cuda.is_available() else "cpu"
     generator = torch.Generator(device=device).manual_seed(0)
     page_bytes = g["PAGE"] * D * 2
@@ -209,6 +270,23 @@ def main():
     extra_s = (FP8_EXTRA_S if args.fp8 else 0.0) + (FUSED_SWEEP_EXTRA_S if args.fused_sweep else 0.0) \
         + (SHARED_TOPK_EXTRA_S if args.shared_topk else 0.0)
     deadline_s, hard_stop_s = DEADLINE_S + extra_s, HARD_STOP_S + extra_s
+    if args.fp8_sweep:
+        started = time.perf_counter()
+        if args.json == parser.get_default("json"):  # not over the full run's select.json
+            args.json = args.json.replace("select.json", "select_fp8_sweep.json")
+        sweep_shapes = args.shapes or ([("decode", r, c) for c in g["CONTEXTS"][-1:] for r in g["DECODE_ROWS"]]
+                                       if args.smoke else FP8_SWEEP_SHAPES)
+        rows_out = fp8_sweep(torch, qsa_torch, g, pool, sweep_shapes, device, generator, args.smoke)
+        names = ["default", *FP8_SWEEP]
+        common.print_table(rows_out, ["rows", "context", "bf16_graph_us", "fp8_default_again_graph_us"]
+                           + [f"fp8_{name}_{what}" for name in names for what in ("graph_us", "vs_bf16")])
+        common.write_json(args.json, "fp8 scorer sweep (mqa_paged_scores, issue 27)", rows_out, [
+            f"pool of {pool_pages} pages shared by all requests (random distinct pages per request); fp8: an e4m3 "
+            "copy (per-tensor scale amax / 448)", "*_graph_us: CUDA-graph replay per call (L2 warm)",
+            "candidates (SelectTuning fields): " + "; ".join(f"{k}: {v}" for k, v in FP8_SWEEP.items()),
+            "*_equal: logits and visible blocks bitwise the fp8 default's",
+            f"total run time {time.perf_counter() - started:.0f} s"])
+        return
     if args.fp8:
         pool8, k_scale = fp8_pool(torch, pool)
     k = g["TOKEN_TOPK"] // RATIO

@@ -36,6 +36,14 @@ sparse_attention_fp8_sweep.json).
 
 ``--only decode`` (or ``prefill``) runs those shapes alone (``_decode`` added
 to the file name).
+
+``merge``: how the plan merges several splits (``in_launch``: merging programs
+in the partial launch, AttentionTuning.fused_merge; ``launch``: a merge
+launch; ``none``: one split), ``launches`` its launch count.
+``--merge-paths``: where the plan splits, also CUDA-graph µs of both merge
+paths forced (``fused_merge_graph_us``, ``merge_launch_graph_us``: the same
+splits) and whether their outputs are the same bits (``fused_merge_bitwise``);
+with ``--fp8`` on the fp8 pools too (``fp8_`` columns).
 """
 
 from __future__ import annotations
@@ -160,10 +168,31 @@ def dense_baseline(torch, g, mode, rows, context, q, device):
 
 
 def plan_choice(qsa_torch, attention, arrays):
-    partial = qsa_torch.sparse_paged_attention.plan(**arrays).launches[0]
-    return dict(splits=partial.grid[1], block_n=partial.constexprs["BLOCK_N"],
+    """The plan's launch choice; ``merge``: how several splits are merged ("in_launch":
+    AttentionTuning.fused_merge's merging programs, "launch": a merge launch, "none": one split)."""
+    program = qsa_torch.sparse_paged_attention.plan(**arrays)
+    partial = program.launches[0]
+    in_launch = partial.kernel is attention.sparse_attention_fused_merge_kernel
+    splits = program.buffer("partial_lse").shape[0]
+    return dict(splits=splits, block_n=partial.constexprs["BLOCK_N"],
                 tiles_per_split=partial.constexprs["TILES_PER_SPLIT"],
-                warps=partial.num_warps, stages=partial.num_stages)
+                warps=partial.num_warps, stages=partial.num_stages, launches=len(program.launches),
+                merge="in_launch" if in_launch else "launch" if splits > 1 else "none")
+
+
+def merge_paths(torch, qsa_torch, arrays, smoke):
+    """``--merge-paths``: CUDA-graph µs of the split-K merged in its launch and by a merge
+    launch (AttentionTuning.fused_merge forced each way: the same splits), and whether their
+    outputs are the same bits."""
+    row, outputs = {}, {}
+    for fused, name in ((True, "fused_merge"), (False, "merge_launch")):
+        with tuning.override(attention=dataclasses.replace(tuning.current().attention, fused_merge=fused)):
+            program = qsa_torch.sparse_paged_attention.plan(**arrays)
+        call = lambda: qsa_torch.run_program(program, arrays)  # noqa: E731
+        row[f"{name}_graph_us"] = common.torch_graph_us(call, smoke=smoke) or common.torch_median_us(call, smoke)
+        (outputs[fused],) = call()
+    row["fused_merge_bitwise"] = bool(torch.equal(outputs[True].view(torch.int16), outputs[False].view(torch.int16)))
+    return row
 
 
 def seed_us(mode, rows, context):
@@ -177,7 +206,7 @@ def sweep(qsa_torch, attention, arrays, smoke, quick=False, split_counts=()):
     page); the table's configuration also runs with the other (``variant``), so one run
     compares them."""
     d = arrays["q"].shape[2]
-    planned = qsa_torch.sparse_paged_attention.plan(**arrays).launches[0].grid[1]
+    planned = qsa_torch.sparse_paged_attention.plan(**arrays).buffer("partial_lse").shape[0]
     fp8 = "float8_e4m3fn" in str(arrays["k_cache"].dtype)
     default = AttentionTuning()
     addressing = "fp8_row_addressing" if fp8 else "row_addressing"
@@ -205,7 +234,7 @@ def sweep(qsa_torch, attention, arrays, smoke, quick=False, split_counts=()):
         partial = dataclasses.replace(partial, num_warps=warps or partial.num_warps,
                                       num_stages=stages or partial.num_stages)
         program = dataclasses.replace(program, launches=(partial, *program.launches[1:]))
-        result = dict(block_n=partial.constexprs["BLOCK_N"], splits=partial.grid[1],
+        result = dict(block_n=partial.constexprs["BLOCK_N"], splits=program.buffer("partial_lse").shape[0],
                       tiles_per_split=partial.constexprs["TILES_PER_SPLIT"],
                       warps=partial.num_warps, stages=partial.num_stages,
                       variant=",".join(f"{k}={v}" for k, v in variant.items()) or "default")
@@ -229,6 +258,9 @@ def main():
     parser.add_argument("--fp8", action="store_true",
                         help="also read fp8 e4m3 caches (per-tensor scales) on FP8_SHAPES, side by side")
     parser.add_argument("--only", choices=("decode", "prefill"), help="run only these shapes")
+    parser.add_argument("--merge-paths", action="store_true",
+                        help="where the plan splits: also time the split-K merged in its launch and by a merge "
+                             "launch (AttentionTuning.fused_merge forced each way), and compare their bits")
     args = parser.parse_args()
     import jax
     import torch
@@ -327,6 +359,12 @@ def main():
             if row["torch_graph_us"]:
                 row["speedup_vs_seed"] = seed / row["torch_graph_us"]
 
+        if args.merge_paths and row["splits"] > 1:
+            row.update(merge_paths(torch, qsa_torch, arrays, args.smoke))
+            if args.fp8 and (mode, rows, context) in g["FP8_SHAPES"]:
+                row.update({f"fp8_{k}": v for k, v in merge_paths(torch, qsa_torch, dict(arrays, **fp8_arrays),
+                                                                  args.smoke).items()})
+
         if args.fp8 and (mode, rows, context) in g["FP8_SHAPES"]:
             fp8_args = dict(arrays, **fp8_arrays)
             call8 = lambda: qsa_torch.sparse_paged_attention(**fp8_args)  # noqa: E731
@@ -373,10 +411,14 @@ def main():
         rows_out.append(row)
         common.print_table([row], list(row))
     common.print_table(rows_out, [
-        "mode", "rows", "context", "splits", "block_n", "tiles_per_split", "bytes", "torch_us", "torch_graph_us",
+        "mode", "rows", "context", "splits", "merge", "launches", "block_n", "tiles_per_split", "bytes", "torch_us",
+        "torch_graph_us",
         "torch_graph_gbps", "torch_graph_pct_peak", "seed_us", "speedup_vs_seed", "jax_wall_us", "jax_loop_us",
         "jax_vs_torch_device", "dense_graph_us", "sparse_speedup_vs_dense", "neighbour_overlap"]
-        + (["fp8_torch_graph_us", "fp8_torch_graph_pct_peak", "fp8_vs_bf16", "fp8_rel_diff"] if args.fp8 else []))
+        + (["fp8_torch_graph_us", "fp8_torch_graph_pct_peak", "fp8_vs_bf16", "fp8_rel_diff"] if args.fp8 else [])
+        + (["fused_merge_graph_us", "merge_launch_graph_us", "fused_merge_bitwise"]
+           + (["fp8_fused_merge_graph_us", "fp8_merge_launch_graph_us", "fp8_fused_merge_bitwise"] if args.fp8 else [])
+           if args.merge_paths else []))
     suffix = f"_{args.only}" if args.only else ""
     common.write_json(args.json.replace(".json", f"{suffix}.json"), "sparse_paged_attention", rows_out, notes)
 

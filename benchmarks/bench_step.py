@@ -44,6 +44,10 @@ where it has the shape, with the goal: at 128K, the fp8 QSA layer at least
 ``launches``: kernel launches per step (observed on one eager step).
 ``--unfused-selection``: the selection as score, top-k and expand launches
 (``SelectTuning(fused=False)``).
+``--merge-paths``: also the step's launches and CUDA-graph µs with the
+attention's split-K merged in its launch and by a merge launch
+(``AttentionTuning.fused_merge`` forced each way; the default merges in the
+launch at up to ``fused_merge_max_programs`` programs: 1-8 requests).
 ``--unfused``: the step's stage 2 and index-query RoPE as separate launches
 (``StepTuning(fuse_stages=False)``; results in step_unfused.json by default),
 to compare with the fused default.
@@ -339,6 +343,7 @@ class Runner:
         self.torch, self.smoke, self.fp8 = torch, smoke, fp8
         self.lowerings = lowerings  # extra JAX columns per Triton lowering (jax_*_us_<lowering>)
         self.skip_compile = False
+        self.merge_paths = False
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.share = "dlpack"
         self.notes: list[str] = []
@@ -358,6 +363,8 @@ class Runner:
         row["torch_eager_wall_us"] = common.torch_wall_us(shape.torch_step, smoke=self.smoke)
         row["torch_graph_us"] = common.torch_graph_us(shape.torch_step, calls=LOOP_CALLS, smoke=self.smoke)
         row["torch_graph_wall_us"] = self.graph_wall_us(shape)
+        if self.merge_paths:
+            row.update(self.merge_path_columns(shape))
         if not self.fp8:  # compiled columns and the dense layer (it reads bf16 caches) come from a bf16 run
             if not self.skip_compile:
                 row.update(self.compiled(shape, label))
@@ -372,6 +379,20 @@ class Runner:
         if self.device.type == "cuda":
             self.torch.cuda.empty_cache()
         return row
+
+    def merge_path_columns(self, shape: Shape) -> dict:
+        """``--merge-paths``: launches and CUDA-graph µs of the step with the attention's split-K
+        merged in its launch and by a merge launch (AttentionTuning.fused_merge forced each way)."""
+        from qsa_kernels import tuning
+
+        columns = {}
+        for fused, name in ((True, "fused_merge"), (False, "merge_launch")):
+            forced = dataclasses.replace(tuning.current().attention, fused_merge=fused)
+            with tuning.override(attention=forced):
+                columns[f"{name}_launches"] = launches(shape)
+                columns[f"{name}_graph_us"] = common.torch_graph_us(shape.torch_step, calls=LOOP_CALLS,
+                                                                    smoke=self.smoke)
+        return columns
 
     def graph_wall_us(self, shape: Shape) -> float | None:
         """A hand-captured CUDA graph of one step, replayed back to back: wall per replay."""
@@ -462,6 +483,10 @@ def main():
                         "step_unfused-selection.json)")
     p.add_argument("--topk-path", choices=TOPK_PATHS, default="auto",
                    help="force the selection's top-k path (TopkTuning.path; results in step_topk-<path>.json)")
+    p.add_argument("--merge-paths", action="store_true",
+                   help="also time the step with the attention's split-K merged in its launch and by a merge "
+                        "launch (AttentionTuning.fused_merge forced each way): fused_merge_* and merge_launch_* "
+                        "columns")
     args = p.parse_args()
     fp8 = args.cache_dtype == "fp8"
     import qsa_jax
@@ -498,6 +523,7 @@ def run(args, fp8: bool) -> None:
     batches, contexts = (SMOKE_BATCHES, SMOKE_CONTEXTS) if args.smoke else (BATCHES, CONTEXTS)
     runner = Runner(args.smoke, fp8, tuple(args.jax_lowerings))
     runner.skip_compile = args.skip_compile
+    runner.merge_paths = args.merge_paths
     rows = []
     chosen = None
     if args.shapes and not args.smoke:  # decode:B:L entries only (a step decodes one row a request)
@@ -528,6 +554,9 @@ def run(args, fp8: bool) -> None:
                  for kind in ("wall", "loop", "device")),
                "dense_graph_us", "jax_over_torch_device", "jax_wall_over_torch_graph",
                "compile_graph_over_graph", "dense_over_qsa"]
+    if args.merge_paths:
+        columns[columns.index("torch_graph_us") + 1:1] = [
+            "fused_merge_launches", "fused_merge_graph_us", "merge_launch_launches", "merge_launch_graph_us"]
     if fp8:
         columns = [c for c in columns if "compile" not in c]
         columns[columns.index("dense_graph_us")] = "dense_bf16_graph_us"
@@ -548,7 +577,10 @@ def run(args, fp8: bool) -> None:
                                                   "stage 2 and the index-query RoPE fused where StepTuning allows")
         + ("; the selection as three launches (--unfused-selection)" if args.unfused_selection else
            "; the selection fused where SelectTuning allows")
-        + (f"; top-k path forced: {args.topk_path}" if args.topk_path != "auto" else ""),
+        + (f"; top-k path forced: {args.topk_path}" if args.topk_path != "auto" else "")
+        + "; the attention's split-K merged in its launch where AttentionTuning allows"
+        + ("; fused_merge_* / merge_launch_*: the step with AttentionTuning.fused_merge forced on / off "
+           "(--merge-paths)" if args.merge_paths else ""),
         f"torch_graph_us: CUDA graph of {LOOP_CALLS} steps, per step; torch_eager_us: do_bench median",
         "torch_compile_us: torch.compile(fullgraph=True) of the step, Inductor default mode, do_bench median",
         f"torch_compile_graph_us: the same with mode='reduce-overhead' (caches marked static), {LOOP_CALLS} "

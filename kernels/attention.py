@@ -10,8 +10,14 @@ the row's request's block table, gathers K and V as ``[BLOCK_N, D]`` rows
 With one split the program writes the output directly.  With several (few
 programs: decode), each split writes its normalised float32 partial output
 and log2-sum-exp, and the partials are weighted by ``2 ** (lse - max lse)``:
-exactly the softmax over the union of the splits.  A merge launch (one
-program per (row, head)) combines them, in the fixed order 0..S-1.
+exactly the softmax over the union of the splits, combined in the fixed
+order 0..S-1 (:func:`_merge_splits`).  For few programs (decode batches,
+:func:`merges_in_launch`) the merge runs in the same launch: per (row, KV
+head), the first S programs to draw a start ticket attend a split each and
+publish it, and the GROUP programs that start after them wait for every
+split and merge one query head each (:func:`sparse_attention_fused_merge_kernel`);
+else a merge launch (one program per (row, head)) does.  Both merge with the
+same elementwise code: the same bits.
 
 Numerics (the seed's): q.k in the cache dtype with float32 accumulation, the
 scale applied to the float32 scores, probabilities rounded to the value dtype
@@ -43,6 +49,7 @@ from . import runtime
 from .fp8 import bit_trick, widen_e4m3
 from .launch import ArrayInfo, Buffer, Launch, Program
 from .stage import stage
+from .tickets import finish_ticket, publish, start_ticket, wait_for
 from .tuning import AttentionTuning
 from .validate import FINITE_NUMBER, FP8_DTYPE, Checker
 
@@ -114,35 +121,21 @@ def _dot(a, b, acc, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def sparse_attention_partial_kernel(
-    # inputs
-    q_ptr,  # [R, QH, D] bf16/fp16
-    k_cache_ptr,  # [num_blocks, P, KH, D] q's dtype or fp8 e4m3
-    v_cache_ptr,  # [num_blocks, P, KH, D] k_cache's dtype
-    token_indices_ptr,  # [R, W] int32/int64
-    block_table_ptr,  # [B, max_pages] int32/int64
-    token_to_req_ptr,  # [R] int32/int64
-    k_scale_ptr, v_scale_ptr,  # [] or [1] each (read only when FP8_CACHE)
-    # outputs: `out` itself (one split) or float32 partial outputs; log2-sum-exp
-    o_ptr,  # [R, QH, D] q's dtype, or [S, R, QH, D] float32
-    lse_ptr,  # [S, R, QH] float32
-    # sizes, strides, scale
+def _attend_split(
+    q_ptr, k_cache_ptr, v_cache_ptr, token_indices_ptr, block_table_ptr, token_to_req_ptr, k_scale_ptr, v_scale_ptr,
+    o_ptr, lse_ptr,  # as sparse_attention_partial_kernel's
+    row, split, kv_head,  # int64 row, int32 split, the KV head
     num_blocks, num_requests, table_width, scale_log2,
     q_sr, q_sh, k_sb, k_sp, k_sh, v_sb, v_sp, v_sh, ti_sr, bt_sr,
     o_ss, o_sr, o_sh, lse_ss, lse_sr,
-    # constexprs
     GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, WIDTH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
-    INTERPRET: tl.constexpr,  # Triton's interpreter: fp32 dots (see _dot), fp8 widened by Triton's cast
-    FP8_CACHE: tl.constexpr,  # fp8 e4m3 caches (widened to q's dtype, scales applied)
-    BIT_TRICK: tl.constexpr,  # fp8 caches, bf16 q, compiled: fp8.widen_e4m3's integer widening
-    SLOT_ROWS: tl.constexpr,  # rows addressed by slot, not by page (AttentionTuning.row_addressing)
-    SAME_ROW_STRIDE: tl.constexpr,  # K and V rows share a stride: one slot offset for both
+    INTERPRET: tl.constexpr, FP8_CACHE: tl.constexpr, BIT_TRICK: tl.constexpr,
+    SLOT_ROWS: tl.constexpr, SAME_ROW_STRIDE: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1).to(tl.int64)
-    kv_head = tl.program_id(2)
-
+    """Split ``split`` of row ``row``'s tokens for KV head ``kv_head``'s query heads:
+    its normalised output and log2-sum-exp (the whole of sparse_attention_partial_kernel,
+    which the fused merge kernel runs for the split its start ticket names)."""
     # The group's query heads, padded to BLOCK_M >= 16 rows for tl.dot.
     group_offsets = tl.arange(0, BLOCK_M)
     head_ok = group_offsets < GROUP
@@ -170,7 +163,7 @@ def sparse_attention_partial_kernel(
     # column (no reduction inside the loop), summed once after it.
     valid_tokens = tl.zeros((BLOCK_N,), tl.int32)
     # int32 (WIDTH < 2**31): int64 columns cost 64-bit compares per tile.
-    first_column = tl.program_id(1) * (TILES_PER_SPLIT * BLOCK_N)
+    first_column = split * (TILES_PER_SPLIT * BLOCK_N)
     for tile in range(TILES_PER_SPLIT):
         columns = first_column + tile * BLOCK_N + tl.arange(0, BLOCK_N)
         token = tl.load(index_row + columns, mask=columns < WIDTH, other=-1)
@@ -229,9 +222,47 @@ def sparse_attention_partial_kernel(
         out = out * tl.load(v_scale_ptr).to(tl.float32)
     lse = tl.where(has_tokens & ~zero_mass, running_max + tl.math.log2(tl.where(zero_mass, 1.0, normaliser)),
                    -float("inf"))
-    tl.store(o_ptr + split * o_ss + row * o_sr + heads[:, None] * o_sh + d[None, :],
+    at_split = split.to(tl.int64)
+    tl.store(o_ptr + at_split * o_ss + row * o_sr + heads[:, None] * o_sh + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=head_ok[:, None])
-    tl.store(lse_ptr + split * lse_ss + row * lse_sr + heads, lse, mask=head_ok)
+    tl.store(lse_ptr + at_split * lse_ss + row * lse_sr + heads, lse, mask=head_ok)
+
+
+@triton.jit
+def sparse_attention_partial_kernel(
+    # inputs
+    q_ptr,  # [R, QH, D] bf16/fp16
+    k_cache_ptr,  # [num_blocks, P, KH, D] q's dtype or fp8 e4m3
+    v_cache_ptr,  # [num_blocks, P, KH, D] k_cache's dtype
+    token_indices_ptr,  # [R, W] int32/int64
+    block_table_ptr,  # [B, max_pages] int32/int64
+    token_to_req_ptr,  # [R] int32/int64
+    k_scale_ptr, v_scale_ptr,  # [] or [1] each (read only when FP8_CACHE)
+    # outputs: `out` itself (one split) or float32 partial outputs; log2-sum-exp
+    o_ptr,  # [R, QH, D] q's dtype, or [S, R, QH, D] float32
+    lse_ptr,  # [S, R, QH] float32
+    # sizes, strides, scale
+    num_blocks, num_requests, table_width, scale_log2,
+    q_sr, q_sh, k_sb, k_sp, k_sh, v_sb, v_sp, v_sh, ti_sr, bt_sr,
+    o_ss, o_sr, o_sh, lse_ss, lse_sr,
+    # constexprs
+    GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, WIDTH: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
+    INTERPRET: tl.constexpr,  # Triton's interpreter: fp32 dots (see _dot), fp8 widened by Triton's cast
+    FP8_CACHE: tl.constexpr,  # fp8 e4m3 caches (widened to q's dtype, scales applied)
+    BIT_TRICK: tl.constexpr,  # fp8 caches, bf16 q, compiled: fp8.widen_e4m3's integer widening
+    SLOT_ROWS: tl.constexpr,  # rows addressed by slot, not by page (AttentionTuning.row_addressing)
+    SAME_ROW_STRIDE: tl.constexpr,  # K and V rows share a stride: one slot offset for both
+):
+    """One (row, split, KV head) per program: the split's output (one split) or partial."""
+    _attend_split(
+        q_ptr, k_cache_ptr, v_cache_ptr, token_indices_ptr, block_table_ptr, token_to_req_ptr, k_scale_ptr,
+        v_scale_ptr, o_ptr, lse_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2),
+        num_blocks, num_requests, table_width, scale_log2,
+        q_sr, q_sh, k_sb, k_sp, k_sh, v_sb, v_sp, v_sh, ti_sr, bt_sr,
+        o_ss, o_sr, o_sh, lse_ss, lse_sr,
+        GROUP, D, PAGE, WIDTH, BLOCK_M, BLOCK_N, TILES_PER_SPLIT, INTERPRET, FP8_CACHE, BIT_TRICK, SLOT_ROWS,
+        SAME_ROW_STRIDE)
 
 
 @triton.jit
@@ -315,6 +346,67 @@ def merge_splits_kernel(
                   o_ss, o_sr, o_sh, lse_ss, lse_sr, 1, D, NUM_SPLITS, SPLIT_CHUNK, CHUNKED_SPLITS)
 
 
+@triton.jit
+def sparse_attention_fused_merge_kernel(
+    # inputs
+    q_ptr, k_cache_ptr, v_cache_ptr, token_indices_ptr, block_table_ptr, token_to_req_ptr,
+    k_scale_ptr, v_scale_ptr,  # as sparse_attention_partial_kernel's
+    tickets_in_ptr,  # [R, KH, 2] int32 zeros: tickets_ptr's memory (JAX aliases them; read through tickets_ptr)
+    # outputs
+    partial_out_ptr,  # [S, R, QH, D] float32 workspace
+    partial_lse_ptr,  # [S, R, QH] float32 workspace
+    out_ptr,  # [R, QH, D] q's dtype
+    tickets_ptr,  # [R, KH, 2] int32: start tickets, then splits published + heads merged; zero again at the end
+    # sizes, strides, scale (the partial kernel's, then the tickets' row stride)
+    num_blocks, num_requests, table_width, scale_log2,
+    q_sr, q_sh, k_sb, k_sp, k_sh, v_sb, v_sp, v_sh, ti_sr, bt_sr,
+    o_ss, o_sr, o_sh, lse_ss, lse_sr, tk_sr,
+    # constexprs: the partial kernel's, then the merge's
+    GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, WIDTH: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
+    INTERPRET: tl.constexpr, FP8_CACHE: tl.constexpr, BIT_TRICK: tl.constexpr,
+    SLOT_ROWS: tl.constexpr, SAME_ROW_STRIDE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, MERGE_HEADS: tl.constexpr, MERGERS: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr, CHUNKED_SPLITS: tl.constexpr,
+):
+    """Split-K and its merge in one launch: NUM_SPLITS + MERGERS programs per (row, KV head).
+
+    Roles by start ticket (:mod:`.tickets`), not by program id: the first
+    NUM_SPLITS programs of a (row, KV head) to start each attend the split
+    their ticket names and publish its partial (release); the MERGERS that
+    start after them wait (acquire) until every split is published, which
+    only waits for programs that started before them, and each merges
+    MERGE_HEADS of the group's query heads with the merge launch's code, in
+    the fixed order 0..S-1: the merge launch's bits, whatever the schedule.
+    The last merger to finish puts both counters back to zero.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    tickets = tickets_ptr + row * tk_sr + kv_head * 2
+    role = start_ticket(tickets)
+    if role < NUM_SPLITS:
+        _attend_split(
+            q_ptr, k_cache_ptr, v_cache_ptr, token_indices_ptr, block_table_ptr, token_to_req_ptr, k_scale_ptr,
+            v_scale_ptr, partial_out_ptr, partial_lse_ptr, row, role, kv_head,
+            num_blocks, num_requests, table_width, scale_log2,
+            q_sr, q_sh, k_sb, k_sp, k_sh, v_sb, v_sp, v_sh, ti_sr, bt_sr,
+            o_ss, o_sr, o_sh, lse_ss, lse_sr,
+            GROUP, D, PAGE, WIDTH, BLOCK_M, BLOCK_N, TILES_PER_SPLIT, INTERPRET, FP8_CACHE, BIT_TRICK, SLOT_ROWS,
+            SAME_ROW_STRIDE)
+        publish(tickets + 1)
+    else:
+        wait_for(tickets + 1, NUM_SPLITS)
+        offsets = (role - NUM_SPLITS) * MERGE_HEADS + tl.arange(0, MERGE_HEADS)
+        # (_merge_splits reads the partials with .cg: other programs of this launch wrote them.)
+        _merge_splits(partial_out_ptr, partial_lse_ptr, out_ptr, row, kv_head * GROUP + offsets, offsets < GROUP,
+                      o_ss, o_sr, o_sh, lse_ss, lse_sr, MERGE_HEADS, D, NUM_SPLITS, SPLIT_CHUNK, CHUNKED_SPLITS)
+        # Every split has published and every merger has drawn its ticket and waited: the
+        # last merger to count itself done frees both counters for the next call.
+        if finish_ticket(tickets + 1) == NUM_SPLITS + MERGERS - 1:
+            tl.store(tickets, 0)
+            tl.store(tickets + 1, 0)
+
+
 def _check_cache_dtypes(check: Checker, q, k_cache, v_cache, k_scale, v_scale) -> bool:
     """Both caches of q's dtype and no scales, or both fp8 e4m3 with both scales: whether fp8."""
     if k_cache.dtype not in (q.dtype, FP8_DTYPE):
@@ -326,6 +418,18 @@ def _check_cache_dtypes(check: Checker, q, k_cache, v_cache, k_scale, v_scale) -
         check.fail("v_cache", f"must {like}", v_cache.dtype)
     check.cache_scales(fp8, k_cache.dtype, dict(k_scale=k_scale, v_scale=v_scale))
     return fp8
+
+
+def merges_in_launch(rows: int, kv_heads: int, splits: int, tuning: AttentionTuning) -> bool:
+    """Whether several splits are merged in their own launch (:func:`sparse_attention_fused_merge_kernel`)
+    rather than by a merge launch: ``tuning.fused_merge`` if set, else for at most
+    ``tuning.fused_merge_max_programs`` programs (rows x KV heads: decode batches).
+    The split count is decided first, so either way the bits are the same."""
+    if splits < 2:
+        return False
+    if tuning.fused_merge is not None:
+        return tuning.fused_merge
+    return rows * kv_heads <= tuning.fused_merge_max_programs
 
 
 def _launch_config(rows: int, kv_heads: int, width: int, d: int, tuning: AttentionTuning, fp8: bool = False):
@@ -363,7 +467,9 @@ def plan_sparse_paged_attention(
     """Validate stage-4 arguments and describe the launches (see docs/api.md).
 
     ``tuning`` (default: the current :class:`~qsa_kernels.tuning.AttentionTuning`)
-    holds the launch table; its ``num_splits`` forces the split count (tests).
+    holds the launch table; its ``num_splits`` forces the split count (tests),
+    and ``fused_merge`` / ``fused_merge_max_programs`` decide whether several
+    splits are merged in their launch or by a second one (:func:`merges_in_launch`).
     """
     check = Checker(FUNCTION)
     check.rank("q", q, 3, "[R, QH, D]")
@@ -435,21 +541,36 @@ def plan_sparse_paged_attention(
         BIT_TRICK=bit_trick(fp8, q.dtype), SLOT_ROWS=slot_rows,
         SAME_ROW_STRIDE=k_cache.strides[1] == v_cache.strides[1],
     )
+    chunk = min(splits, max(1, tuning.merge_chunk_elements // d))
+    merge_constexprs = dict(NUM_SPLITS=splits, SPLIT_CHUNK=chunk, CHUNKED_SPLITS=splits // chunk * chunk)
+    if merges_in_launch(rows, kh, splits, tuning):
+        # One launch: NUM_SPLITS partial programs, then MERGERS merging programs, per
+        # (row, KV head), by start ticket.  The tickets start at zero (Buffer.fill, as the
+        # ticketed top-k's) and the last merger leaves them at zero.  Splits vary slowest,
+        # so that the mergers (the highest program ids) are the last to be scheduled.
+        merge_heads = min(tuning.fused_merge_heads, triton.next_power_of_2(group))
+        mergers = triton.cdiv(group, merge_heads)
+        tickets = Buffer("tickets", (rows, kh, 2), "int32", fill=0)
+        launches = (Launch(
+            kernel=sparse_attention_fused_merge_kernel, grid=(rows, kh, splits + mergers),
+            inputs=inputs + (tickets.name,), outputs=(partial_out.name, partial_lse.name, out.name, tickets.name),
+            scalars=dict(scalars, tk_sr=tickets.info.strides[0]),
+            constexprs=dict(constexprs, **merge_constexprs, MERGE_HEADS=merge_heads, MERGERS=mergers),
+            num_warps=num_warps, num_stages=num_stages),)
+        return Program(FUNCTION, buffers + (tickets,), launches, ("out",))
     # Rows vary fastest (see the table).
-    grid = (rows, splits, kh)
     launches = (Launch(
-        kernel=sparse_attention_partial_kernel, grid=grid, inputs=inputs,
+        kernel=sparse_attention_partial_kernel, grid=(rows, splits, kh), inputs=inputs,
         outputs=(partial_out.name, partial_lse.name), scalars=scalars, constexprs=constexprs,
         num_warps=num_warps, num_stages=num_stages),)
     if splits > 1:
-        chunk = min(splits, max(1, tuning.merge_chunk_elements // d))
         launches += (Launch(
             kernel=merge_splits_kernel,
             grid=(rows, qh),
             inputs=(partial_out.name, partial_lse.name),
             outputs=(out.name,),
             scalars=dict(o_ss=o_ss, o_sr=o_sr, o_sh=o_sh, lse_ss=lse_ss, lse_sr=lse_sr),
-            constexprs=dict(D=d, NUM_SPLITS=splits, SPLIT_CHUNK=chunk, CHUNKED_SPLITS=splits // chunk * chunk),
+            constexprs=dict(D=d, **merge_constexprs),
             num_warps=4,
             num_stages=1,
         ),)

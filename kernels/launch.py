@@ -38,6 +38,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
+from . import runtime
+
 __all__ = ["ArrayInfo", "Buffer", "ITEMSIZE", "Launch", "LaunchEvent", "Program", "Schedule", "contiguous_strides",
            "execute", "kernel_name", "observe_launches", "triton_launch"]
 
@@ -220,6 +222,13 @@ class Program:
         return None
 
     @functools.cached_property
+    def scale_arguments(self) -> tuple[str, ...]:
+        """Arguments the launches read that are fp8 scales (:data:`SCALE_ARGUMENTS`)."""
+        fresh = {b.name for b in self.buffers}
+        return tuple(dict.fromkeys(name for launch in self.launches for name in launch.inputs
+                                   if name in SCALE_ARGUMENTS and name not in fresh))
+
+    @functools.cached_property
     def updated_arguments(self) -> tuple[str, ...]:
         """Arguments some launch writes in place (caches)."""
         fresh = {b.name for b in self.buffers}
@@ -267,14 +276,20 @@ class Schedule:
     ``program.buffers`` order.  Buffers that are neither results nor filled
     (workspaces the launches write before reading) are carved from one
     ``scratch_bytes`` allocation at ``scratch`` offsets, each
-    :data:`SCRATCH_ALIGNMENT`-aligned; the others are ``allocated`` one by one
-    (``fill`` ``None``: uninitialised).  An in-place executor (torch) needs no
-    output threading: every launch's outputs are the arrays in its slots.
+    :data:`SCRATCH_ALIGNMENT`-aligned; workspaces that must start at zero
+    (tickets, histograms: ``fill`` 0) likewise from one ``zeroed_bytes``
+    allocation of zeros at ``zeroed`` offsets, so a program pays one fill
+    whatever the number of its zeroed workspaces (all-zero bytes are a zero of
+    every dtype); the others are ``allocated`` one by one (``fill`` ``None``:
+    uninitialised).  An in-place executor (torch) needs no output threading:
+    every launch's outputs are the arrays in its slots.
     """
 
     arguments: tuple[str, ...]
     scratch: tuple[tuple[int, Buffer, int], ...]  # (slot, buffer, byte offset)
     scratch_bytes: int
+    zeroed: tuple[tuple[int, Buffer, int], ...]  # (slot, buffer, byte offset) in the zeroed allocation
+    zeroed_bytes: int
     allocated: tuple[tuple[int, Buffer, int | float | None], ...]  # (slot, buffer, fill or None)
     launches: tuple[tuple[Launch, tuple[int, ...]], ...]  # (launch, slots of its inputs then outputs)
     results: tuple[int, ...]
@@ -286,19 +301,28 @@ class Schedule:
         missing = set(program.updated_arguments) - set(slot)
         if missing:
             raise ValueError(f"{program.function}: arguments {sorted(missing)} are not among {arguments}")
-        scratch, allocated, offset = [], [], 0
+        scratch, zeroed, allocated, ends = [], [], [], {"scratch": 0, "zeroed": 0}
         filled, results = program.filled_buffers, set(program.results)
+
+        def carve(region: str, carved: list, index: int, buffer: Buffer) -> None:
+            carved.append((index, buffer, ends[region]))
+            size = math.prod(buffer.shape) * ITEMSIZE[buffer.dtype]
+            ends[region] += -(-size // SCRATCH_ALIGNMENT) * SCRATCH_ALIGNMENT
+
         for i, buffer in enumerate(program.buffers):
             index = slot[buffer.name] = len(arguments) + i
-            if buffer.name in results or buffer.name in filled:
+            if buffer.name in results:
                 allocated.append((index, buffer, buffer.fill if buffer.name in filled else None))
+            elif buffer.name not in filled:
+                carve("scratch", scratch, index, buffer)
+            elif buffer.fill == 0:
+                carve("zeroed", zeroed, index, buffer)
             else:
-                scratch.append((index, buffer, offset))
-                size = math.prod(buffer.shape) * ITEMSIZE[buffer.dtype]
-                offset += -(-size // SCRATCH_ALIGNMENT) * SCRATCH_ALIGNMENT
+                allocated.append((index, buffer, buffer.fill))
         launches = tuple((launch, tuple(slot[name] for name in (*launch.inputs, *launch.outputs)))
                          for launch in program.runnable_launches)
-        return cls(arguments, tuple(scratch), offset, tuple(allocated), launches,
+        return cls(arguments, tuple(scratch), ends["scratch"], tuple(zeroed), ends["zeroed"], tuple(allocated),
+                   launches,
                    tuple(slot[name] for name in program.results),
                    tuple(slot[name] for name in program.updated_arguments))
 
@@ -348,11 +372,38 @@ def triton_launch(launch: Launch, inputs: Sequence, outputs: Sequence) -> Sequen
     return outputs
 
 
+#: The names every stage gives its per-tensor fp8 scales (the step: its state's fields).
+SCALE_ARGUMENTS = frozenset({"k_scale", "v_scale", "scale", "compressed_key_scale"})
+
+
+def check_scale_values(function: str, name: str, values: Sequence[float]) -> None:
+    """Under ``QSA_CHECK_SCALES``: ``values`` (one scale's elements, read on the host) are finite and > 0."""
+    if not all(math.isfinite(value) and value > 0 for value in values):
+        raise ValueError(f"{function}: {name} must be finite and > 0 (QSA_CHECK_SCALES=1 checks the scales' "
+                         f"values), got {[float(value) for value in values]}")
+
+
+def check_scales(program: Program, arrays: Mapping[str, Any],
+                 read: Callable[[str, Any], Sequence[float] | None]) -> None:
+    """The debug check of :data:`~qsa_kernels.runtime.CHECK_SCALES`, before anything is allocated or launched.
+
+    ``read(name, array)``: the array's elements on the host, or ``None`` where
+    the adapter cannot read them now (a CUDA graph being captured; a traced
+    JAX value, which the adapter checks when the computation runs).
+    """
+    for name in program.scale_arguments:
+        array = arrays.get(name)
+        values = None if array is None else read(name, array)
+        if values is not None:
+            check_scale_values(program.function, name, values)
+
+
 def execute(program: Program, arrays: Mapping[str, Any], *, adapter: str,
             allocate: Callable[[Buffer, int | float | None], Any],
             launch: Callable[[Launch, list, list], Sequence],
             guard: Callable[[], Any] | None = None,
-            prepare: Callable[[Launch, list, list], None] | None = None) -> tuple:
+            prepare: Callable[[Launch, list, list], None] | None = None,
+            read: Callable[[str, Any], Sequence[float] | None] | None = None) -> tuple:
     """Run ``program`` over ``arrays`` (its arguments by name; ``None`` for absent ones).
 
     ``allocate(buffer, fill)`` makes a buffer's array: uninitialised when
@@ -365,9 +416,13 @@ def execute(program: Program, arrays: Mapping[str, Any], *, adapter: str,
     inputs, outputs)``, if given, builds a launch's kernel without running it:
     it is called for every launch of a multi-launch program before the first
     one runs, so that a kernel that cannot be built (compile error, too much
-    shared memory) fails the call before any launch writes a cache.  Returns
-    the results, in ``program.results`` order.
+    shared memory) fails the call before any launch writes a cache.
+    ``read(name, array)``, if given, reads a scale on the host for
+    ``QSA_CHECK_SCALES`` (:func:`check_scales`).  Returns the results, in
+    ``program.results`` order.
     """
+    if read is not None and runtime.CHECK_SCALES:
+        check_scales(program, arrays, read)
     env = dict(arrays)
     filled = program.filled_buffers
     for buffer in program.buffers:

@@ -22,7 +22,7 @@ import ctypes
 import os
 import threading
 
-__all__ = ["INTERPRETED", "interpreter_lock", "cuda_device_visible"]
+__all__ = ["CHECK_SCALES", "INTERPRETED", "interpreter_lock", "cuda_device_visible"]
 
 
 def _hidden_by_environment() -> bool:
@@ -92,3 +92,10 @@ INTERPRETED: bool = _decide()
 #: Triton's interpreter is not thread-safe, and XLA:CPU may run host
 #: callbacks concurrently: every interpreted launch holds this lock.
 interpreter_lock = threading.RLock()
+
+#: ``QSA_CHECK_SCALES=1``: every call reads its fp8 scales (``k_scale``, ``v_scale``,
+#: ``scale``, the state's scales) on the host and raises a ``ValueError`` naming the
+#: function and the argument unless each is finite and > 0.  A debug switch: reading a
+#: device value synchronises, so by default no call reads it (docs/api.md, "Scales").
+#: Read once, at import; tests set the attribute.
+CHECK_SCALES: bool = os.environ.get("QSA_CHECK_SCALES", "0").strip() == "1"

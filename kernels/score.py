@@ -7,6 +7,11 @@ keys are gathered once and every head is one tensor-core dot
 ``[BLOCK_R, D] x [D, BLOCK_N]``; otherwise (decode, or a tile straddling two
 requests) each row is scored alone with its heads padded to a dot of at least
 16 rows.  Keys past the tile's visible columns are never loaded.
+
+With fp8 keys and ``SelectTuning.fp8_row_tiles`` > 1 (issue 27's candidates,
+not the default), decode rows are scored by :func:`scores_rows_kernel`
+instead: a program scores several of a row's tiles in a loop, each as
+``score_row_tile`` scores it (the same bits).
 """
 
 from __future__ import annotations
@@ -222,6 +227,151 @@ def scores_kernel(
                                HEADS, HEADS_P, D, BLOCK_D, PAGE, RATIO, BLOCK_N, UPCAST, FP8_KEYS, BIT_TRICK, IN_REGISTERS)
 
 
+@triton.jit
+def _tile_pages(page_table_ptr, request, request_ok, col_start, num_pages, table_width, pt_sr, kc_sb, kc_sp,
+                PAGE: tl.constexpr, SPAN: tl.constexpr):
+    """The (at most two) pages of a tile of columns from ``col_start``, as scalars ``(offset 0,
+    mapped 0, offset 1, mapped 1)``: the element offset in the cache (int64) of the tile's first
+    column in each page (0 where a page is not mapped) and whether it is mapped (in the table,
+    present, of a valid request)."""
+    logical = col_start // PAGE
+    ok0 = request_ok & (logical < table_width)
+    page0 = tl.load(page_table_ptr + request * pt_sr + logical, mask=ok0, other=-1).to(tl.int64)
+    ok0 = ok0 & (page0 >= 0) & (page0 < num_pages)
+    # A page longer than the tile: the tile starts inside it (else at its start).
+    off0 = tl.where(ok0, page0 * kc_sb + (col_start % PAGE) * kc_sp, 0)
+    if SPAN == 2:
+        ok1 = request_ok & (logical + 1 < table_width)
+        page1 = tl.load(page_table_ptr + request * pt_sr + logical + 1, mask=ok1, other=-1).to(tl.int64)
+        ok1 = ok1 & (page1 >= 0) & (page1 < num_pages)
+        off1 = tl.where(ok1, page1 * kc_sb, 0)
+    else:
+        ok1 = ok0
+        off1 = off0
+    return off0, ok0, off1, ok1
+
+
+@triton.jit
+def _row_offsets(second, off0, off1):
+    """The page offset of each row of a tile (``second``: in its second page), by arithmetic:
+    Triton 3.9's contiguity analysis loses the 16-byte loads through a select here."""
+    return off0 + second.to(tl.int64) * (off1 - off0)
+
+
+@triton.jit
+def _prefetch_l2(pointers, mask):
+    """Hints the 128-byte lines at ``pointers`` into L2 where ``mask`` (``prefetch.global.L2``,
+    SASS ``CCTL.E.PF2``: no register waits for it, nothing changes but the cache)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+        "=r,l,r", [pointers, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _score_tile(q, keys, present, logits_row, col_start, lane, num_columns, score_divisor, UPCAST: tl.constexpr,
+                FP8_KEYS: tl.constexpr, BIT_TRICK: tl.constexpr, IN_REGISTERS: tl.constexpr):
+    """A tile's scores from its loaded keys, as ``score_row_tile`` computes them, stored."""
+    if FP8_KEYS:
+        keys = widen_e4m3(keys, q.dtype, BIT_TRICK, IN_REGISTERS)  # exact: q's dtype holds every e4m3 value
+    # Padded heads are zero rows: relu(0) adds nothing.
+    total = tl.sum(tl.maximum(_dot(q, tl.trans(keys), UPCAST), 0.0), axis=0)
+    tl.store(logits_row + col_start + lane, tl.where(present, total / score_divisor, float("-inf")),
+             mask=lane < num_columns - col_start)
+
+
+@triton.jit
+def scores_rows_kernel(
+    # inputs (scores_kernel's)
+    q_ptr, k_cache_ptr, page_table_ptr, token_to_req_ptr, query_positions_ptr, sequence_lengths_ptr, k_scale_ptr,
+    # outputs (rows local to the launch: row_begin + i is row i)
+    logits_ptr, visible_ptr,
+    # sizes, strides, options
+    row_begin, num_columns, num_pages, num_requests, table_width,
+    q_sr, q_sh, kc_sb, kc_sp, pt_sr, lg_sr, score_divisor,
+    # constexprs
+    HEADS: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, RATIO: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+    UPCAST: tl.constexpr, FP8_KEYS: tl.constexpr, BIT_TRICK: tl.constexpr, IN_REGISTERS: tl.constexpr,
+    SPAN: tl.constexpr, PREFETCH: tl.constexpr, PIPELINED: tl.constexpr,
+):
+    """A row a program (decode rows), ``TILES`` consecutive tiles of BLOCK_N columns in a loop
+    (program ``(i, j)``: row i, tiles ``j * TILES ...``), each scored as ``score_row_tile``
+    scores it (the same operations on the same values: the same bits).
+
+    The row's request, visible count and q are read once per program, not once per tile.  A
+    tile lies in at most SPAN (1 or 2) pages (PAGE divides BLOCK_N, or BLOCK_N divides PAGE),
+    so its keys are at most two contiguous spans addressed from two scalar page lookups,
+    without a per-column page gather.  ``PREFETCH``: while a tile is widened and scored, its
+    successor's keys are hinted into L2 (one ``prefetch.global.L2`` a thread and tile), so
+    that the DRAM reads of the next tile overlap this tile's work.
+    """
+    if FP8_KEYS:
+        # keys = stored * k_scale > 0, and relu(k_scale * x) = k_scale * relu(x).
+        score_divisor = score_divisor / tl.load(k_scale_ptr).to(tl.float32)
+    local = tl.program_id(0)
+    row = row_begin + local.to(tl.int64)
+    request, request_ok, length = row_request(token_to_req_ptr, sequence_lengths_ptr, row, True, num_requests)
+    # Columns are int32 (< num_columns): compared with the visible count clamped to int32.
+    visible = tl.minimum(count_visible_blocks(tl.load(query_positions_ptr + row).to(tl.int64), length, RATIO),
+                         2147483647).to(tl.int32)
+    if tl.program_id(1) == 0:
+        tl.store(visible_ptr + local, visible)
+    first = tl.program_id(1) * (BLOCK_N * TILES)
+    # Tiles holding a column both visible and stored are scored; the others are -inf.
+    limit = tl.where(request_ok, tl.minimum(visible, num_columns), 0)
+    live = tl.minimum(tl.maximum(tl.cdiv(limit - first, BLOCK_N), 0), TILES)
+    heads = tl.arange(0, HEADS_P)
+    dims = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + row * q_sr + heads[:, None] * q_sh + dims[None, :],
+                mask=(heads[:, None] < HEADS) & (dims[None, :] < D), other=0.0)
+    logits_row = logits_ptr + local.to(tl.int64) * lg_sr
+    lane = tl.arange(0, BLOCK_N)
+    second = (lane % (SPAN * PAGE)) >= PAGE  # in the tile's second page (never when SPAN == 1)
+    # Within a page (int32: the plan checks PAGE * kc_sp + D fits).
+    in_page = (lane % PAGE) * kc_sp
+    offsets = in_page[:, None] + dims[None, :]
+    dims_ok = dims[None, :] < D
+    if PIPELINED:
+        # Triton's software pipelining (the launch's num_stages): each tile's pages looked up in
+        # its iteration, so that the pipeliner can issue its loads (cp.async) stages ahead.
+        for t in range(live):
+            col_start = first + t * BLOCK_N
+            off0, ok0, off1, ok1 = _tile_pages(page_table_ptr, request, request_ok, col_start, num_pages,
+                                               table_width, pt_sr, kc_sb, kc_sp, PAGE, SPAN)
+            present = tl.where(second, ok1, ok0) & (lane < visible - col_start)
+            keys = tl.load(k_cache_ptr + _row_offsets(second, off0, off1)[:, None] + offsets,
+                           mask=present[:, None] & dims_ok, other=0.0)
+            _score_tile(q, keys, present, logits_row, col_start, lane, num_columns, score_divisor,
+                         UPCAST, FP8_KEYS, BIT_TRICK, IN_REGISTERS)
+    else:
+        # The pages of tiles t (off0...) and t + 1 (next0...), looked up an iteration ahead of
+        # their use (the prefetch's address needs them), and tile t + 1's keys hinted into L2.
+        off0, ok0, off1, ok1 = _tile_pages(page_table_ptr, request, request_ok, first, num_pages, table_width,
+                                           pt_sr, kc_sb, kc_sp, PAGE, SPAN)
+        next0, next_ok0, next1, next_ok1 = _tile_pages(page_table_ptr, request, request_ok & (live > 1),
+                                                       first + BLOCK_N, num_pages, table_width, pt_sr, kc_sb,
+                                                       kc_sp, PAGE, SPAN)
+        for t in range(live):
+            col_start = first + t * BLOCK_N
+            # Scalars against the lanes (not columns against scalars: 32-bit compares).
+            present = tl.where(second, ok1, ok0) & (lane < visible - col_start)
+            keys = tl.load(k_cache_ptr + _row_offsets(second, off0, off1)[:, None] + offsets,
+                           mask=present[:, None] & dims_ok, other=0.0)
+            if PREFETCH:  # the next tile's keys into L2 while this one is scored
+                _prefetch_l2(k_cache_ptr + _row_offsets(second, next0, next1) + in_page,
+                             tl.where(second, next_ok1, next_ok0))
+            off0, ok0, off1, ok1 = next0, next_ok0, next1, next_ok1
+            next0, next_ok0, next1, next_ok1 = _tile_pages(
+                page_table_ptr, request, request_ok & (t + 2 < live), col_start + 2 * BLOCK_N, num_pages,
+                table_width, pt_sr, kc_sb, kc_sp, PAGE, SPAN)
+            _score_tile(q, keys, present, logits_row, col_start, lane, num_columns, score_divisor,
+                         UPCAST, FP8_KEYS, BIT_TRICK, IN_REGISTERS)
+    for t in range(live, TILES):
+        col_start = first + t * BLOCK_N
+        tl.store(logits_row + col_start + lane, tl.full((BLOCK_N,), float("-inf"), tl.float32),
+                 mask=lane < num_columns - col_start)
+
+
 def check_scoring(check: Checker, q, k_cache, page_table, token_to_req, query_positions,
                   sequence_lengths) -> None:
     """The scorer's arrays (``compress_ratio`` is an option: see SCORING_OPTIONS)."""
@@ -309,11 +459,62 @@ def scorer_arguments(q, k_cache, page_table, compress_ratio, num_columns, score_
     return block_r, block_n, scalars, constexprs, warps
 
 
+def row_loop(q: ArrayInfo, k_cache: ArrayInfo, block_r: int, block_n: int, num_columns: int, fp8_keys: bool,
+             tuning: SelectTuning):
+    """``(SPAN, most tiles a program)`` where the scorer takes ``scores_rows_kernel`` (fp8 keys
+    scored a row a program on tensor cores, ``tuning.fp8_row_tiles`` > 1, a tile within at most
+    two pages, in-page offsets within int32), else None (``scores_kernel``)."""
+    page, pitch, dim = k_cache.shape[1], k_cache.strides[1], q.shape[2]
+    if not (fp8_keys and block_r == 1 and not exact_dot(q, k_cache) and tuning.fp8_row_tiles > 1):
+        return None
+    if block_n % page == 0 and block_n // page <= 2:
+        span = block_n // page
+    elif page % block_n == 0:
+        span = 1
+    else:
+        return None
+    if (page - 1) * pitch + dim >= 2 ** 31:
+        return None
+    return span, min(tuning.fp8_row_tiles, triton.cdiv(max(num_columns, 1), block_n))
+
+
+def row_loop_tiles(rows: int, row_tiles: int, most: int, tuning: SelectTuning) -> int:
+    """Tiles a ``scores_rows_kernel`` program scores: at most ``most`` (a power of two), halved
+    while fewer than ``tuning.fp8_row_min_programs`` programs would cover ``rows`` rows of
+    ``row_tiles`` tiles (so that a small batch still fills the GPU)."""
+    tiles = 1 << (max(most, 1).bit_length() - 1)
+    while tiles > 1 and rows * triton.cdiv(row_tiles, tiles) < tuning.fp8_row_min_programs:
+        tiles //= 2
+    return tiles
+
+
 def score_launches(q, k_cache, page_table, compress_ratio, num_columns, score_divisor,
                    row_ranges, logits_stride, fp8_keys=False, tuning: SelectTuning | None = None):
     """Scorer launches over ``row_ranges`` [(first row, rows)], writing local logits/visible rows."""
+    tuning = tuning or SelectTuning()
     block_r, block_n, scalars, constexprs, warps = scorer_arguments(
         q, k_cache, page_table, compress_ratio, num_columns, score_divisor, fp8_keys, tuning)
+    loop = row_loop(q, k_cache, block_r, block_n, num_columns, fp8_keys, tuning)
+    if loop is not None:
+        span, most_tiles = loop
+        launches = []
+        for first, count in row_ranges:
+            tiles = row_loop_tiles(count, triton.cdiv(num_columns, block_n), most_tiles, tuning)
+            launches.append(Launch(
+                kernel=scores_rows_kernel,
+                grid=(count, max(1, triton.cdiv(num_columns, block_n * tiles))),
+                inputs=("q", "k_cache", "page_table", "token_to_req", "query_positions", "sequence_lengths",
+                        "k_scale"),
+                outputs=("logits", "visible_blocks"),
+                scalars=dict(row_begin=first, **scalars, lg_sr=logits_stride),
+                constexprs=dict(constexprs, TILES=tiles, SPAN=span,
+                                # A hint by inline asm: compiled only.
+                                PREFETCH=tuning.fp8_row_prefetch and not runtime.INTERPRETED,
+                                PIPELINED=tuning.fp8_row_stages > 1),
+                num_warps=warps,
+                num_stages=tuning.fp8_row_stages,
+            ))
+        return launches
     return [Launch(
         kernel=scores_kernel,
         grid=(triton.cdiv(count, block_r), max(1, triton.cdiv(num_columns, block_n))),

@@ -220,12 +220,30 @@ class AttentionTuning:
     #: "slot" takes 15 more registers at decode 256 (5 -> 4 programs per SM).
     row_addressing: str = "page"
     fp8_row_addressing: str = "slot"
+    #: Several splits merged in their own launch (``sparse_attention_fused_merge_kernel``:
+    #: after the splits of a (row, KV head), merging programs that wait for them by
+    #: ticket) instead of a merge launch, for at most ``fused_merge_max_programs``
+    #: programs (rows x KV heads: decode batches of up to 8 requests at 2 KV heads), so
+    #: that a decode step is four launches.  ``fused_merge`` True / False forces either
+    #: path (benchmarks time both); the split count, hence the bits, are the same.  Not
+    #: yet timed on the H200 (the first in-launch merge, one program merging a KV head's
+    #: whole group, was 16.4 us against 9.2 at 1 row: docs/design.md, "Retired variants").
+    fused_merge: bool | None = None
+    fused_merge_max_programs: int = 16
+    #: Query heads each merging program merges (a power of two): GROUP / this programs a (row, KV head).
+    fused_merge_heads: int = 1
 
     def __post_init__(self):
         _positive_int("AttentionTuning", "tile_bytes", self.tile_bytes, optional=True)
         _power_of_two("AttentionTuning", "tile_bytes", self.tile_bytes, optional=True)  # BLOCK_N = tile / (2 D)
         _positive_int("AttentionTuning", "num_splits", self.num_splits, optional=True)
         _positive_int("AttentionTuning", "merge_chunk_elements", self.merge_chunk_elements)
+        if self.fused_merge is not None:
+            object.__setattr__(self, "fused_merge", BOOL.or_none().canonical("AttentionTuning", "fused_merge",
+                                                                              self.fused_merge))
+        _positive_int("AttentionTuning", "fused_merge_max_programs", self.fused_merge_max_programs)
+        _positive_int("AttentionTuning", "fused_merge_heads", self.fused_merge_heads)
+        _power_of_two("AttentionTuning", "fused_merge_heads", self.fused_merge_heads)
         for name in ("row_addressing", "fp8_row_addressing"):
             if getattr(self, name) not in ROW_ADDRESSING_MODES:
                 raise ValueError(f"AttentionTuning: {name} must be one of "
@@ -401,6 +419,20 @@ class SelectTuning:
     #: warps 466.3 (sm_90 registers: docs/design.md, "Measured tuning values").
     fp8_row_columns: int = 128
     fp8_row_warps: int = 4
+    #: Candidates of issue 27, not yet timed (the defaults keep the kernel above):
+    #: ``fp8_row_tiles`` > 1 scores each row's tiles of ``fp8_row_columns`` in a loop,
+    #: up to that many tiles a program (``score.scores_rows_kernel``: the row's
+    #: request, q and pages read once, a tile's keys as at most two contiguous page
+    #: spans), halved while fewer than ``fp8_row_min_programs`` programs would cover
+    #: the launch; with ``fp8_row_prefetch``, the next tile's keys are hinted into L2
+    #: while a tile is scored; ``fp8_row_stages`` is Triton's num_stages for the loop
+    #: (3: the next tile's keys loaded by cp.async into shared memory).  The same bits
+    #: as the defaults (docs/design.md, "Measured tuning values"); the fused
+    #: selection's scoring does not take them.
+    fp8_row_tiles: int = 1
+    fp8_row_min_programs: int = 4096
+    fp8_row_prefetch: bool = True
+    fp8_row_stages: int = 1
     #: Decode rows whose top-k takes the ticketed path are scored, ranked and
     #: expanded by one launch (``select.select_fused_kernel``): bit for bit
     #: the three launches.  Off: the three launches (tests compare the two).
@@ -419,11 +451,15 @@ class SelectTuning:
 
     def __post_init__(self):
         object.__setattr__(self, "fused", BOOL.canonical("SelectTuning", "fused", self.fused))
-        for name in ("logits_workspace_bytes", "fp8_row_columns", "fp8_row_warps", "fused_max_rows",
+        object.__setattr__(self, "fp8_row_prefetch", BOOL.canonical("SelectTuning", "fp8_row_prefetch",
+                                                                    self.fp8_row_prefetch))
+        for name in ("logits_workspace_bytes", "fp8_row_columns", "fp8_row_warps", "fp8_row_tiles",
+                     "fp8_row_min_programs", "fp8_row_stages", "fused_max_rows",
                      "fused_max_columns", "fused_warps", "fused_score_columns"):
             _positive_int("SelectTuning", name, getattr(self, name))
         for name in ("fp8_row_warps", "fused_warps"):
             _power_of_two("SelectTuning", name, getattr(self, name), most=MAX_WARPS)
+        _power_of_two("SelectTuning", "fp8_row_tiles", self.fp8_row_tiles)
         for name in ("fp8_row_columns", "fused_score_columns"):
             value = getattr(self, name)
             if value < 128 or value & (value - 1):

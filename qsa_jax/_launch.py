@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # the annotations' array types (the same names in both adapte
     from jax.typing import ArrayLike
 
 from qsa_kernels import runtime
-from qsa_kernels.launch import ArrayInfo, Buffer, Program, execute, triton_launch
+from qsa_kernels.launch import ArrayInfo, Buffer, Program, check_scale_values, check_scales, execute, triton_launch
 from qsa_kernels.stage import RUN_PROGRAM_DOC, Stage, make_public
 from qsa_kernels.validate import check_host_indices_fit_int32, device_error, type_error
 
@@ -201,8 +201,22 @@ def _run_compiled(program: Program, names, arrays):
     return _triton_call.run(program, dict(zip(names, arrays)))
 
 
+def _read_scale(function: str, name: str, array) -> list[float] | None:
+    """A scale's elements for ``QSA_CHECK_SCALES``: read now when concrete; when traced (under
+    ``jax.jit``), checked by a debug callback as the computation runs (``None`` here): its error
+    comes with the computation's, and the call's launches may already have run."""
+    try:
+        return np.asarray(array, dtype=np.float64).reshape(-1).tolist()
+    except jax.errors.TracerArrayConversionError:
+        jax.debug.callback(lambda value: check_scale_values(
+            function, name, np.asarray(value, dtype=np.float64).reshape(-1).tolist()), array)
+        return None
+
+
 def run(program: Program, arrays: Mapping[str, jax.Array | None]) -> tuple[jax.Array, ...]:
     """Run a program over JAX arrays; results in ``program.results`` order."""
+    if runtime.CHECK_SCALES:
+        check_scales(program, arrays, functools.partial(_read_scale, program.function))
     names = [name for name, value in arrays.items() if value is not None]
     values = [arrays[name] for name in names]
     function = program.function

@@ -17,16 +17,18 @@ one of three lowerings:
 
 ``"ffi"`` and ``"legacy"`` replace jax-triton's lowering rule for this
 package's launches: jax-triton's rule emits its call, this module reads the
-proto back, slims it (:func:`_slim_call_proto`: jaxlib copies and hashes it
-per launch, so its size is host time) and emits the chosen call with the same
-operands, results and aliases.  That relies on private internals of
-jax-triton and jaxlib, so it is used only with the versions :data:`VERIFIED`
-lists; elsewhere ``"auto"`` (the default) falls back to ``"jax-triton"``.
-``"auto"`` otherwise takes ``"ffi"`` where jaxlib registers the FFI handler.
-``QSA_JAX_LOWERING`` (read at import) or :func:`use_triton_lowering` names one
-instead; naming ``"ffi"`` or ``"legacy"`` forces the private path even
-outside the table (with a warning).  Every lowering launches the same
-compiled kernel with the same arguments, so results are bitwise equal.
+proto back, slims it (:func:`_slim_call_proto`: no TTIR, the PTX minified;
+jaxlib copies and hashes it per launch with some versions, so its size is host
+time) and emits the chosen call with the same operands, results and aliases
+(``QSA_JAX_PTX=full``, or :func:`ptx_form`, keeps Triton's PTX as is). That
+relies on private internals of jax-triton and jaxlib, so it is used only with
+the versions :data:`VERIFIED` lists; elsewhere ``"auto"`` (the default) falls
+back to ``"jax-triton"``. ``"auto"`` otherwise takes ``"ffi"`` where jaxlib
+registers the FFI handler. ``QSA_JAX_LOWERING`` (read at import) or
+:func:`use_triton_lowering` names one instead; naming ``"ffi"`` or
+``"legacy"`` forces the private path even outside the table (with a warning).
+Every lowering launches the same compiled kernel with the same arguments, so
+results are bitwise equal.
 
 Binding: jax-triton 0.3's ``triton_call`` gives every output a pointer of
 its own (aliased ones too, as this package's kernels expect: torch passes an
@@ -62,6 +64,10 @@ LEGACY_TARGET = "triton_kernel_call"
 CUSTOM_CALL_TARGETS = (LEGACY_TARGET, FFI_TARGET)
 LOWERINGS = ("auto", "ffi", "legacy", "jax-triton")
 _ENVIRONMENT = "QSA_JAX_LOWERING"
+#: What PTX text the ``"ffi"`` and ``"legacy"`` lowerings put in the call proto:
+#: ``"minified"`` (the default: :func:`minify_ptx`) or ``"full"`` (Triton's, as is).
+PTX_FORMS = ("minified", "full")
+_PTX_ENVIRONMENT = "QSA_JAX_PTX"
 
 
 # --------------------------------------------------------------------------
@@ -85,7 +91,8 @@ class Verified:
 
 _JAXLIB_USES = (
     "the call proto's wire layout (TritonAnyKernelCall.kernel_call(1).kernel(1).ttir(5), which "
-    "_slim_call_proto drops); jaxlib.gpu_triton._cuda_triton.registrations() naming triton_kernel_call_ffi, "
+    "_slim_call_proto drops, and .ptx(4), the text jaxlib's ptxas compiles, which it minifies); "
+    "jaxlib.gpu_triton._cuda_triton.registrations() naming triton_kernel_call_ffi, "
     "whose handler reads the proto from its opaque attribute (API version 4); the legacy "
     "triton_kernel_call target (API version 2, the proto as backend_config)")
 
@@ -244,6 +251,36 @@ def use_triton_lowering(name: str):
         _requested.reset(token)
 
 
+_ptx_requested: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "qsa_jax_ptx_form", default=os.environ.get(_PTX_ENVIRONMENT, "minified").strip().lower() or "minified")
+
+
+def _ptx_in_force() -> str:
+    name = _ptx_requested.get()
+    _check_ptx(name, _PTX_ENVIRONMENT)
+    return name
+
+
+def _check_ptx(name: str, what: str) -> None:
+    if name not in PTX_FORMS:
+        raise ValueError(f"{what} must be one of {', '.join(map(repr, PTX_FORMS))}, got {name!r}")
+
+
+@contextlib.contextmanager
+def ptx_form(name: str):
+    """Put the ``name`` form of each kernel's PTX (``"minified"`` or ``"full"``) in the call protos
+    of the ``"ffi"`` and ``"legacy"`` launches traced inside the block (the default: the
+    ``QSA_JAX_PTX`` environment variable, else ``"minified"``).  A context variable, decided at
+    trace time like :func:`use_triton_lowering`; ``"jax-triton"`` launches keep jax-triton's whole
+    payload either way.  Both forms assemble to the same machine code (``minify_ptx``)."""
+    _check_ptx(name, "PTX form")
+    token = _ptx_requested.set(name)
+    try:
+        yield
+    finally:
+        _ptx_requested.reset(token)
+
+
 def lowering_reason() -> str:
     """One line saying which lowering is in force and why (for ``qsa-info``)."""
     name = _requested.get()
@@ -272,6 +309,7 @@ def lowering_reason() -> str:
 # that the rule changes only this package's launches: other jax-triton users
 # (and our "jax-triton" launches) keep jax-triton's own lowering.
 _NAME_PREFIX = {"ffi": "qsa-ffi:", "legacy": "qsa-legacy:", "jax-triton": "qsa:"}
+_FULL_PTX = "ptx=full:"  # after the prefix: this launch keeps Triton's PTX as is (ptx_form("full"))
 
 
 def _lowering_of(name: str) -> str | None:
@@ -333,7 +371,8 @@ def _install_lowering(jax_triton) -> None:
             triton.knobs.compilation.disable_line_info = True
             results = own_rule(ctx, *operands, name=name, **params)
         op = results[0].owner
-        proto = _slim_call_proto(_payload(op, ir))
+        full_ptx = name[len(_NAME_PREFIX[lowering]):].startswith(_FULL_PTX)
+        proto = _slim_call_proto(_payload(op, ir), minify=not full_ptx)
         op.erase()
         # Our launches bind the arrays first, so operand indices are array indices in either version.
         aliases = dict(params["input_output_aliases"])
@@ -360,14 +399,16 @@ def _payload(op, ir) -> bytes:
 
 # --------------------------------------------------------------------------
 # The call proto, slimmed.  jaxlib keys its kernel cache on the whole
-# compressed proto and, per call (legacy) or per execution of an executable
-# (FFI: the initialize stage), copies it into a std::string to look it up
-# (jaxlib/gpu/triton_kernels.cc, GetOrCreateKernelCall), and XLA copies it
-# into each FFI call frame: host time proportional to its size, ~280 KB per
-# decode step as jax-triton builds it.  The kernel's TTIR text in it is never
-# read at run time, and Triton's line info is only debug text in the PTX; both
-# go.  (Protobuf wire format, TritonAnyKernelCall -> kernel_call (1) ->
-# kernel (1) -> ttir (5): see jaxlib/gpu/triton.proto.)
+# compressed proto: per call (legacy) and per execution of an executable
+# (jaxlib 0.11.2's FFI initialize stage) it copies the proto into a
+# std::string, hashes it and compares it with the cached key
+# (GetOrCreateKernelCall): three passes over its bytes (jaxlib 0.12's execute
+# stage reuses the launch it cached in its instantiate state and reads no
+# payload; docs/design.md, "JAX call overhead").  The kernel's TTIR text in it
+# is never read at run time, Triton's line info and the PTX's comments and
+# blanks are never read by ptxas; all go.  (Protobuf wire format,
+# TritonAnyKernelCall -> kernel_call (1) -> kernel (1) -> ptx (4), ttir (5):
+# see jaxlib/gpu/triton.proto.)
 # --------------------------------------------------------------------------
 
 def _varint(value: int) -> bytes:
@@ -426,11 +467,37 @@ def _edit(message: bytes, number: int, change) -> bytes:
     return bytes(out)
 
 
-def _slim_call_proto(compressed: bytes) -> bytes:
-    """A single-kernel call proto without the kernel's TTIR, recompressed at zlib's best level."""
-    proto = zlib.decompress(compressed)
-    proto = _edit(proto, 1, lambda call: _edit(call, 1, lambda kernel: _edit(kernel, 5, lambda ttir: None)))
+def _slim_call_proto(compressed: bytes, minify: bool = True) -> bytes:
+    """A single-kernel call proto without the kernel's TTIR and (``minify``) with its PTX
+    minified (:func:`minify_ptx`), recompressed at zlib's best level."""
+    def kernel(message: bytes) -> bytes:
+        message = _edit(message, 5, lambda ttir: None)
+        return _edit(message, 4, lambda ptx: minify_ptx(ptx.decode()).encode()) if minify else message
+
+    proto = _edit(zlib.decompress(compressed), 1, lambda call: _edit(call, 1, kernel))
     return zlib.compress(proto, 9)
+
+
+_PTX_SPACE = re.compile(r" ?([,;\[\]{}()+]) ?")
+
+
+def minify_ptx(ptx: str) -> str:
+    """``ptx`` without what ptxas never reads: ``//`` comments (LLVM's ``// begin inline asm``,
+    ``// %bb.N:``, the commented-out ``// .globl``), indentation, blank lines, runs of blanks
+    (one space is kept between tokens) and the blanks beside punctuation (``,`` ``;`` ``[`` ``]``
+    ``{`` ``}`` ``(`` ``)`` ``+``).  A line holding a string, and every line of a PTX holding a
+    ``/*`` comment, only loses its indentation.  The same machine code either way:
+    tests/test_jax_lowering.py assembles both forms of every kernel of the decode step with
+    Triton's ptxas and compares the SASS."""
+    out, block_comments = [], "/*" in ptx
+    for line in ptx.split("\n"):
+        if block_comments or '"' in line:
+            line = line.strip()
+        else:
+            line = _PTX_SPACE.sub(r"\1", " ".join(line.split("//", 1)[0].split()))
+        if line:
+            out.append(line)
+    return "\n".join(out) + "\n"
 
 
 # --------------------------------------------------------------------------
@@ -513,7 +580,7 @@ def run(program: Program, env: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
     if lowering != "jax-triton":
         _install_lowering(_jax_triton)
     bind = _binder(_jax_triton, lowering)
-    prefix = _NAME_PREFIX[lowering]
+    prefix = _NAME_PREFIX[lowering] + (_FULL_PTX if lowering != "jax-triton" and _ptx_in_force() == "full" else "")
     return execute(program, env, adapter="jax", allocate=_allocate,
                    launch=lambda launch, inputs, outputs: bind(
                        _jax_triton, launch, inputs, outputs, prefix + kernel_name(launch.kernel)))

@@ -109,7 +109,7 @@ def run(stage: Stage, arguments) -> tuple:
         prepared = _PREPARED.get(key)
     except TypeError:  # an unhashable option: the general path rejects it
         return MISS, None
-    if prepared is None or _launch_module._observers:
+    if prepared is None or _launch_module._observers or runtime.CHECK_SCALES:  # (the general path reads scales)
         return MISS, key
     results = prepared.run(tensors, present)
     if results is MISS:
@@ -144,11 +144,11 @@ class Prepared:
 
     Bound launches take their pointers from one flat list per call: the
     present array arguments' (in the stage's order), then the separately
-    allocated buffers', then the scratch workspaces'.
+    allocated buffers', then the scratch workspaces', then the zeroed ones'.
     """
 
     __slots__ = ("program", "schedule", "device", "index", "allocations", "scratch_views", "scratch_offsets",
-                 "results", "positions", "kernels", "bound", "updated")
+                 "zeroed_views", "zeroed_offsets", "results", "positions", "kernels", "bound", "updated")
 
     def __init__(self, program: Program, arguments: tuple[str, ...], device: torch.device, absent: tuple[bool, ...]):
         from . import _launch
@@ -161,17 +161,20 @@ class Prepared:
         self.allocations = tuple((buffer.shape, _launch.DTYPES[buffer.dtype], fill)
                                  for _, buffer, fill in schedule.allocated)
         # (slot, byte offset, byte count, torch dtype, shape) of each workspace carved from the scratch.
-        self.scratch_views = tuple(
+        # (slot, byte offset, byte count, torch dtype, shape) of each workspace carved from the
+        # zeroed allocation.
+        self.scratch_views, self.zeroed_views = (tuple(
             (slot, offset, _launch_module.ITEMSIZE[buffer.dtype] * _count(buffer.shape),
              _launch.DTYPES[buffer.dtype], buffer.shape)
-            for slot, buffer, offset in schedule.scratch)
+            for slot, buffer, offset in carved) for carved in (schedule.scratch, schedule.zeroed))
         self.scratch_offsets = tuple(offset for _, _, offset in schedule.scratch)
+        self.zeroed_offsets = tuple(offset for _, _, offset in schedule.zeroed)
         # slot -> position in the per-call pointer list (absent arguments have none).
         present = [slot for slot, missing in enumerate(absent) if not missing]
         position = {slot: i for i, slot in enumerate(present)}
         for slot, _, _ in schedule.allocated:
             position[slot] = len(position)
-        for slot, _, _ in schedule.scratch:
+        for slot, _, _ in (*schedule.scratch, *schedule.zeroed):
             position[slot] = len(position)
         self.positions = position
         # Each result: (0, argument slot) or (1, index among the allocations).
@@ -204,9 +207,11 @@ class Prepared:
                      torch.full(shape, fill, dtype=dtype, device=device) for shape, dtype, fill in self.allocations]
         scratch = torch.empty(self.schedule.scratch_bytes, dtype=torch.uint8, device=device) \
             if self.scratch_offsets else None
+        zeroed = torch.zeros(self.schedule.zeroed_bytes, dtype=torch.uint8, device=device) \
+            if self.zeroed_offsets else None
         results = tuple(tensors[i] if kind == 0 else allocated[i] for kind, i in self.results)
         if not compiled:
-            env = self._env(tensors, allocated, scratch)
+            env = self._env(tensors, allocated, scratch, zeroed)
             with runtime.interpreter_lock:
                 for launch, slots in self.schedule.launches:
                     launch.kernel[launch.grid](*[env[i] for i in slots], **launch.scalars, **launch.constexprs,
@@ -216,6 +221,9 @@ class Prepared:
         if scratch is not None:
             base = _data_ptr(scratch)
             pointers += [base + offset for offset in self.scratch_offsets]
+        if zeroed is not None:
+            base = _data_ptr(zeroed)
+            pointers += [base + offset for offset in self.zeroed_offsets]
         alignment = _ALIGNED if not reduce(operator.or_, pointers, 0) & 15 else \
             tuple([pointer & 15 == 0 for pointer in pointers])
         bound = self.bound.get(alignment)
@@ -225,16 +233,18 @@ class Prepared:
             for function, head, take, values, gx, gy, gz in bound[2]:
                 function(gx, gy, gz, stream, *head, *take(pointers), *values)
         else:
-            self._bind(self._env(tensors, allocated, scratch), alignment, process)
+            self._bind(self._env(tensors, allocated, scratch, zeroed), alignment, process)
         return results
 
-    def _env(self, tensors: list, allocated: list, scratch) -> list:
-        """Every slot's tensor: the arguments, the allocations, views of the workspaces in the scratch."""
-        env = tensors + [None] * (len(allocated) + len(self.scratch_views))
+    def _env(self, tensors: list, allocated: list, scratch, zeroed) -> list:
+        """Every slot's tensor: the arguments, the allocations, views of the workspaces in the scratch
+        and in the zeroed allocation."""
+        env = tensors + [None] * (len(allocated) + len(self.scratch_views) + len(self.zeroed_views))
         for (slot, _, _), tensor in zip(self.schedule.allocated, allocated):
             env[slot] = tensor
-        for slot, offset, size, dtype, shape in self.scratch_views:
-            env[slot] = scratch[offset:offset + size].view(dtype).view(shape)
+        for region, views in ((scratch, self.scratch_views), (zeroed, self.zeroed_views)):
+            for slot, offset, size, dtype, shape in views:
+                env[slot] = region[offset:offset + size].view(dtype).view(shape)
         return env
 
     @staticmethod

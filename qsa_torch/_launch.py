@@ -216,13 +216,21 @@ def run(program: Program, arrays: Mapping[str, torch.Tensor | None], device: tor
     """
     if runtime.INTERPRETED:  # nothing to build: the interpreter runs the source
         return execute(program, arrays, adapter="torch", allocate=_Allocate(device), launch=launch_kernel,
-                       guard=_interpreter_guard)
+                       guard=_interpreter_guard, read=_read_scale)
     key = (id(program), device.index)
     prepare = None if key in _BUILT else build_kernel
     results = execute(program, arrays, adapter="torch", allocate=_Allocate(device), launch=launch_kernel,
-                      guard=lambda: _CudaGuard(device), prepare=prepare)
+                      guard=lambda: _CudaGuard(device), prepare=prepare, read=_read_scale)
     _BUILT.setdefault(key, program)
     return results
+
+
+def _read_scale(name: str, tensor: torch.Tensor) -> list[float] | None:
+    """A scale's elements on the host for ``QSA_CHECK_SCALES`` (a synchronising copy); ``None`` while
+    a CUDA graph is captured (a copy to the host cannot be captured)."""
+    if tensor.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    return tensor.detach().reshape(-1).float().tolist()
 
 
 def _check_updates(function: str, program: Program, arrays: Mapping[str, torch.Tensor | None]) -> None:

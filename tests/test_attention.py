@@ -133,7 +133,8 @@ def plan_with(args, forced: tuning.AttentionTuning):
 
 
 def planned_splits(args, num_splits=None) -> int:
-    return plan_with(args, with_splits(num_splits)).launches[0].grid[1]
+    """The split count (the partials' first dimension, merged in the launch or by a merge launch)."""
+    return plan_with(args, with_splits(num_splits)).buffer("partial_lse").shape[0]
 
 
 def check_case(c: Case, force_splits):
@@ -267,17 +268,38 @@ def test_launch_table():
     """The plan's choices for the production geometry (24 Q / 2 KV heads, d256): the tables timed on the H200."""
     plan = _production_plan
 
-    partial, merge = plan(1).launches  # split-K, then the merge launch
+    (fused,) = plan(1).launches  # split-K merged in the launch: 33 splits, then 12 merging programs
+    assert fused.kernel is attention.sparse_attention_fused_merge_kernel and fused.grid == (1, 2, 33 + 12)
+    assert fused.constexprs["NUM_SPLITS"] == 33 and fused.constexprs["MERGERS"] == 12
+    assert fused.constexprs["MERGE_HEADS"] == 1 and fused.constexprs["SPLIT_CHUNK"] == 16  # 4096 elements // D
+    assert fused.constexprs["BLOCK_N"] == 64 and fused.constexprs["TILES_PER_SPLIT"] == 1  # one tile per split
+    assert (fused.num_warps, fused.num_stages) == (8, 3)
+    assert plan(1).buffer("tickets").fill == 0
+    partial, merge = plan(1, fused_merge=False).launches  # split-K, then the merge launch
     assert partial.kernel is attention.sparse_attention_partial_kernel and merge.kernel is attention.merge_splits_kernel
     assert partial.grid == (1, 33, 2) and merge.grid == (1, 24)
-    assert partial.constexprs["BLOCK_N"] == 64 and partial.constexprs["TILES_PER_SPLIT"] == 1  # one tile per split
+    assert partial.constexprs["BLOCK_N"] == 64 and partial.constexprs["TILES_PER_SPLIT"] == 1
     assert (partial.num_warps, partial.num_stages) == (8, 3)
-    assert merge.constexprs["NUM_SPLITS"] == 33 and merge.constexprs["SPLIT_CHUNK"] == 16  # 4096 elements // D
+    assert merge.constexprs["NUM_SPLITS"] == 33 and merge.constexprs["SPLIT_CHUNK"] == 16
+    assert {k: fused.constexprs[k] for k in partial.constexprs} == partial.constexprs
+    (fused,) = plan(1, fused_merge_heads=4).launches
+    assert fused.grid == (1, 2, 33 + 3) and fused.constexprs["MERGE_HEADS"] == 4
     # 8 / 16 / 32 / 64 rows (16 / 32 / 64 / 128 programs): the table's rows (tiles, warps, stages,
-    # and splits toward 512 programs, 264 at 16 and 32 rows; 65 tiles of 32 tokens: 22 splits of 3).
+    # and splits toward 512 programs, 264 at 16 and 32 rows; 65 tiles of 32 tokens: 22 splits of 3);
+    # merged in the launch up to fused_merge_max_programs = 16 programs, by a merge launch past it.
     for rows, splits, block_n, warps, stages in ((8, 22, 32, 4, 3), (16, 7, 64, 8, 3), (32, 4, 64, 8, 3),
                                                  (64, 4, 32, 2, 3)):
-        partial, merge = plan(rows).launches
+        launches = plan(rows).launches
+        if rows == 8:
+            (fused,) = launches
+            assert fused.kernel is attention.sparse_attention_fused_merge_kernel
+            assert fused.grid == (rows, 2, splits + 12)
+            assert fused.constexprs["BLOCK_N"] == block_n and (fused.num_warps, fused.num_stages) == (warps, stages)
+            launches = plan(rows, fused_merge=False).launches
+        else:
+            (forced,) = plan(rows, fused_merge=True).launches
+            assert forced.kernel is attention.sparse_attention_fused_merge_kernel
+        partial, merge = launches
         assert partial.grid == (rows, splits, 2) and merge.kernel is attention.merge_splits_kernel
         assert partial.constexprs["BLOCK_N"] == block_n and (partial.num_warps, partial.num_stages) == (warps, stages)
     decode_256 = plan(256)
@@ -393,7 +415,7 @@ def test_merge_chunks_give_the_same_bits(splits):
     args, ref = merge_inputs()
     outputs = {}
     for small_chunks in (False, True):
-        tuned = tuning.AttentionTuning(num_splits=splits, tile_bytes=MERGE_TILE_BYTES,
+        tuned = tuning.AttentionTuning(num_splits=splits, tile_bytes=MERGE_TILE_BYTES, fused_merge=False,
                                        **(dict(merge_chunk_elements=2 * 64) if small_chunks else {}))
         program = plan_with(args, tuned)
         assert len(program.launches) == 2 and program.launches[0].grid[1] == splits
@@ -409,8 +431,86 @@ def test_merge_chunks_give_the_same_bits(splits):
         outputs[small_chunks] = first
     assert_bitwise_equal(outputs[True], outputs[False], "chunks of 2 splits vs all splits at once")
     if splits == 5:
-        with tuning.override(attention=tuning.AttentionTuning(num_splits=splits, tile_bytes=MERGE_TILE_BYTES)):
+        with tuning.override(attention=tuning.AttentionTuning(num_splits=splits, tile_bytes=MERGE_TILE_BYTES,
+                                                              fused_merge=False)):
             assert_bitwise_equal(run_jax(args), outputs[False], "JAX vs torch")
+
+
+# --------------------------------------------------------------------------
+# Split-K merged in its launch (AttentionTuning.fused_merge: merging programs by ticket)
+# --------------------------------------------------------------------------
+
+#: 19 tiles of 16 tokens per row (MERGE_TILE_BYTES at D = 64): up to 19 splits.
+MANY_SPLITS_CASE = Case(R=3, QH=4, KH=1, D=64, W=300, seed=5)
+
+
+def fused_and_merge_launch(args, arrays=ARGUMENTS, **fields):
+    """``{fused: (out, program)}``: the call planned with the split-K merged in its launch and
+    with the merge launch, ``fields`` of AttentionTuning otherwise the same."""
+    results = {}
+    for fused in (True, False):
+        program = plan_with(args, tuning.AttentionTuning(fused_merge=fused, **fields))
+        kernels = [launch.kernel for launch in program.launches]
+        assert kernels == ([attention.sparse_attention_fused_merge_kernel] if fused else
+                           [attention.sparse_attention_partial_kernel, attention.merge_splits_kernel]), kernels
+        (out,) = qsa_torch.run_program(program, {n: args[n] for n in arrays})
+        results[fused] = out, program
+    return results
+
+
+@pytest.mark.parametrize("splits, heads, chunk", [(2, 1, None), (5, 1, 2), (5, 4, None), (5, 2, 2)])
+def test_fused_merge_equals_the_merge_launch(splits, heads, chunk):
+    """The splits merged in their launch, by merging programs of ``heads`` query heads each
+    (group 4): the merge launch's bits (outputs poisoned), near the float64 reference, with
+    splits that hold no valid token and rows that hold none; torch = JAX."""
+    args, ref = merge_inputs()
+    fields = dict(num_splits=splits, tile_bytes=MERGE_TILE_BYTES, fused_merge_heads=heads,
+                  **(dict(merge_chunk_elements=chunk * 64) if chunk else {}))
+    results = fused_and_merge_launch(args, **fields)
+    (out, program), (expected, _) = results[True], results[False]
+    launch = program.launches[0]
+    assert launch.grid == (MERGE_CASE.R, MERGE_CASE.KH, splits + 4 // heads), launch.grid
+    assert launch.constexprs["SPLIT_CHUNK"] == (chunk or splits)
+    assert_bitwise_equal(out, expected, f"{splits} splits merged in the launch vs the merge launch")
+    assert_close(out, ref, tolerance(MERGE_CASE.dtype), "fused merge vs reference")
+    assert not f64(out)[1:4].any(), "rows without a valid token must be zeros"
+    with tuning.override(attention=tuning.AttentionTuning(fused_merge=True, **fields)):
+        assert_bitwise_equal(run_jax(args), out, "JAX vs torch")
+
+
+def test_fused_merge_many_splits():
+    """19 splits, merged 8 at a time (two chunks and a tail of 3), group of 4 merged one head a
+    program: the merge launch's bits, near the reference."""
+    args = make_inputs(MANY_SPLITS_CASE)
+    ref = reference_for(args)
+    results = fused_and_merge_launch(args, tile_bytes=MERGE_TILE_BYTES, num_splits=64,
+                                     merge_chunk_elements=8 * 64)
+    (out, program), (expected, _) = results[True], results[False]
+    assert program.launches[0].grid == (3, 1, 19 + 4) and program.launches[0].constexprs["CHUNKED_SPLITS"] == 16
+    assert_bitwise_equal(out, expected, "19 splits merged in the launch vs the merge launch")
+    assert_close(out, ref, tolerance(MANY_SPLITS_CASE.dtype), "fused merge vs reference")
+    assert np.abs(ref).sum() > 0
+
+
+def test_fused_merge_leaves_its_tickets_at_zero_for_the_next_call():
+    """The counters the merging programs wait on: the same tensor through two calls in a row (the
+    program's tickets buffer made an argument) is zero after each, and both calls give the bits."""
+    args, _ = merge_inputs()
+    program = plan_with(args, tuning.AttentionTuning(num_splits=5, tile_bytes=MERGE_TILE_BYTES, fused_merge=True))
+    tickets = program.buffer("tickets")
+    assert tickets.fill == 0 and tickets.name in program.filled_buffers
+    # The tickets as an argument the caller holds (updated in place, not a fresh buffer each call).
+    held = dataclasses.replace(program, buffers=tuple(b for b in program.buffers if b.name != "tickets"))
+    counters = torch.zeros(tickets.shape, dtype=torch.int32, device=DEVICE)
+    arrays = dict({n: args[n] for n in ARGUMENTS}, tickets=counters)
+    outputs = []
+    for call in range(2):
+        (out,) = qsa_torch.run_program(held, arrays)
+        assert not host(counters).any(), f"call {call}: tickets left at {host(counters).tolist()}"
+        outputs.append(out)
+    assert_bitwise_equal(outputs[1], outputs[0], "second call vs first")
+    (fresh,) = qsa_torch.run_program(program, {n: args[n] for n in ARGUMENTS})
+    assert_bitwise_equal(outputs[0], fresh, "held tickets vs the program's own")
 
 
 # --------------------------------------------------------------------------
@@ -426,6 +526,42 @@ def test_production_decode_shape():
         (out,) = qsa_torch.run_program(plan_with(args, with_splits(splits)), args)
         assert_close(out, ref, tolerance(c.dtype), f"splits={splits}")
     assert_bitwise_equal(run_jax(args), qsa_torch.sparse_paged_attention(**args), "torch vs JAX")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_production_fused_merge(rows, cache):
+    """Production decode (24 Q / 2 KV heads x d256, pages of 64, 128K-token requests, top 512
+    blocks + tail = 2051 selected tokens) at 1 and 8 rows, where the plan merges the splits in
+    their launch (33 and 22 splits, 12 merging programs per KV head): 20 repeats bitwise, the
+    merge launch's bits, near the float64 reference, torch = JAX."""
+    c = Case(R=rows, QH=24, KH=2, D=256, P=64, W=2051, requests=min(rows, 2), pages_per_request=2048)
+    args = make_inputs(c)
+    arrays, scales = {n: args[n] for n in ARGUMENTS}, {}
+    k_ref, v_ref = f64(args["k_cache"]), f64(args["v_cache"])
+    if cache == "fp8":
+        k8, v8 = (args[n].to(torch.float8_e4m3fn) for n in ("k_cache", "v_cache"))
+        scales = dict(k_scale=torch.tensor(1.0, device=DEVICE), v_scale=torch.tensor([1.0], device=DEVICE))
+        arrays.update(k_cache=k8, v_cache=v8, **scales)
+        k_ref, v_ref = f64(k8), f64(v8)
+    ref = R.sparse_paged_attention(f64(args["q"]), k_ref, v_ref, host(args["token_indices"]),
+                                   host(args["block_table"]), host(args["token_to_req"]))
+    programs = {}
+    for fused_merge in (None, False):
+        with tuning.override(attention=tuning.AttentionTuning(fused_merge=fused_merge)):
+            programs[fused_merge] = qsa_torch.sparse_paged_attention.plan(**arrays)
+    (fused,) = programs[None].launches
+    assert fused.kernel is attention.sparse_attention_fused_merge_kernel
+    (first,) = qsa_torch.run_program(programs[None], arrays)
+    for repeat in range(20):
+        (again,) = qsa_torch.run_program(programs[None], arrays)
+        assert_bitwise_equal(again, first, f"repeat {repeat}")
+    (merge_launch,) = qsa_torch.run_program(programs[False], arrays)
+    assert_bitwise_equal(first, merge_launch, "merged in the launch vs the merge launch")
+    assert_close(first, ref, tolerance(c.dtype), "fused merge vs reference")
+    call = jax.jit(lambda a: qsa_jax.sparse_paged_attention(**a))
+    assert_bitwise_equal(call({n: to_jax(x) for n, x in arrays.items()}), first, "torch vs JAX")
 
 
 @pytest.mark.gpu

@@ -213,6 +213,16 @@ CASES = {
     "scores/fp8-fp32-queries": _scores(8, 8, 1 << 15, q=FP32, k=FP8),
     "scores/fp8-decode-256-128k-8-warps": _scores(256, 256, 1 << 17, k=FP8, tuning=dict(fp8_row_warps=8)),
     "scores/fp8-decode-256-128k-256-columns": _scores(256, 256, 1 << 17, k=FP8, tuning=dict(fp8_row_columns=256)),
+    # The row loop's candidates (SelectTuning.fp8_row_*, bench_select.py --fp8-sweep; issue 27).
+    **{f"scores/fp8-decode-{rows}-128k-row-loop-{name}": _scores(rows, rows, 1 << 17, k=FP8, tuning=variant)
+       for rows in (8, 64, 256) for name, variant in (
+           ("8-tiles", dict(fp8_row_tiles=8)), ("8-tiles-no-prefetch", dict(fp8_row_tiles=8, fp8_row_prefetch=False)),
+           ("4-tiles", dict(fp8_row_tiles=4)), ("16-tiles", dict(fp8_row_tiles=16)),
+           ("8-tiles-1024-programs", dict(fp8_row_tiles=8, fp8_row_min_programs=1024)),
+           ("8-tiles-3-stages", dict(fp8_row_tiles=8, fp8_row_prefetch=False, fp8_row_stages=3)),
+           ("8-tiles-8-warps", dict(fp8_row_tiles=8, fp8_row_warps=8)))},
+    "scores/fp8-decode-256-128k-row-loop-page-128-int64": _scores(256, 256, 1 << 17, k=FP8, page=128, index=I64,
+                                                                  tuning=dict(fp8_row_tiles=8)),
     # Stage 3: top-k (a top-k set takes ~20 s of compiling: few shapes).
     "topk/decode-1-1m-k512": _topk(1, 1 << 18, 512),  # the sliced path past ticketed_max_columns
     "topk/decode-256-128k-k512": _topk(256, 1 << 15, 512),
@@ -278,9 +288,14 @@ CASES = {
                                                                heads=16),
     "select/fused-shared-decode-1-128k": _select(1, 1, 1 << 17, topk=dict(ticketed_select="shared")),
     "select/fused-shared-fp8-decode-8-128k": _select(8, 8, 1 << 17, k=FP8, topk=dict(ticketed_select="shared")),
-    # Stage 4: sparse_paged_attention (split-K where programs are few, then a merge launch).
-    "attention/decode-1": _attention(1),
-    "attention/decode-8-22-splits": _attention(8),  # merge chunks of 16 splits, with a tail
+    # Stage 4: sparse_paged_attention (split-K where programs are few: merged in the launch up to
+    # AttentionTuning.fused_merge_max_programs programs, then by a merge launch).
+    "attention/decode-1": _attention(1),  # fused merge: 33 splits + 12 merging programs per KV head
+    "attention/decode-8-22-splits": _attention(8),  # fused merge: chunks of 16 splits, with a tail
+    "attention/decode-1-merge-launch": _attention(1, fused_merge=False),
+    "attention/decode-8-merge-launch": _attention(8, fused_merge=False),
+    "attention/decode-1-fused-merge-4-heads": _attention(1, fused_merge_heads=4),
+    "attention/decode-16-fused-merge-forced": _attention(16, fused_merge=True),
     "attention/decode-16": _attention(16),
     "attention/decode-32": _attention(32),
     "attention/decode-64": _attention(64),
@@ -290,7 +305,9 @@ CASES = {
     "attention/d64-fp16-int64": _attention(8, qh=16, kh=4, d=64, dtype=FP16, index=I64, page=16),
     "attention/mqa-d128-narrow-scale": _attention(4, qh=16, kh=1, d=128, width=20, scale=0.1),
     "attention/decode-256-slot-addressing": _attention(256, row_addressing="slot"),
-    "attention/fp8-decode-1": _attention(1, cache=FP8),
+    "attention/fp8-decode-1": _attention(1, cache=FP8),  # fused merge
+    "attention/fp8-decode-8": _attention(8, cache=FP8),  # fused merge
+    "attention/fp8-decode-1-merge-launch": _attention(1, cache=FP8, fused_merge=False),
     "attention/fp8-decode-64": _attention(64, cache=FP8),
     "attention/fp8-decode-256": _attention(256, cache=FP8),
     "attention/fp8-prefill-2048": _attention(2048, cache=FP8),

@@ -138,11 +138,13 @@ def test_grad_and_inference_rules_hold_after_a_prepared_call(general_calls):
 
 def test_observers_see_every_launch_of_a_prepared_call(general_calls):
     function, arguments = build("attention")
-    function(**cloned(arguments))
-    function(**cloned(arguments))
-    with observe_launches() as events:
+    # Split-K with the merge launch: two launches (AttentionTuning.fused_merge would make it one).
+    with tuning.override(attention=tuning.AttentionTuning(fused_merge=False)):
         function(**cloned(arguments))
-    assert len(events) == len(function.plan(**arguments).runnable_launches) >= 2
+        function(**cloned(arguments))
+        with observe_launches() as events:
+            function(**cloned(arguments))
+        assert len(events) == len(function.plan(**arguments).runnable_launches) >= 2
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the interpreter's device rule")
@@ -155,26 +157,63 @@ def test_a_prepared_key_never_accepts_a_wrong_device(general_calls):
         function(**moved)
 
 
-def test_workspaces_are_carved_aligned_and_apart():
-    """The schedule's scratch layout: every workspace aligned, none overlapping, results on their own."""
-    from qsa_kernels.launch import ITEMSIZE, SCRATCH_ALIGNMENT, Schedule
+def _carved_spans(carved, total: int, alignment: int) -> list:
+    from qsa_kernels.launch import ITEMSIZE
 
-    function, arguments = build("select")
-    program = function.plan(**arguments)
-    schedule = Schedule.of(program, tuple(n for n in arguments if isinstance(arguments[n], torch.Tensor)))
     spans = []
-    for _, buffer, offset in schedule.scratch:
-        assert offset % SCRATCH_ALIGNMENT == 0
+    for _, buffer, offset in carved:
+        assert offset % alignment == 0
         size = ITEMSIZE[buffer.dtype]
         for s in buffer.shape:
             size *= s
         spans.append((offset, offset + size))
-        assert offset + size <= schedule.scratch_bytes
-        assert buffer.name not in program.results and buffer.name not in program.filled_buffers
+        assert offset + size <= total
     spans.sort()
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
-    assert {b.name for _, b, _ in schedule.scratch} | {b.name for _, b, _ in schedule.allocated} == \
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+    return spans
+
+
+def test_workspaces_are_carved_aligned_and_apart():
+    """The schedule's scratch layout: every workspace aligned, none overlapping, results on their own."""
+    from qsa_kernels.launch import SCRATCH_ALIGNMENT, Schedule
+
+    function, arguments = build("select")
+    program = function.plan(**arguments)
+    schedule = Schedule.of(program, tuple(n for n in arguments if isinstance(arguments[n], torch.Tensor)))
+    _carved_spans(schedule.scratch, schedule.scratch_bytes, SCRATCH_ALIGNMENT)
+    for _, buffer, _ in schedule.scratch:
+        assert buffer.name not in program.results and buffer.name not in program.filled_buffers
+    assert {b.name for _, b, _ in (*schedule.scratch, *schedule.zeroed, *schedule.allocated)} == \
         {b.name for b in program.buffers}
+
+
+def test_zeroed_workspaces_share_one_allocation():
+    """Workspaces that must start at zero (tickets, histograms) are carved from one zeroed
+    allocation, aligned and apart (one fill per call, not one per workspace); a workspace of
+    another fill and a filled result keep allocations of their own."""
+    import triton
+
+    from qsa_kernels.launch import SCRATCH_ALIGNMENT, Buffer, Launch, Program, Schedule
+
+    @triton.jit
+    def reads_five_writes_one(a, tickets, histogram, ones, zero_result, work):
+        pass
+
+    @triton.jit
+    def reads_two(a, work):
+        pass
+
+    buffers = (Buffer("tickets", (3, 2, 2), "int32", fill=0), Buffer("histogram", (5, 7), "float32", fill=0),
+               Buffer("ones", (4,), "float32", fill=1.0), Buffer("work", (9,), "float32"),
+               Buffer("zero_result", (6,), "int32", fill=0))
+    program = Program("synthetic", buffers, (
+        Launch(reads_five_writes_one, (1,), ("a", "tickets", "histogram", "ones", "zero_result"), ("work",)),
+        Launch(reads_two, (1,), ("a", "work"), ())), ("zero_result",))
+    schedule = Schedule.of(program, ("a",))
+    assert sorted(b.name for _, b, _ in schedule.zeroed) == ["histogram", "tickets"]
+    assert [b.name for _, b, _ in schedule.scratch] == ["work"]
+    assert sorted((b.name, fill) for _, b, fill in schedule.allocated) == [("ones", 1.0), ("zero_result", 0)]
+    _carved_spans(schedule.zeroed, schedule.zeroed_bytes, SCRATCH_ALIGNMENT)
 
 
 @pytest.mark.gpu

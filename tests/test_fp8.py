@@ -34,6 +34,7 @@ import qsa_jax
 import qsa_torch
 from qsa_kernels import runtime, tuning
 from qsa_kernels.fp8 import widen_e4m3
+from qsa_kernels.launch import kernel_name
 
 from . import reference as R
 from .test_attention import Case, force_splits, make_inputs, planned_splits  # noqa: F401 (fixture)
@@ -186,6 +187,34 @@ def test_attention_fp8_equals_16bit_cache_of_its_values(dtype, splits, variant, 
     assert_bitwise_equal(out, qsa_torch.sparse_paged_attention(**widened), "fp8 vs 16-bit cache")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_attention_fp8_fused_merge_equals_the_merge_launch(dtype):
+    """fp8 caches, 3 splits merged in their launch (AttentionTuning.fused_merge): the merge
+    launch's bits, NaN codes included (one K row of a row's selected tokens: that row's KV
+    group NaN either way), near the dequantised reference elsewhere."""
+    c = Case(QH=8, KH=2, D=64, W=150, R=6, dtype=dtype, seed=2)
+    args, scales, (k_scale, v_scale) = fp8_attention_inputs(c, 0.37, 1.9)
+    _put_nan_codes(args["k_cache"], [(_selected_slots(args, [0], 1)[0], 1, slice(None))])
+    ref = R.sparse_paged_attention(f64(args["q"]), dequantised(args["k_cache"], k_scale),
+                                   dequantised(args["v_cache"], v_scale), host(args["token_indices"]),
+                                   host(args["block_table"]), host(args["token_to_req"]))
+    outputs = {}
+    for fused in (True, False):
+        with tuning.override(attention=tuning.AttentionTuning(num_splits=3, tile_bytes=16 * 2 * 64, fused_merge=fused)):
+            program = qsa_torch.sparse_paged_attention.plan(**args, **scales)
+            assert program.buffer("partial_lse").shape[0] == 3
+            assert (program.buffer("tickets") is not None) == fused
+            outputs[fused] = qsa_torch.sparse_paged_attention(**args, **scales)
+            if fused:
+                assert_bitwise_equal(run_jax_attention(args, scales), outputs[fused], "torch vs JAX")
+    assert_bitwise_equal(outputs[True], outputs[False], "fp8: merged in the launch vs the merge launch")
+    out, nan = f64(outputs[True]), np.isnan(ref)
+    assert nan[0, 4:].all() and not nan[0, :4].any(), "the NaN K row: KV head 1's query heads of row 0"
+    assert np.array_equal(np.isnan(out), nan), "NaN exactly where the float64 reference has it"
+    assert_close(out[~nan], ref[~nan], tolerance(dtype), "fp8 fused merge vs the dequantised reference")
+    assert np.abs(ref[~nan]).sum() > 0
+
+
 # --------------------------------------------------------------------------
 # mqa_paged_scores, select_paged_tokens
 # --------------------------------------------------------------------------
@@ -226,6 +255,166 @@ def test_scores_fp8_match_dequantised_reference(dtype, heads, dim, ratio, prefil
     assert_scores_close(logits, expected, 1e-5, "fp8 logits vs reference on the dequantised keys")
     assert_bitwise_equal(logits, jax_logits, "logits torch vs jax")
     assert_bitwise_equal(visible, jax_visible, "visible torch vs jax")
+
+
+# The fp8 scorer's row loop (SelectTuning.fp8_row_tiles > 1: score.scores_rows_kernel, issue 27's
+# candidates): the default kernel's bits, on every page span the loop takes.
+
+def fp8_long_decode_case(seed, *, page, columns=1024, dim=128, scale=0.5, nan_codes=False):
+    """long_decode_case with an fp8 cache (one long request to the last column, one a third
+    as long, a missing and an out-of-range page, rows of every kind); ``nan_codes``: both
+    e4m3 NaN codes in keys of each request's visible columns (one element, and a whole key)."""
+    case = long_decode_case(seed, columns=columns, page=page, heads=4, dim=dim)
+    k8 = quantise(case["k_cache"], scale)
+    if nan_codes:
+        codes = k8.view(torch.uint8)
+        table = case["page_table"].cpu()
+        for request, column, element in ((0, 5, 7), (0, 3 * page + 1, slice(None)), (1, page + 2, 0)):
+            physical = int(table[request, column // page])
+            codes[physical, column % page, 0, element] = 0x7F if request else 0xFF
+    case["k_cache"] = k8
+    return case
+
+
+def row_loop_kernels(case, **select):
+    with tuning.override(select=tuning.SelectTuning(**select)):
+        program = qsa_torch.mqa_paged_scores.plan(**case, compress_ratio=4, k_scale=scale_tensor(0.5))
+    return [(kernel_name(launch.kernel), launch.grid, launch.constexprs.get("TILES"), launch.constexprs.get("SPAN"))
+            for launch in program.launches]
+
+
+#: (page size, SelectTuning of the loop): two pages a tile (the production geometry's 64),
+#: a page a tile, tiles inside a page; 2, 4 and 8 tiles a program; the loop Triton pipelines
+#: (its pages looked up in each iteration: another loop body); 8 warps (GPU: the interpreter
+#: ignores warps).
+ROW_LOOPS = [
+    pytest.param(64, dict(fp8_row_tiles=4), id="page64-4-tiles"),
+    pytest.param(128, dict(fp8_row_tiles=2), id="page128-2-tiles"),
+    pytest.param(256, dict(fp8_row_tiles=8), id="page256-8-tiles"),
+    pytest.param(64, dict(fp8_row_tiles=4, fp8_row_prefetch=False, fp8_row_stages=3), id="page64-stages3"),
+    pytest.param(64, dict(fp8_row_tiles=8, fp8_row_warps=8), id="page64-8-warps", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize("page, loop", ROW_LOOPS)
+@pytest.mark.parametrize("nan_codes", [False, True])
+def test_scores_fp8_row_loop_equals_default(page, loop, nan_codes):
+    """The row loop's logits are the default kernel's bit for bit (the same operations on each
+    tile), NaN codes included (NaN logits where the default's are, as the relu leaves them), and
+    match the float64 reference on the dequantised keys; torch = JAX.  Tails: the shorter
+    request's last tiles and the -inf tiles past it, a missing and an out-of-range page, rows
+    with no request, a negative and an early position."""
+    case = fp8_long_decode_case(3, page=page, nan_codes=nan_codes)
+    k_scale = scale_tensor(0.5)
+    select = dict(loop, fp8_row_min_programs=1)
+    (name, grid, tiles, span), = row_loop_kernels(case, **select)
+    assert name == "scores_rows_kernel" and tiles == loop["fp8_row_tiles"] and span == (2 if page == 64 else 1)
+    assert grid == (6, 1024 // 128 // tiles)
+    default, default_visible = qsa_torch.mqa_paged_scores(**case, compress_ratio=4, k_scale=k_scale)
+    with tuning.override(select=tuning.SelectTuning(**select)):
+        logits, visible = qsa_torch.mqa_paged_scores(**case, compress_ratio=4, k_scale=k_scale)
+        scores = jax.jit(lambda s, *arrays: qsa_jax.mqa_paged_scores(*arrays, 4, k_scale=s))
+        jax_logits, jax_visible = scores(to_jax(k_scale), *jax_args(case).values())
+    assert_bitwise_equal(logits, default, "row loop vs the default kernel")
+    assert_bitwise_equal(visible, default_visible, "visible blocks")
+    assert_bitwise_equal(logits, jax_logits, "logits torch vs jax")
+    assert_bitwise_equal(visible, jax_visible, "visible torch vs jax")
+    got = f64(logits)
+    assert np.isneginf(got).any() and np.isfinite(got).sum() > 500, "the case needs -inf and scored columns"
+    expected, expected_visible = R.mqa_paged_scores(
+        **dict(numpy_args(case), k_cache=dequantised(case["k_cache"], 0.5)), compress_ratio=4)
+    assert np.array_equal(host(visible), expected_visible)
+    nan = np.isnan(expected)
+    if nan_codes:
+        assert np.isnan(f64(case["k_cache"])).sum() == 2 + 128, "NaN codes stored"
+        # 4 visible (row, column) pairs hold a NaN key.  The relu drops NaN on the GPU
+        # (max.f32) and keeps it under Triton 3.6's interpreter; the default kernel's bits
+        # (above) are the promise there.
+        assert nan.sum() == 4 and (not np.isnan(got).any() or np.array_equal(np.isnan(got), nan))
+    else:
+        assert not nan.any() and not np.isnan(got).any()
+    assert_scores_close(torch.from_numpy(np.where(nan, 0.0, got)), np.where(nan, 0.0, expected), 1e-5,
+                        "row loop vs reference on the dequantised keys")
+
+
+def test_selection_fp8_row_loop_equals_default():
+    """select_paged_tokens scores through the row loop too (unfused: its scorer launches over
+    row chunks): the default's tokens bit for bit."""
+    case = fp8_long_decode_case(5, page=64)
+    k_scale = scale_tensor(0.5)
+    select = lambda: qsa_torch.select_paged_tokens(**case, token_topk=64, compress_ratio=4,  # noqa: E731
+                                                   k_scale=k_scale)
+    with tuning.override(select=tuning.SelectTuning(fused=False)):
+        default = select()
+    loop = tuning.SelectTuning(fused=False, fp8_row_tiles=4, fp8_row_min_programs=1)
+    with tuning.override(select=loop):
+        program = qsa_torch.select_paged_tokens.plan(**case, token_topk=64, compress_ratio=4, k_scale=k_scale)
+        assert "scores_rows_kernel" in [kernel_name(launch.kernel) for launch in program.launches]
+        assert_bitwise_equal(select(), default, "selection through the row loop vs the default")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [8, 64, 256])
+def test_scores_fp8_row_loop_production(rows):
+    """Production geometry (4 heads x d128, pages of 64, 32K context, random pages of a shared
+    pool, NaN codes in two keys): every fp8_row_* candidate of bench_select.py --fp8-sweep
+    (the L2 prefetch and Triton's pipelining included: compiled only) gives the default's
+    logits bit for bit, and the default matches the float64 reference."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from bench_select import FP8_SWEEP  # noqa: E402
+
+    g = torch.Generator(device=DEVICE).manual_seed(rows)
+    columns, page, pool_pages = 8192, 64, 2 * 8192 // 64 * 4
+    pool = torch.randn(pool_pages, page, 1, 128, device=DEVICE, generator=g).to(torch.bfloat16)
+    k8 = quantise(pool, 0.01)
+    k8.view(torch.uint8)[3, 5, 0, 9] = 0x7F
+    k8.view(torch.uint8)[7, 0, 0, :] = 0xFF
+    width = columns // page
+    page_table = torch.stack([torch.randperm(pool_pages, device=DEVICE, generator=g)[:width] for _ in range(rows)])
+    lengths = torch.full((rows,), columns * 4, dtype=torch.int32, device=DEVICE)
+    lengths[1::3] = columns * 4 // 3 + 7  # shorter requests: the loop's tails
+    case = dict(q=torch.randn(rows, 4, 128, device=DEVICE, generator=g).to(torch.bfloat16), k_cache=k8,
+                page_table=page_table.int(), token_to_req=torch.arange(rows, dtype=torch.int32, device=DEVICE),
+                query_positions=(lengths - 1).int(), sequence_lengths=lengths)
+    k_scale = scale_tensor(0.01)
+    default, visible = qsa_torch.mqa_paged_scores(**case, compress_ratio=4, k_scale=k_scale)
+    for name, variant in FP8_SWEEP.items():
+        with tuning.override(select=tuning.SelectTuning(**variant)):
+            logits, loop_visible = qsa_torch.mqa_paged_scores(**case, compress_ratio=4, k_scale=k_scale)
+        assert_bitwise_equal(logits, default, f"{name} vs the default kernel")
+        assert_bitwise_equal(loop_visible, visible, f"{name}: visible blocks")
+    expected, expected_visible = R.mqa_paged_scores(
+        **dict(numpy_args(case), k_cache=dequantised(k8, 0.01)), compress_ratio=4)
+    assert np.array_equal(host(visible), expected_visible)
+    nan = np.isnan(expected)
+    assert_scores_close(torch.from_numpy(np.where(nan, 0.0, f64(default))), np.where(nan, 0.0, expected), 1e-5,
+                        "default vs reference on the dequantised keys")
+
+
+def test_scores_fp8_row_loop_plan():
+    """Where the row loop applies (fp8 keys, decode rows on tensor cores, a tile within at most
+    two pages) and how many tiles a program takes (halved while fewer than fp8_row_min_programs
+    programs would cover the rows); elsewhere the default kernel."""
+    case = fp8_long_decode_case(4, page=64)
+    assert row_loop_kernels(case) == [("scores_kernel", (6, 8), None, None)]  # the defaults
+    assert row_loop_kernels(case, fp8_row_tiles=8, fp8_row_min_programs=1) == [("scores_rows_kernel", (6, 1), 8, 2)]
+    # 6 rows x 8 tiles: at least 12 programs -> 4 tiles a program (6 x 2), 24 -> 2, 48 -> 1.
+    for least, tiles in ((12, 4), (13, 2), (24, 2), (48, 1), (4096, 1)):
+        assert row_loop_kernels(case, fp8_row_tiles=8, fp8_row_min_programs=least)[0][2] == tiles, least
+    # Four pages a tile (16-column pages): the default kernel.
+    small = fp8_long_decode_case(4, page=16, columns=256)
+    assert row_loop_kernels(small, fp8_row_tiles=8)[0][0] == "scores_kernel"
+    # fp32 queries (the exact fp32 dot) and 16-bit keys: the default kernel.
+    assert row_loop_kernels(dict(case, q=case["q"].float()), fp8_row_tiles=8)[0][0] == "scores_kernel"
+    with tuning.override(select=tuning.SelectTuning(fp8_row_tiles=8)):
+        program = qsa_torch.mqa_paged_scores.plan(**dict(case, k_cache=case["k_cache"].to(torch.bfloat16)),
+                                                  compress_ratio=4)
+    assert [kernel_name(launch.kernel) for launch in program.launches] == ["scores_kernel"]
+    with pytest.raises(ValueError, match="fp8_row_tiles must be a power of two"):
+        tuning.SelectTuning(fp8_row_tiles=3)
 
 
 @pytest.mark.parametrize("prefill", [False, True])

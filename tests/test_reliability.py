@@ -2,7 +2,8 @@
 
 * ``TRITON_INTERPRET`` is read exactly as the installed Triton reads it;
 * the scales' rules: one rule for every stage, Python-number scales checked;
-* tuning values are refused at construction, naming the knob.
+* tuning values are refused at construction, naming the knob;
+* ``QSA_CHECK_SCALES=1`` checks device scales' values.
 
 (The pager's widths are in tests/test_paging.py; the step's memo, metadata
 checks and build-before-launch in tests/test_step_planning.py.)
@@ -88,6 +89,107 @@ def test_state_zeros_keeps_valid_scales():
 
 # --------------------------------------------------------------------------
 # Tuning values refused at construction, naming the knob (item 3)
+# --------------------------------------------------------------------------
+# Device scales under QSA_CHECK_SCALES (item 8's debug switch)
+# --------------------------------------------------------------------------
+
+def _fp8_store(adapter: str, scale_value: float):
+    """An fp8 cache, rows and a device scale of ``scale_value`` for store_cache_rows."""
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(11)
+    rows = rng.standard_normal((3, 16)).astype(np.float32)
+    cache = (rng.standard_normal((2, 4, 1, 16)) * 4).astype(np.float32)
+    slots = np.array([5, -1, 0], dtype=np.int32)
+    if adapter == "torch":
+        import qsa_torch
+
+        return (qsa_torch.store_cache_rows, torch.from_numpy(cache).to(torch.float8_e4m3fn),
+                torch.from_numpy(slots), torch.from_numpy(rows).to(torch.bfloat16),
+                torch.tensor([scale_value], dtype=torch.float32))
+    import jax.numpy as jnp
+
+    import qsa_jax
+
+    return (qsa_jax.store_cache_rows, jnp.asarray(cache, jnp.float8_e4m3fn), jnp.asarray(slots),
+            jnp.asarray(rows, jnp.bfloat16), jnp.asarray([scale_value], jnp.float32))
+
+
+def _bits(array):
+    import numpy as np
+
+    if hasattr(array, "detach"):
+        import torch
+
+        return array.detach().view(torch.uint8).numpy().copy()
+    return np.asarray(array).view(np.uint8).copy()
+
+
+@pytest.mark.parametrize("adapter", ["torch", "jax", "jax-jit"])
+@pytest.mark.parametrize("value", [0.0, -0.5, float("nan"), float("inf")])
+def test_check_scales_refuses_bad_device_scales_before_any_write(monkeypatch, adapter, value):
+    """QSA_CHECK_SCALES=1 reads each fp8 scale on the host and refuses one that is not finite
+    and > 0, naming the function and the argument; eager calls raise before any write (the
+    cache's bits unchanged).  Under jax.jit the value is traced: the check runs with the
+    computation and its error comes with it."""
+    monkeypatch.setattr(runtime, "CHECK_SCALES", True)
+    function, cache, slots, rows, scale = _fp8_store(adapter.split("-")[0], value)
+    before = _bits(cache)
+    expected = "store_cache_rows: scale must be finite and > 0"
+    if adapter == "jax-jit":
+        import jax
+
+        with pytest.raises(Exception, match=expected):
+            jax.block_until_ready(jax.jit(lambda c, s, r, k: function(c, s, r, scale=k))(cache, slots, rows, scale))
+        return
+    with pytest.raises(ValueError, match=expected):
+        function(cache, slots, rows, scale=scale)
+    assert (_bits(cache) == before).all(), "the cache changed under a call that raised"
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+@pytest.mark.parametrize("adapter", ["torch", "jax"])
+def test_check_scales_passes_good_scales_and_is_off_by_default(monkeypatch, adapter):
+    """With the switch on, a valid scale gives the same bits as with it off; off (the default),
+    a zero scale is the caller's contract: no error (docs/api.md, "Scales")."""
+    monkeypatch.setattr(runtime, "CHECK_SCALES", False)
+    function, cache, slots, rows, scale = _fp8_store(adapter, 0.25)
+    unchecked = _bits(function(cache, slots, rows, scale=scale))
+    monkeypatch.setattr(runtime, "CHECK_SCALES", True)
+    function, cache, slots, rows, scale = _fp8_store(adapter, 0.25)
+    assert (_bits(function(cache, slots, rows, scale=scale)) == unchecked).all()
+    monkeypatch.setattr(runtime, "CHECK_SCALES", False)
+    function, cache, slots, rows, zero = _fp8_store(adapter, 0.0)
+    function(cache, slots, rows, scale=zero)
+
+
+def test_check_scales_covers_the_steps_state_scales(monkeypatch):
+    """The composed step reads its state's scales too (k_scale here, a device zero set after
+    QSAState.zeros checked the Python number), and refuses before stage 1 writes."""
+    import dataclasses
+
+    import torch
+
+    from .test_bad_arguments import step_arguments
+    from .test_step_planning import STATE_FIELDS
+
+    monkeypatch.setattr(runtime, "CHECK_SCALES", True)
+    arguments = step_arguments()
+    state = arguments["state"]
+    scale = torch.ones((), dtype=torch.float32, device=state.key_cache.device)
+    state = arguments["state"] = dataclasses.replace(
+        state, key_cache=state.key_cache.to(torch.float8_e4m3fn), value_cache=state.value_cache.to(torch.float8_e4m3fn),
+        k_scale=scale * 0.0, v_scale=scale.clone())
+    before = {n: _bits(getattr(state, n)) for n in STATE_FIELDS}
+    import qsa_torch
+
+    with pytest.raises(ValueError, match="qsa_attention_step: k_scale must be finite and > 0"):
+        qsa_torch.qsa_attention_step(**arguments)
+    for n in STATE_FIELDS:
+        assert (_bits(getattr(state, n)) == before[n]).all(), n
+
+
 # --------------------------------------------------------------------------
 
 def _tuning_cases():

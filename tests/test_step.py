@@ -428,11 +428,15 @@ def test_unverified_versions_fall_back_to_jax_tritons_lowering_with_the_same_bit
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lowering", LOWERINGS)
-def test_production_geometry_graph_and_jax(lowering):
+@pytest.mark.parametrize("lowering, ptx", [("legacy", "minified"), ("legacy", "full"), ("ffi", "minified"),
+                                          ("ffi", "full"), ("jax-triton", "full")])
+def test_production_geometry_graph_and_jax(lowering, ptx):
     """24 Q / 2 KV heads x d256, indexer 4 x d128, ratio 4, pages of 64, top 2048 tokens: a prefill
-    chunk then a decode step; torch eager, torch CUDA-graph replay and JAX (each Triton lowering,
-    state donated: its buffers are updated in place) agree bitwise."""
+    chunk then a decode step; torch eager, torch CUDA-graph replay and JAX (each Triton lowering, with
+    each PTX form it can carry: ``qsa_jax._triton_call.ptx_form``; state donated: its buffers are
+    updated in place) agree bitwise."""
+    from qsa_jax import _triton_call
+
     model = Model(QH=24, KH=2, D=256, IH=4, DI=128, token_topk=2048, index_dtype=torch.bfloat16)
     geometry = CacheGeometry(page_size=64, num_pages=256, compress_ratio=4, compressed_page_size=64,
                              num_compressed_pages=64, max_context=4096, max_requests=8)
@@ -464,7 +468,7 @@ def test_production_geometry_graph_and_jax(lowering):
         **i, state=s, metadata=m, cos_sin=c, index_cos_sin=ic, return_token_indices=True, **model.options()),
         donate_argnums=(1,))
     pointers = {n: getattr(jax_state, n).unsafe_buffer_pointer() for n in STATE_FIELDS}
-    with _lowering(lowering):
+    with _lowering(lowering), _triton_call.ptx_form(ptx):
         jax_out, jax_state, jax_indices = jax_step({n: to_jax(a) for n, a in inputs.items()}, jax_state,
                                                    qsa_jax.StepMetadata.from_host(host_meta), to_jax(cs), to_jax(ics))
     assert {n: getattr(jax_state, n).unsafe_buffer_pointer() for n in STATE_FIELDS} == pointers, \
@@ -522,7 +526,9 @@ def test_ffi_lowering_puts_the_step_in_command_buffers(tmp_path):
     top = [kind for nesting, kind in ffi if nesting == 0]
     nested = [kind for nesting, kind in ffi if nesting > 0]
     assert "kCommandBuffer" in top and "kCustomCall" not in top, ffi
-    assert nested.count("kCustomCall") >= 5, ffi  # the step's launches, recorded into the command buffer
+    # The step's launches, recorded into the command buffer (4 at 2 requests: stage 1, the fused
+    # stage 2, the fused selection, the attention with its split-K merged in the launch).
+    assert nested.count("kCustomCall") >= 4, ffi
     legacy = _thunks(make_step, args, "legacy", tmp_path / "legacy")
     assert [kind for nesting, kind in legacy if nesting == 0].count("kCustomCall") == nested.count("kCustomCall"), legacy
 
@@ -800,26 +806,28 @@ def test_fused_compression_reads_the_ring_before_overwriting_it():
         _assert_same_step(arguments, expect_fused=False)
 
 
-def _production_decode_plan(context: int, fuse: bool = True):
-    """The plan of a 1-request decode step at production geometry (DESIGN.md), ``context`` tokens;
-    ``fuse``: StepTuning's fused compression and SelectTuning's fused selection (else neither)."""
+def _production_decode_plan(context: int, fuse: bool = True, requests: int = 1):
+    """The plan of a decode step of ``requests`` requests (a row each) at production geometry
+    (docs/design.md), ``context`` tokens each; ``fuse``: StepTuning's fused compression and
+    SelectTuning's fused selection (else neither; the attention's tuning is the one in force)."""
     from qsa_kernels import tuning
     from qsa_kernels.launch import ArrayInfo
     from qsa_kernels.step import plan_qsa_attention_step
 
-    a, i32, bf16 = ArrayInfo.contiguous, "int32", "bfloat16"
-    g = CacheGeometry(page_size=64, num_pages=-(-context // 64), compress_ratio=4, compressed_page_size=64,
-                      num_compressed_pages=-(-(context // 4) // 64), max_context=context, max_requests=1)
+    a, i32, bf16, b = ArrayInfo.contiguous, "int32", "bfloat16", requests
+    g = CacheGeometry(page_size=64, num_pages=b * -(-context // 64), compress_ratio=4, compressed_page_size=64,
+                      num_compressed_pages=b * -(-(context // 4) // 64), max_context=context, max_requests=b)
     shapes = g.state_shapes(2, 256, 128)
-    with tuning.override(step=tuning.StepTuning(fuse_stages=fuse), select=tuning.SelectTuning(fused=fuse)):
+    with tuning.override(step=tuning.StepTuning(fuse_stages=fuse),
+                         select=dataclasses.replace(tuning.current().select, fused=fuse)):
         return plan_qsa_attention_step(
-            q=a((1, 24, 256), bf16), k=a((1, 2, 256), bf16), v=a((1, 2, 256), bf16), index_q=a((1, 4, 128), bf16),
-            index_k=a((1, 1, 128), bf16), **{name: a(shape, bf16) for name, shape in shapes.items()},
-            slot_mapping=a((1,), i32), positions=a((1,), i32), raw_positions=a((1, 1, 3), i32),
-            token_to_req=a((1,), i32), query_start_loc=a((2,), i32), sequence_lengths=a((1,), i32),
-            block_table=a((1, g.table_width), i32), compressed_block_table=a((1, g.compressed_table_width), i32),
-            compressed_slots=a((1,), i32), compressor_state_block_table=a((1, 1), i32),
-            compressor_state_slots=a((1,), i32), cos_sin=a((context, 256), "float32"),
+            q=a((b, 24, 256), bf16), k=a((b, 2, 256), bf16), v=a((b, 2, 256), bf16), index_q=a((b, 4, 128), bf16),
+            index_k=a((b, 1, 128), bf16), **{name: a(shape, bf16) for name, shape in shapes.items()},
+            slot_mapping=a((b,), i32), positions=a((b,), i32), raw_positions=a((b, 1, 3), i32),
+            token_to_req=a((b,), i32), query_start_loc=a((b + 1,), i32), sequence_lengths=a((b,), i32),
+            block_table=a((b, g.table_width), i32), compressed_block_table=a((b, g.compressed_table_width), i32),
+            compressed_slots=a((b,), i32), compressor_state_block_table=a((b, 1), i32),
+            compressor_state_slots=a((b,), i32), cos_sin=a((context, 256), "float32"),
             index_cos_sin=a((context, 128), "float32"), compress_ratio=4, token_topk=2048)
 
 
@@ -829,18 +837,72 @@ def test_decode_step_launch_count():
 
     Unfused: RoPE + KV (1), compress_groups, the ring store, the pooled keys'
     RoPE, their store, the index queries' RoPE (5), score + top-k + expand
-    (3), attention (2: partial + split merge) = 11.  Fused: 1 + 1 + the fused selection (1) + attention = 5.
+    (3), attention (1: split-K merged in its launch; 2 with
+    ``AttentionTuning(fused_merge=False)``: partial + merge launch) = 10.
+    Fused: 1 + 1 + the fused selection (1) + attention (1) = 4.
     """
     from qsa_kernels.launch import kernel_name
 
     fused = [kernel_name(launch.kernel) for launch in _production_decode_plan(32768).runnable_launches]
     unfused = [kernel_name(launch.kernel) for launch in _production_decode_plan(32768, fuse=False).runnable_launches]
     attention = [name for name in unfused if name.startswith(("sparse_attention", "merge_splits"))]
-    assert 1 <= len(attention) <= 2 and unfused[-len(attention):] == attention
+    assert attention == ["sparse_attention_fused_merge_kernel"] and unfused[-1:] == attention
     selection = ["scores_kernel", "topk_ticketed_kernel", "expand_kernel"]
     assert unfused == ["rope_cache_kernel", *UNFUSED_KERNELS, *selection, *attention]
     assert fused == ["rope_cache_kernel", FUSED_KERNEL, "select_fused_kernel", *attention]
-    assert len(fused) == 3 + len(attention) and len(unfused) == 9 + len(attention)
+
+
+#: Launches of a decode step at production geometry x 128K context per batch-size class
+#: (requests: launches), by default and with the merge launch (AttentionTuning(fused_merge=False)).
+#: 1 and 8 requests: RoPE + KV, the fused compression, the fused selection, the attention with its
+#: split-K merged in the launch.  64: RoPE + KV, the separate compression launches (5: more than
+#: StepTuning.fused_max_rows rows), score + top-k (the row path) + expand (3: past
+#: SelectTuning.fused_max_rows), partial + merge launch (2: 128 programs, past
+#: AttentionTuning.fused_merge_max_programs) = 11.  256: the same with no split to merge = 10.
+DECODE_LAUNCHES = {1: 4, 8: 4, 64: 11, 256: 10}
+MERGE_LAUNCH_LAUNCHES = {1: 5, 8: 5, 64: 11, 256: 10}
+
+
+@pytest.mark.parametrize("requests", sorted(DECODE_LAUNCHES))
+def test_decode_step_launches_per_batch_size(requests):
+    """Issue 26: at most four launches per decode step at 1-8 requests (128K context,
+    production geometry); the counts at 64 and 256 requests are pinned too."""
+    from qsa_kernels import tuning
+    from qsa_kernels.launch import kernel_name
+
+    names = [kernel_name(la.kernel) for la in _production_decode_plan(131072, requests=requests).runnable_launches]
+    assert len(names) == DECODE_LAUNCHES[requests], names
+    assert ("sparse_attention_fused_merge_kernel" in names) == (requests <= 8), names
+    if requests <= 8:
+        assert len(names) <= 4
+    merge_launch = tuning.AttentionTuning(fused_merge=False)
+    with tuning.override(attention=merge_launch):
+        names = [kernel_name(la.kernel) for la in _production_decode_plan(131072, requests=requests).runnable_launches]
+    assert len(names) == MERGE_LAUNCH_LAUNCHES[requests], names
+    assert "sparse_attention_fused_merge_kernel" not in names
+
+
+def test_step_with_the_merge_in_its_launch_equals_the_merge_launch():
+    """A decode step (3 requests) whose attention splits: merged in its launch (the default at
+    this size) and by a merge launch, the same out, token indices and caches, bit for bit."""
+    from qsa_kernels import tuning
+
+    # 32 + 3 selected tokens: 3 tiles of 16 (16-token tiles at D = 32), 2 splits.
+    arguments = dict(_fused_step_arguments("decode", True, "bf16"), token_topk=32)
+    results = {}
+    for fused in (True, False):
+        with tuning.override(attention=tuning.AttentionTuning(num_splits=2, tile_bytes=16 * 2 * 32,
+                                                              fused_merge=fused)):
+            results[fused], kernels = _run_step(arguments, fuse=True)
+        merged_in_launch = "sparse_attention_fused_merge_kernel" in kernels
+        assert merged_in_launch == fused and ("merge_splits_kernel" in kernels) == (not fused), kernels
+    for what, a, b in zip(("out", "state", "token_indices"), results[True], results[False]):
+        if what == "state":
+            for name in STATE_FIELDS:
+                assert_bitwise_equal(getattr(a, name), getattr(b, name), name)
+        else:
+            assert_bitwise_equal(a, b, what)
+    assert np.isfinite(f64(results[True][0])).all() and np.abs(f64(results[True][0])).sum() > 0
 
 
 @pytest.mark.parametrize("case", ["step_fused_compression", pytest.param("step_fused_compression_fp8_gptj",
