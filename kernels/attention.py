@@ -11,13 +11,13 @@ With one split the program writes the output directly.  With several (few
 programs: decode), each split writes its normalised float32 partial output
 and log2-sum-exp, and the partials are weighted by ``2 ** (lse - max lse)``:
 exactly the softmax over the union of the splits, combined in the fixed
-order 0..S-1 (:func:`_merge_splits`).  For few programs (decode batches,
-:func:`merges_in_launch`) the merge runs in the same launch: per (row, KV
-head), the first S programs to draw a start ticket attend a split each and
+order 0..S-1 (:func:`_merge_splits`), by a merge launch (one program per
+(row, head)); or, with ``AttentionTuning.fused_merge`` (off by default:
+slower on the H200, :func:`merges_in_launch`), in the same launch: per (row,
+KV head), the first S programs to draw a start ticket attend a split each and
 publish it, and the GROUP programs that start after them wait for every
-split and merge one query head each (:func:`sparse_attention_fused_merge_kernel`);
-else a merge launch (one program per (row, head)) does.  Both merge with the
-same elementwise code: the same bits.
+split and merge one query head each (:func:`sparse_attention_fused_merge_kernel`).
+Both merge with the same elementwise code: the same bits.
 
 Numerics (the seed's): q.k in the cache dtype with float32 accumulation, the
 scale applied to the float32 scores, probabilities rounded to the value dtype

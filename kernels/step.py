@@ -27,10 +27,9 @@ Order within a step (every write lands before the read that needs it):
 With at most ``StepTuning.fused_max_rows`` rows, stage 2 and the index
 queries' RoPE are one launch (``fused.plan_compress_rotate_store``) in
 that order, bit for bit the separate launches (:func:`_fuses_compression`);
-the selection is one launch for few rows (``SelectTuning.fused``), and the
-attention merges its splits in its own launch for few programs
-(``AttentionTuning.fused_merge``): four launches per decode step at 1-8
-requests.
+the selection is one launch for few rows (``SelectTuning.fused``): five
+launches per decode step at 1-8 requests (four with the attention's merge in
+its launch, ``AttentionTuning(fused_merge=True)``, measured slower).
 """
 
 from __future__ import annotations

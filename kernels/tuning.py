@@ -225,10 +225,13 @@ class AttentionTuning:
     #: ticket) instead of a merge launch, for at most ``fused_merge_max_programs``
     #: programs (rows x KV heads: decode batches of up to 8 requests at 2 KV heads), so
     #: that a decode step is four launches.  ``fused_merge`` True / False forces either
-    #: path (benchmarks time both); the split count, hence the bits, are the same.  Not
-    #: yet timed on the H200 (the first in-launch merge, one program merging a KV head's
-    #: whole group, was 16.4 us against 9.2 at 1 row: docs/design.md, "Retired variants").
-    fused_merge: bool | None = None
+    #: path (benchmarks time both), None takes it by that bound; the split count, hence
+    #: the bits, are the same.  Off by default: on the H200 (``bench_sparse_attention.py
+    #: --merge-paths``, 128K, CUDA graphs) it took 12.5 us against the merge launch's 9.5
+    #: at 1 row and 20.6 against 18.1 at 8 (fp8 11.9 / 9.7 and 21.9 / 21.1); the first
+    #: in-launch merge, one program merging a KV head's whole group, was 16.4 against 9.2
+    #: (docs/design.md, "Retired variants").
+    fused_merge: bool | None = False
     fused_merge_max_programs: int = 16
     #: Query heads each merging program merges (a power of two): GROUP / this programs a (row, KV head).
     fused_merge_heads: int = 1
@@ -419,17 +422,20 @@ class SelectTuning:
     #: warps 466.3 (sm_90 registers: docs/design.md, "Measured tuning values").
     fp8_row_columns: int = 128
     fp8_row_warps: int = 4
-    #: Candidates of issue 27, not yet timed (the defaults keep the kernel above):
-    #: ``fp8_row_tiles`` > 1 scores each row's tiles of ``fp8_row_columns`` in a loop,
+    #: ``fp8_row_tiles`` > 1 (the default, 16; 1: the kernel above) scores each row's tiles of ``fp8_row_columns`` in a loop,
     #: up to that many tiles a program (``score.scores_rows_kernel``: the row's
     #: request, q and pages read once, a tile's keys as at most two contiguous page
     #: spans), halved while fewer than ``fp8_row_min_programs`` programs would cover
     #: the launch; with ``fp8_row_prefetch``, the next tile's keys are hinted into L2
     #: while a tile is scored; ``fp8_row_stages`` is Triton's num_stages for the loop
     #: (3: the next tile's keys loaded by cp.async into shared memory).  The same bits
-    #: as the defaults (docs/design.md, "Measured tuning values"); the fused
-    #: selection's scoring does not take them.
-    fp8_row_tiles: int = 1
+    #: as one tile a program (docs/design.md, "Measured tuning values"); the fused
+    #: selection's scoring does not take them.  Timed on the H200 in one process
+    #: (``bench_select.py --fp8-sweep``, benchmarks/results/select_fp8_sweep.json,
+    #: decode 8 / 64 / 256 x 128K, CUDA graphs): one tile a program 17.6 / 117.2 /
+    #: 453.8 us, 16 tiles 16.1 / 100.7 / 386.5 (8 tiles 16.1 / 100.6 / 400.6), bf16
+    #: keys 23.9 / 148.2 / 593.2: fp8 / bf16 0.67 / 0.68 / 0.65, against 0.73-0.79.
+    fp8_row_tiles: int = 16
     fp8_row_min_programs: int = 4096
     fp8_row_prefetch: bool = True
     fp8_row_stages: int = 1

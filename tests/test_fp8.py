@@ -258,7 +258,7 @@ def test_scores_fp8_match_dequantised_reference(dtype, heads, dim, ratio, prefil
 
 
 # The fp8 scorer's row loop (SelectTuning.fp8_row_tiles > 1: score.scores_rows_kernel, issue 27's
-# candidates): the default kernel's bits, on every page span the loop takes.
+# candidates): the one-tile kernel's bits, on every page span the loop takes.
 
 def fp8_long_decode_case(seed, *, page, columns=1024, dim=128, scale=0.5, nan_codes=False):
     """long_decode_case with an fp8 cache (one long request to the last column, one a third
@@ -274,6 +274,10 @@ def fp8_long_decode_case(seed, *, page, columns=1024, dim=128, scale=0.5, nan_co
             codes[physical, column % page, 0, element] = 0x7F if request else 0xFF
     case["k_cache"] = k8
     return case
+
+
+#: The one-tile-a-program scorer (``score.scores_kernel``), the reference of the row loop's bits.
+ONE_TILE = dict(fp8_row_tiles=1)
 
 
 def row_loop_kernels(case, **select):
@@ -299,8 +303,8 @@ ROW_LOOPS = [
 @pytest.mark.parametrize("page, loop", ROW_LOOPS)
 @pytest.mark.parametrize("nan_codes", [False, True])
 def test_scores_fp8_row_loop_equals_default(page, loop, nan_codes):
-    """The row loop's logits are the default kernel's bit for bit (the same operations on each
-    tile), NaN codes included (NaN logits where the default's are, as the relu leaves them), and
+    """The row loop's logits are the one-tile kernel's bit for bit (the same operations on each
+    tile), NaN codes included (NaN logits where the one-tile kernel's are, as the relu leaves them), and
     match the float64 reference on the dequantised keys; torch = JAX.  Tails: the shorter
     request's last tiles and the -inf tiles past it, a missing and an out-of-range page, rows
     with no request, a negative and an early position."""
@@ -310,12 +314,13 @@ def test_scores_fp8_row_loop_equals_default(page, loop, nan_codes):
     (name, grid, tiles, span), = row_loop_kernels(case, **select)
     assert name == "scores_rows_kernel" and tiles == loop["fp8_row_tiles"] and span == (2 if page == 64 else 1)
     assert grid == (6, 1024 // 128 // tiles)
-    default, default_visible = qsa_torch.mqa_paged_scores(**case, compress_ratio=4, k_scale=k_scale)
+    with tuning.override(select=tuning.SelectTuning(**ONE_TILE)):
+        default, default_visible = qsa_torch.mqa_paged_scores(**case, compress_ratio=4, k_scale=k_scale)
     with tuning.override(select=tuning.SelectTuning(**select)):
         logits, visible = qsa_torch.mqa_paged_scores(**case, compress_ratio=4, k_scale=k_scale)
         scores = jax.jit(lambda s, *arrays: qsa_jax.mqa_paged_scores(*arrays, 4, k_scale=s))
         jax_logits, jax_visible = scores(to_jax(k_scale), *jax_args(case).values())
-    assert_bitwise_equal(logits, default, "row loop vs the default kernel")
+    assert_bitwise_equal(logits, default, "row loop vs the one-tile kernel")
     assert_bitwise_equal(visible, default_visible, "visible blocks")
     assert_bitwise_equal(logits, jax_logits, "logits torch vs jax")
     assert_bitwise_equal(visible, jax_visible, "visible torch vs jax")
@@ -328,7 +333,7 @@ def test_scores_fp8_row_loop_equals_default(page, loop, nan_codes):
     if nan_codes:
         assert np.isnan(f64(case["k_cache"])).sum() == 2 + 128, "NaN codes stored"
         # 4 visible (row, column) pairs hold a NaN key.  The relu drops NaN on the GPU
-        # (max.f32) and keeps it under Triton 3.6's interpreter; the default kernel's bits
+        # (max.f32) and keeps it under Triton 3.6's interpreter; the one-tile kernel's bits
         # (above) are the promise there.
         assert nan.sum() == 4 and (not np.isnan(got).any() or np.array_equal(np.isnan(got), nan))
     else:
@@ -339,12 +344,12 @@ def test_scores_fp8_row_loop_equals_default(page, loop, nan_codes):
 
 def test_selection_fp8_row_loop_equals_default():
     """select_paged_tokens scores through the row loop too (unfused: its scorer launches over
-    row chunks): the default's tokens bit for bit."""
+    row chunks): the one-tile kernel's tokens bit for bit."""
     case = fp8_long_decode_case(5, page=64)
     k_scale = scale_tensor(0.5)
     select = lambda: qsa_torch.select_paged_tokens(**case, token_topk=64, compress_ratio=4,  # noqa: E731
                                                    k_scale=k_scale)
-    with tuning.override(select=tuning.SelectTuning(fused=False)):
+    with tuning.override(select=tuning.SelectTuning(fused=False, **ONE_TILE)):
         default = select()
     loop = tuning.SelectTuning(fused=False, fp8_row_tiles=4, fp8_row_min_programs=1)
     with tuning.override(select=loop):
@@ -358,7 +363,7 @@ def test_selection_fp8_row_loop_equals_default():
 def test_scores_fp8_row_loop_production(rows):
     """Production geometry (4 heads x d128, pages of 64, 32K context, random pages of a shared
     pool, NaN codes in two keys): every fp8_row_* candidate of bench_select.py --fp8-sweep
-    (the L2 prefetch and Triton's pipelining included: compiled only) gives the default's
+    (the L2 prefetch and Triton's pipelining included: compiled only) gives the one-tile kernel's
     logits bit for bit, and the default matches the float64 reference."""
     import sys
     from pathlib import Path
@@ -380,11 +385,12 @@ def test_scores_fp8_row_loop_production(rows):
                 page_table=page_table.int(), token_to_req=torch.arange(rows, dtype=torch.int32, device=DEVICE),
                 query_positions=(lengths - 1).int(), sequence_lengths=lengths)
     k_scale = scale_tensor(0.01)
-    default, visible = qsa_torch.mqa_paged_scores(**case, compress_ratio=4, k_scale=k_scale)
-    for name, variant in FP8_SWEEP.items():
+    with tuning.override(select=tuning.SelectTuning(**ONE_TILE)):
+        default, visible = qsa_torch.mqa_paged_scores(**case, compress_ratio=4, k_scale=k_scale)
+    for name, variant in {"defaults": {}, **FP8_SWEEP}.items():
         with tuning.override(select=tuning.SelectTuning(**variant)):
             logits, loop_visible = qsa_torch.mqa_paged_scores(**case, compress_ratio=4, k_scale=k_scale)
-        assert_bitwise_equal(logits, default, f"{name} vs the default kernel")
+        assert_bitwise_equal(logits, default, f"{name} vs the one-tile kernel")
         assert_bitwise_equal(loop_visible, visible, f"{name}: visible blocks")
     expected, expected_visible = R.mqa_paged_scores(
         **dict(numpy_args(case), k_cache=dequantised(k8, 0.01)), compress_ratio=4)
@@ -397,17 +403,19 @@ def test_scores_fp8_row_loop_production(rows):
 def test_scores_fp8_row_loop_plan():
     """Where the row loop applies (fp8 keys, decode rows on tensor cores, a tile within at most
     two pages) and how many tiles a program takes (halved while fewer than fp8_row_min_programs
-    programs would cover the rows); elsewhere the default kernel."""
+    programs would cover the rows); elsewhere the one-tile kernel."""
     case = fp8_long_decode_case(4, page=64)
-    assert row_loop_kernels(case) == [("scores_kernel", (6, 8), None, None)]  # the defaults
+    assert row_loop_kernels(case, **ONE_TILE) == [("scores_kernel", (6, 8), None, None)]
+    # The defaults (16 tiles, at least 4096 programs): halved to one tile a program, in the loop kernel.
+    assert row_loop_kernels(case) == [("scores_rows_kernel", (6, 8), 1, 2)]
     assert row_loop_kernels(case, fp8_row_tiles=8, fp8_row_min_programs=1) == [("scores_rows_kernel", (6, 1), 8, 2)]
     # 6 rows x 8 tiles: at least 12 programs -> 4 tiles a program (6 x 2), 24 -> 2, 48 -> 1.
     for least, tiles in ((12, 4), (13, 2), (24, 2), (48, 1), (4096, 1)):
         assert row_loop_kernels(case, fp8_row_tiles=8, fp8_row_min_programs=least)[0][2] == tiles, least
-    # Four pages a tile (16-column pages): the default kernel.
+    # Four pages a tile (16-column pages): the one-tile kernel.
     small = fp8_long_decode_case(4, page=16, columns=256)
     assert row_loop_kernels(small, fp8_row_tiles=8)[0][0] == "scores_kernel"
-    # fp32 queries (the exact fp32 dot) and 16-bit keys: the default kernel.
+    # fp32 queries (the exact fp32 dot) and 16-bit keys: the one-tile kernel.
     assert row_loop_kernels(dict(case, q=case["q"].float()), fp8_row_tiles=8)[0][0] == "scores_kernel"
     with tuning.override(select=tuning.SelectTuning(fp8_row_tiles=8)):
         program = qsa_torch.mqa_paged_scores.plan(**dict(case, k_cache=case["k_cache"].to(torch.bfloat16)),

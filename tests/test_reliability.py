@@ -105,9 +105,11 @@ def _fp8_store(adapter: str, scale_value: float):
     if adapter == "torch":
         import qsa_torch
 
-        return (qsa_torch.store_cache_rows, torch.from_numpy(cache).to(torch.float8_e4m3fn),
-                torch.from_numpy(slots), torch.from_numpy(rows).to(torch.bfloat16),
-                torch.tensor([scale_value], dtype=torch.float32))
+        from .util import DEVICE
+
+        return (qsa_torch.store_cache_rows, torch.from_numpy(cache).to(DEVICE, torch.float8_e4m3fn),
+                torch.from_numpy(slots).to(DEVICE), torch.from_numpy(rows).to(DEVICE, torch.bfloat16),
+                torch.tensor([scale_value], dtype=torch.float32, device=DEVICE))
     import jax.numpy as jnp
 
     import qsa_jax
@@ -122,7 +124,7 @@ def _bits(array):
     if hasattr(array, "detach"):
         import torch
 
-        return array.detach().view(torch.uint8).numpy().copy()
+        return array.detach().cpu().view(torch.uint8).numpy().copy()
     return np.asarray(array).view(np.uint8).copy()
 
 

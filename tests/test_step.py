@@ -837,54 +837,56 @@ def test_decode_step_launch_count():
 
     Unfused: RoPE + KV (1), compress_groups, the ring store, the pooled keys'
     RoPE, their store, the index queries' RoPE (5), score + top-k + expand
-    (3), attention (1: split-K merged in its launch; 2 with
-    ``AttentionTuning(fused_merge=False)``: partial + merge launch) = 10.
-    Fused: 1 + 1 + the fused selection (1) + attention (1) = 4.
+    (3), attention (2: partial + merge launch; 1 with
+    ``AttentionTuning(fused_merge=True)``, split-K merged in its launch) = 11.
+    Fused: 1 + 1 + the fused selection (1) + attention (2) = 5.
     """
     from qsa_kernels.launch import kernel_name
 
     fused = [kernel_name(launch.kernel) for launch in _production_decode_plan(32768).runnable_launches]
     unfused = [kernel_name(launch.kernel) for launch in _production_decode_plan(32768, fuse=False).runnable_launches]
     attention = [name for name in unfused if name.startswith(("sparse_attention", "merge_splits"))]
-    assert attention == ["sparse_attention_fused_merge_kernel"] and unfused[-1:] == attention
+    assert attention == ["sparse_attention_partial_kernel", "merge_splits_kernel"] and unfused[-2:] == attention
     selection = ["scores_kernel", "topk_ticketed_kernel", "expand_kernel"]
     assert unfused == ["rope_cache_kernel", *UNFUSED_KERNELS, *selection, *attention]
     assert fused == ["rope_cache_kernel", FUSED_KERNEL, "select_fused_kernel", *attention]
 
 
 #: Launches of a decode step at production geometry x 128K context per batch-size class
-#: (requests: launches), by default and with the merge launch (AttentionTuning(fused_merge=False)).
-#: 1 and 8 requests: RoPE + KV, the fused compression, the fused selection, the attention with its
-#: split-K merged in the launch.  64: RoPE + KV, the separate compression launches (5: more than
+#: (requests: launches), by default (the merge launch) and with the merge in the attention's launch
+#: (AttentionTuning(fused_merge=None): at most 16 programs).  1 and 8 requests: RoPE + KV, the
+#: fused compression, the fused selection, the attention and its merge launch (4 with the merge in
+#: the attention's launch).  64: RoPE + KV, the separate compression launches (5: more than
 #: StepTuning.fused_max_rows rows), score + top-k (the row path) + expand (3: past
 #: SelectTuning.fused_max_rows), partial + merge launch (2: 128 programs, past
 #: AttentionTuning.fused_merge_max_programs) = 11.  256: the same with no split to merge = 10.
-DECODE_LAUNCHES = {1: 4, 8: 4, 64: 11, 256: 10}
-MERGE_LAUNCH_LAUNCHES = {1: 5, 8: 5, 64: 11, 256: 10}
+DECODE_LAUNCHES = {1: 5, 8: 5, 64: 11, 256: 10}
+FUSED_MERGE_LAUNCHES = {1: 4, 8: 4}
 
 
 @pytest.mark.parametrize("requests", sorted(DECODE_LAUNCHES))
 def test_decode_step_launches_per_batch_size(requests):
-    """Issue 26: at most four launches per decode step at 1-8 requests (128K context,
-    production geometry); the counts at 64 and 256 requests are pinned too."""
+    """Issue 26: the decode step's launches per batch size (128K context, production geometry),
+    pinned.  With the attention's merge in its launch (``AttentionTuning(fused_merge=True)``)
+    the 1-8 request step is four launches; the default keeps the merge launch, measured faster
+    on the H200 (docs/performance.md)."""
     from qsa_kernels import tuning
     from qsa_kernels.launch import kernel_name
 
     names = [kernel_name(la.kernel) for la in _production_decode_plan(131072, requests=requests).runnable_launches]
     assert len(names) == DECODE_LAUNCHES[requests], names
-    assert ("sparse_attention_fused_merge_kernel" in names) == (requests <= 8), names
-    if requests <= 8:
-        assert len(names) <= 4
-    merge_launch = tuning.AttentionTuning(fused_merge=False)
-    with tuning.override(attention=merge_launch):
-        names = [kernel_name(la.kernel) for la in _production_decode_plan(131072, requests=requests).runnable_launches]
-    assert len(names) == MERGE_LAUNCH_LAUNCHES[requests], names
     assert "sparse_attention_fused_merge_kernel" not in names
+    if requests in FUSED_MERGE_LAUNCHES:
+        with tuning.override(attention=tuning.AttentionTuning(fused_merge=None)):  # by the programs' bound
+            names = [kernel_name(la.kernel)
+                     for la in _production_decode_plan(131072, requests=requests).runnable_launches]
+        assert len(names) == FUSED_MERGE_LAUNCHES[requests] <= 4, names
+        assert "sparse_attention_fused_merge_kernel" in names and "merge_splits_kernel" not in names
 
 
 def test_step_with_the_merge_in_its_launch_equals_the_merge_launch():
-    """A decode step (3 requests) whose attention splits: merged in its launch (the default at
-    this size) and by a merge launch, the same out, token indices and caches, bit for bit."""
+    """A decode step (3 requests) whose attention splits: merged in its launch and by a merge
+    launch (the default), the same out, token indices and caches, bit for bit."""
     from qsa_kernels import tuning
 
     # 32 + 3 selected tokens: 3 tiles of 16 (16-token tiles at D = 32), 2 splits.
