@@ -299,13 +299,32 @@ def _schema(stage: Stage, variant: Variant) -> str:
     return f"({', '.join(arguments)}) -> {returns}"
 
 
+# Every qsa op is defined and implemented in this one library (kept for the process's life).
+_LIBRARY = torch.library.Library(NAMESPACE, "DEF")
+# op -> the Python function its backend kernel runs (the benchmarking seam: benchmarks/step_overhead.py).
+_IMPLEMENTATIONS: dict = {}
+_any_requires_grad = torch._C._any_requires_grad
+_grad_enabled = torch.is_grad_enabled
+_below_inplace_or_view = torch._C._AutoDispatchBelowADInplaceOrView
+_after_inplace_or_view = torch._C._after_ADInplaceOrView_keyset
+_increment_version = torch._C._increment_version
+_BACKENDS = frozenset((torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA))
+
+
 def _make_op(stage: Stage, variant: Variant):
+    """Define ``qsa::<variant name>`` and register its kernels (see the module docstring, "Op registration")."""
     parameters = _op_parameters(stage, variant)
     names = tuple(parameter.name for parameter in parameters)
     selected = dict(variant.selected)
+    name = variant.name
+    _LIBRARY.define(name + _schema(stage, variant), tags=(torch.Tag.pt2_compliant_tag,))
+    op = getattr(getattr(torch.ops, NAMESPACE), name).default
+    # Positions of the arrays updated in place: never defaulted, so the dispatcher always passes them
+    # positionally (it drops only trailing arguments equal to their defaults).
+    mutated = tuple(names.index(n) for n in variant.updated)
 
     def bind(values: tuple, keywords: dict) -> tuple[dict, dict]:
-        # The op's values (the dispatcher passes defaulted ones by keyword) as the stage's (arrays, options).
+        # The op's values (the dispatcher drops trailing defaulted ones) as the stage's (arrays, options).
         arguments = dict(zip(names, values))
         for parameter in parameters[len(values):]:
             arguments[parameter.name] = keywords.get(parameter.name, parameter.default)
@@ -317,6 +336,7 @@ def _make_op(stage: Stage, variant: Variant):
         if program is _eager.MISS:
             key = results
             program = stage.plan(**_infos(stage, arrays)[0], **options)
+            _check_updates(stage.name, program, arrays)
             device = next(value.device for value in arrays.values() if value is not None)
             results = run(program, arrays, device)
             _eager.remember(key, stage, program, device)
@@ -332,15 +352,35 @@ def _make_op(stage: Stage, variant: Variant):
         return _returns(tuple(torch.empty(buffers[n].shape, dtype=DTYPES[buffers[n].dtype], device=device)
                               for n in program.fresh_results))
 
-    # No autograd rule: called directly (as a loaded torch.export program
-    # calls it) on inputs that require grad, the op's result has a grad_fn
-    # whose backward raises torch's "no autograd formula" error, naming the
-    # op.  (A rule that raised in setup_context would raise in Dynamo's
-    # fake-tensor run too: see _refuse_grad.)
-    op = torch.library.custom_op(f"{NAMESPACE}::{variant.name}", implementation, mutates_args=variant.updated,
-                                 schema=_schema(stage, variant))
-    op.register_fake(fake)
-    return getattr(getattr(torch.ops, NAMESPACE), variant.name).default, parameters
+    def autograd(keyset, *values, **keywords):
+        # The Autograd key: refuse a call autograd would record, bump the versions of the arrays written
+        # in place (as ADInplaceOrView would), run the backend kernel.
+        if _grad_enabled() and _any_requires_grad(*values) and (not _is_compiling() or _functionalizing()):
+            _refuse_grad(stage, dict(zip(names, values)))  # (Dynamo's own fake-tensor run: see _refuse_grad)
+        below = keyset & _after_inplace_or_view
+        with _below_inplace_or_view():
+            if below.highestPriorityTypeId() in _BACKENDS:  # the backend kernel is next: call it without a hop
+                result = implementation(*values, **keywords)
+            else:
+                result = op.redispatch(below, *values, **keywords)
+        if mutated:
+            _increment_version([values[i] for i in mutated])
+        return result
+
+    def inplace_or_view(keyset, *values, **keywords):
+        # Reached without the Autograd key (inference mode on normal tensors): the version bump alone.
+        with _below_inplace_or_view():
+            result = op.redispatch(keyset & _after_inplace_or_view, *values, **keywords)
+        _increment_version([values[i] for i in mutated])
+        return result
+
+    _LIBRARY.impl(name, implementation, "CompositeExplicitAutograd")
+    _LIBRARY.impl(name, autograd, "Autograd", with_keyset=True)
+    if mutated:
+        _LIBRARY.impl(name, inplace_or_view, "ADInplaceOrView", with_keyset=True)
+    torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIBRARY)
+    _IMPLEMENTATIONS[op] = implementation
+    return op, parameters
 
 
 def _returns(fresh: tuple):
@@ -393,6 +433,7 @@ def _call(stage: Stage, arguments: Mapping[str, object], key=None):
         if plain and _no_mode():
             results = run(program, arrays, first.device)
             _eager.remember(key, stage, program, first.device)
+            _increment_version([arrays[name] for name in program.updated_arguments])  # (as _eager.call)
             return program.returned(results)
     op, values = op_call(stage, arguments)
     fresh = op(*values)
