@@ -24,7 +24,16 @@ alike), with grad mode on (the default a model runs under) and under
   (how a compiled graph and a loaded ``torch.export`` program call it): the
   dispatcher's cost is ``op`` less ``op_implementation``;
 * ``op_implementation``: the Python function the op's backend kernel runs,
-  called without the dispatcher.
+  called without the dispatcher;
+* ``eager_without_run``, ``compile_default_without_run`` (and the same for
+  any row): the row with the prepared run (``qsa_torch._eager``: the call
+  key, the allocations, the launches) replaced by returning one real call's
+  results: what each calling path costs around the work both share, so that
+  ``compile_default_without_run`` less ``eager_without_run`` is what
+  torch.compile's wrappers add per call;
+* ``one_launch_eager``, ``one_launch_compile_default``: one
+  ``store_cache_rows`` call (one launch: a decode row per request into the
+  compressed-key cache), eager and compiled.
 
 The step is bench_step.py's (``SMOKE`` geometry on the CPU, ``PRODUCTION`` on a
 GPU), at ``--batch`` requests of ``--context`` tokens.
@@ -34,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -56,7 +66,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=None, help="default: 64 on the CPU, 131072 on a GPU")
-    parser.add_argument("--rows", default="eager,compile_default,op,op_implementation")
+    parser.add_argument("--rows", default="eager,compile_default,op,op_implementation,eager_without_run,"
+                                          "compile_default_without_run,one_launch_eager,one_launch_compile_default")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()
 
@@ -95,41 +106,73 @@ def main() -> None:
 
     rows = args.rows.split(",")
     results: dict = dict(torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
+                         qsa_torch=os.path.dirname(qsa_torch.__file__),
                          device=str(device), stubbed=not cuda, batch=args.batch, context=shape.context,
                          op_arguments=len(op._schema.arguments))
     print(f"torch {torch.__version__}, triton {triton.__version__}, {device}, kernels "
           f"{'stubbed' if not cuda else 'real'}; the step's op has {len(op._schema.arguments)} arguments")
-    functions = {}
+    from qsa_torch import _eager
+
+    real_run, real__run = _eager.run, getattr(_eager, "_run", None)
+    stubbed_run = None
+    if real__run is not None:
+        prepared = real__run(stage, arguments)  # (Prepared, results, tensors) of one real call
+        stubbed_run = (lambda stage, arguments: prepared,
+                       lambda stage, arguments: (prepared[0].program, prepared[1]))
+
+    functions = {}  # row -> (function, whether the prepared run is stubbed)
+    torch._dynamo.reset()
     for row in rows:
-        if row == "eager":
-            functions[row] = shape.torch_step
-        elif row == "compile_default":
-            torch._dynamo.reset()
-            functions[row] = shape.compiled_step(None)
-        elif row == "op":
-            functions[row] = lambda: op(*values)  # noqa: E731
-        elif row == "op_implementation":
+        base, floor = row.removesuffix("_without_run"), row.endswith("_without_run")
+        if floor and stubbed_run is None:
+            continue
+        if base == "eager":
+            functions[row] = (shape.torch_step, floor)
+        elif base == "compile_default":
+            functions[row] = (shape.compiled_step(None), floor)
+        elif base == "op":
+            functions[row] = ((lambda: op(*values)), floor)
+        elif base == "op_implementation":
             if implementation is not None:
-                functions[row] = lambda: implementation(*values)  # noqa: E731
+                functions[row] = ((lambda: implementation(*values)), floor)
+        elif base in ("one_launch_eager", "one_launch_compile_default"):
+            if floor:
+                continue
+            cache = shape.state.compressed_key_cache  # [pages, P, 1, DI]
+            rows_in = shape.inputs["index_k"][:, 0]  # [B, DI]: one row per request
+            slots = torch.arange(args.batch, device=device) * 7  # distinct live slots
+            store = qsa_torch.store_cache_rows
+            if base == "one_launch_compile_default":
+                store = torch.compile(store, fullgraph=True)
+            functions[row] = ((lambda store=store: store(cache, slots, rows_in)), False)
         else:
             raise SystemExit(f"unknown row {row!r}")
-    print(f"{'row':20s} {'grad_min':>9s} {'grad_med':>9s} {'no_grad_min':>11s} {'no_grad_med':>11s}")
+
+    def timed(fn, floor: bool) -> float:
+        if floor:
+            _eager._run, _eager.run = stubbed_run
+        try:
+            return per_call_us(fn, args.calls)
+        finally:
+            _eager.run, _eager._run = real_run, real__run
+
+    print(f"{'row':28s} {'grad_min':>9s} {'grad_med':>9s} {'no_grad_min':>11s} {'no_grad_med':>11s}")
     for grad in (True, False):
         with torch.set_grad_enabled(grad):
-            for fn in functions.values():  # warm (a compiled function compiles once per grad mode)
+            for fn, floor in functions.values():  # warm (a compiled function compiles once per grad mode)
                 for _ in range(20):
                     fn()
             times = {row: [] for row in functions}
             for _ in range(args.repeats):  # rows interleaved: a busy machine disturbs them alike
-                for row, fn in functions.items():
-                    times[row].append(per_call_us(fn, args.calls))
+                for row, (fn, floor) in functions.items():
+                    times[row].append(timed(fn, floor))
         for row, figures in times.items():
             entry = results.setdefault(row, {})
             mode = "grad" if grad else "no_grad"
             entry[f"{mode}_min_us"], entry[f"{mode}_median_us"] = min(figures), statistics.median(figures)
     for row, entry in results.items():
         if isinstance(entry, dict):
-            print(f"{row:20s} {entry['grad_min_us']:9.1f} {entry['grad_median_us']:9.1f} "
+            print(f"{row:28s} {entry['grad_min_us']:9.1f} {entry['grad_median_us']:9.1f} "
                   f"{entry['no_grad_min_us']:11.1f} {entry['no_grad_median_us']:11.1f}")
     if args.json:
         with open(args.json, "w") as f:
