@@ -1,13 +1,13 @@
-"""Host cost per call of the composed step, eager against ``torch.compile``, kernels stubbed (a timing script).
+"""Host cost per call of the composed step, eager against ``torch.compile`` (a timing script).
 
-    PYTHONPATH=.:.dev python benchmarks/step_overhead.py [--calls 2000] [--repeats 7] [--json PATH]
+    PYTHONPATH=.:.dev python benchmarks/step_overhead.py [--calls 500] [--repeats 15] [--json PATH]
 
 On the CPU (Triton's interpreter) every kernel launch is replaced by a
 no-op (``InterpretedFunction.run``), so what is timed is the torch adapter,
 torch's dispatcher and torch.compile's wrappers around the launches: the part
-of a call's host time that no faster launcher removes.  On a GPU nothing is
-stubbed (use ``profile_host.py`` there for where the time goes); the figures
-then include the launches.
+of a call's host time that no faster launcher removes.  On a GPU the kernels
+run (use ``profile_host.py`` there for where the time goes): the rows then
+include the launches' host time, except the ``_without_run`` rows.
 
 Rows, each CPU µs per call (``time.process_time``: robust to a shared
 machine) of ``--calls`` back-to-back calls, the least and the median of

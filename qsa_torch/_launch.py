@@ -26,7 +26,7 @@ Triton's interpreter (the CPU path), re-types Python float scalars as fp64
 launch path beside the executor.
 
 Op registration (:func:`_make_op`).  Each op is defined in one
-``torch.library.Library("qsa", "DEF")``, its schema tagged
+``torch.library.Library("qsa", "FRAGMENT")``, its schema tagged
 ``pt2_compliant_tag``, with four kernels:
 
 * ``CompositeExplicitAutograd`` (the CPU and CUDA backends): the
@@ -345,7 +345,7 @@ def _schema(stage: Stage, variant: Variant) -> str:
 
 
 # Every qsa op is defined and implemented in this one library (kept for the process's life).
-_LIBRARY = torch.library.Library(NAMESPACE, "DEF")
+_LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
 # op -> the Python function its backend kernel runs (the benchmarking seam: benchmarks/step_overhead.py).
 _IMPLEMENTATIONS: dict = {}
 _any_requires_grad = torch._C._any_requires_grad
