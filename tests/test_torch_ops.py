@@ -457,6 +457,54 @@ def test_the_step_bumps_the_caches_versions_and_compiles_bitwise(backend):
             assert getattr(compiled_state, name)._version > compiled_before, f"compiled {name}, call {call}"
 
 
+def python_frames_outside(implementation, fn) -> list[str]:
+    """``file:function`` of every Python function ``fn()`` calls, less those under ``implementation`` (and
+    less comprehensions, lambdas and torch/_ops.py's OpOverload.__call__)."""
+    frames, depth = [], [0]
+
+    def profile(frame, event, _):
+        if event == "call":
+            if depth[0]:
+                depth[0] += 1
+            elif frame.f_code is implementation.__code__:
+                depth[0] = 1
+            elif not frame.f_code.co_name.startswith("<") and not (
+                    frame.f_code.co_name == "__call__" and frame.f_code.co_filename.endswith("_ops.py")):
+                frames.append(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}")
+        elif event == "return" and depth[0]:
+            depth[0] -= 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return frames
+
+
+def test_an_op_call_runs_one_python_kernel_before_the_implementation():
+    """The step's op through the dispatcher: our Autograd kernel, then the implementation (no torch._library
+    wrapper: custom_op's cost 3 Python kernels and, on torch 2.13, a bind quadratic in the 29 arguments)."""
+    from .test_step import valid_arguments
+
+    arguments, _ = valid_arguments()
+    flat = _step.state_arguments(arguments, qsa_torch.QSAState, qsa_torch.StepMetadata)
+    op, values = _launch.op_call(stage_named("qsa_attention_step"), flat)
+    implementation = _launch._IMPLEMENTATIONS[op]
+    op(*values)  # plans, builds and prepares
+    for mode in (torch.enable_grad, torch.no_grad):
+        with mode():
+            frames = python_frames_outside(implementation, lambda: op(*values))
+        assert frames == ["_launch.py:autograd"], frames
+    torch._dynamo.reset()
+    step = torch.compile(qsa_torch.qsa_attention_step, fullgraph=True)
+    state = arguments.pop("state")
+    step(state=state, **arguments)
+    frames = python_frames_outside(implementation, lambda: step(state=state, **arguments))
+    assert "_launch.py:autograd" in frames, frames
+    assert not [f for f in frames if f.startswith(("custom_ops.py", "autograd.py:", "utils.py:fill_defaults"))], frames
+
+
 def test_a_version_bump_is_what_autograd_checks():
     """A cache saved for backward, then written by a qsa call under no_grad: backward raises, as for copy_."""
     _, arguments = build("store")
