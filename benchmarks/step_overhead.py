@@ -67,7 +67,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=None, help="default: 64 on the CPU, 131072 on a GPU")
     parser.add_argument("--rows", default="eager,compile_default,op,op_implementation,eager_without_run,"
-                                          "compile_default_without_run,one_launch_eager,one_launch_compile_default")
+                                          "compile_default_without_run,op_without_run,op_implementation_without_run,"
+                                          "one_launch_eager,one_launch_compile_default")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()
 
