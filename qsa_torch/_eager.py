@@ -60,6 +60,7 @@ _data_ptr = torch.Tensor.data_ptr
 _Tensor = torch.Tensor
 
 _PREPARED: dict[tuple, "Prepared"] = {}
+_increment_version = torch._C._increment_version
 # (array names, option names) per stage, in declaration order.
 _SPECS: dict[Stage, tuple[tuple[str, ...], tuple[str, ...]]] = {}
 _is, _NONES, _ABSENTS = operator.is_, (None,) * 64, (_ABSENT,) * 64
@@ -99,30 +100,43 @@ def run(stage: Stage, arguments) -> tuple:
     ``results`` are in ``program.results`` order.  With ``MISS`` the call has
     done nothing and must take the general path; ``key`` is then ``None`` for
     a call that is not a plain eager one, else what :func:`remember` takes
-    once the general path has run the call.
+    once the general path has run the call.  No version counter is bumped
+    here (:func:`call` bumps them; an op's own dispatcher kernels do for the op).
     """
+    prepared, results, _ = _run(stage, arguments)
+    return (MISS, results) if prepared is MISS else (prepared.program, results)
+
+
+def _run(stage: Stage, arguments) -> tuple:
+    """:func:`run`, with the Prepared program and the call's array arguments: ``(prepared, results, tensors)``."""
     found = _key(stage, arguments)
     if found is None:
-        return MISS, None
+        return MISS, None, None
     key, tensors, present = found
     try:
         prepared = _PREPARED.get(key)
     except TypeError:  # an unhashable option: the general path rejects it
-        return MISS, None
+        return MISS, None, None
     if prepared is None or _launch_module._observers or runtime.CHECK_SCALES:  # (the general path reads scales)
-        return MISS, key
+        return MISS, key, None
     results = prepared.run(tensors, present)
     if results is MISS:
-        return MISS, None
-    return prepared.program, results
+        return MISS, None, None
+    return prepared, results, tensors
 
 
 def call(stage: Stage, arguments) -> tuple:
-    """:func:`run`, the results as the public function returns them: ``(returned, None)`` or ``(MISS, key)``."""
-    program, results = run(stage, arguments)
-    if program is MISS:
+    """:func:`run`, the results as the public function returns them: ``(returned, None)`` or ``(MISS, key)``.
+
+    As torch's own in-place ops do, the arrays the call updated in place
+    have their version counter bumped (``tensor._version``).
+    """
+    prepared, results, tensors = _run(stage, arguments)
+    if prepared is MISS:
         return MISS, results
-    return program.returned(results), None
+    if prepared.updated:
+        _increment_version([tensors[slot] for slot in prepared.updated])
+    return prepared.program.returned(results), None
 
 
 def remember(key, stage: Stage, program: Program, device: torch.device) -> None:

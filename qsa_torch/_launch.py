@@ -14,16 +14,43 @@ runs one of two ways, with the same plan, the same executor
   implementation runs the plan (so validation errors and result shapes come
   from the plan) and allocates the fresh results; it never launches.
 
-Why ``torch.library.custom_op`` and not ``triton_op`` + ``wrap_triton``: a
-custom op is opaque to Inductor, which then calls it as it is (launching the
-same compiled Triton kernels, through the same executor, as eager does):
-results are bitwise the eager ones, and CUDA graphs (``reduce-overhead``)
-capture the launches on the current stream.  ``triton_op`` would let
-Inductor re-emit each ``kernel[grid]`` call itself: it traces the launch
-through ``wrap_triton``, which does not run under Triton's interpreter (the
-CPU path), re-types Python float scalars as fp64 (``tl.dot`` then fails an
-assertion on ``scale_log2``), and would put a second launch path beside the
-executor.
+Why an opaque op and not ``triton_op`` + ``wrap_triton``: an op whose
+kernels are Python functions is opaque to Inductor, which then calls it as it
+is (launching the same compiled Triton kernels, through the same executor, as
+eager does): results are bitwise the eager ones, and CUDA graphs
+(``reduce-overhead``) capture the launches on the current stream.
+``triton_op`` would let Inductor re-emit each ``kernel[grid]`` call itself:
+it traces the launch through ``wrap_triton``, which does not run under
+Triton's interpreter (the CPU path), re-types Python float scalars as fp64
+(``tl.dot`` then fails an assertion on ``scale_log2``), and would put a second
+launch path beside the executor.
+
+Op registration (:func:`_make_op`).  Each op is defined in one
+``torch.library.Library("qsa", "FRAGMENT")``, its schema tagged
+``pt2_compliant_tag``, with four kernels:
+
+* ``CompositeExplicitAutograd`` (the CPU and CUDA backends): the
+  implementation -- the call's prepared program (:mod:`._eager`), else the
+  plan and the executor;
+* the fake implementation (``torch.library.register_fake``: FakeTensorMode,
+  meta tensors), which plans and allocates and never launches;
+* ``Autograd``: refuses a call autograd would record (:func:`_refuse_grad`'s
+  error, naming the function and the argument: called directly, as a loaded
+  ``torch.export`` program calls it, too), bumps the version counters of the
+  arrays the variant updates (by their positions, computed once), and runs
+  the backend kernel -- directly when the backend is the next key (plain CPU
+  or CUDA tensors, no mode: a compiled graph's steady calls), else by
+  redispatching below ``ADInplaceOrView``;
+* ``ADInplaceOrView`` (ops that update arrays): the version bump alone, for
+  calls without the Autograd key (inference mode on normal tensors).
+
+This is what ``torch.library.custom_op`` registers, less its cost per call:
+a Python kernel per key (Autograd, then ADInplaceOrView, then the backend
+wrapper's alias check) and, from torch 2.13, an ADInplaceOrView kernel that
+re-binds the arguments to the schema (``torch._library.utils.fill_defaults``
+reads ``schema.arguments``, a list rebuilt from C++ on every access, twice per
+argument: quadratic in the schema, ~220 µs per call of the step's
+29-argument op on a CPU host).  ``benchmarks/step_overhead.py`` measures it.
 
 Ops are generated from the declarations, never written by hand, and all
 registered when this module is imported (so a program saved by
@@ -37,7 +64,9 @@ arguments are the variant's ``updated`` arrays and the returns its fresh
 results (custom ops cannot return their inputs: the caller's own cache
 tensors are returned for in-place results, as in eager).  Calls that
 autograd would record are refused (:func:`_refuse_grad`: the kernels are not
-differentiable).  Under ``torch.compile`` the binding
+differentiable).  Every path bumps the version counter of each array a call
+updates in place (``tensor._version``, as torch's own in-place ops do, so
+autograd detects a saved tensor written since).  Under ``torch.compile`` the binding
 runs inside ``torch._dynamo.nonstrict_trace`` (Dynamo does not trace the
 plans; AOTAutograd runs them on fake tensors), so a whole composition traces
 with no graph break; ``torch._dynamo`` is only imported once something
@@ -251,24 +280,40 @@ def _not_differentiable(stage: Stage, name: str) -> NotImplementedError:
         f"{label}.detach()")
 
 
-def _refuse_grad(stage: Stage, arrays: Mapping[str, torch.Tensor | None]) -> None:
+def _refuse_grad(stage: Stage, arrays: Mapping[str, torch.Tensor | None], exempt_fake_run: bool = True) -> None:
     """Refuse a call that autograd would record: an input requires grad while grad mode is on.
 
     The kernels have no derivative; without this the result would have no
     ``grad_fn`` and ``backward()`` would silently miss the call's gradient.
-    Where it runs (:func:`_call`, :func:`call`): eager calls, before
-    anything launches; ``torch.export``, as the call is traced; under
+    Where it runs (:func:`_call`, :func:`call`, the ops' Autograd kernel):
+    eager calls, before anything launches; an op called directly (a loaded
+    ``torch.export`` program, a user); ``torch.export``, as the call is traced; under
     ``torch.compile``, in AOTAutograd's trace (the compiled function raises
     ``BackendCompilerFailed`` with this error, fullgraph or not), never
     while Dynamo traces: Dynamo makes a raise there a graph break that skips
     the caller's frames for good, after which it would compile this
-    module's own functions as frames of their own.  Non-tensor values are
-    skipped.
+    module's own functions as frames of their own (``exempt_fake_run``:
+    return quietly in Dynamo's fake-tensor run, :func:`_dynamo_fake_run`;
+    ``torch.export``'s check, made before tracing, passes False).  Non-tensor
+    values are skipped.
     """
     if torch.is_grad_enabled():
         for name, value in arrays.items():
             if isinstance(value, torch.Tensor) and value.requires_grad:
+                if exempt_fake_run and _dynamo_fake_run():
+                    return
                 raise _not_differentiable(stage, name)
+
+
+def _dynamo_fake_run() -> bool:
+    """Dynamo runs a ``nonstrict_trace``-d call on fake tensors to see its outputs (not AOTAutograd's trace).
+
+    Torch 2.13 reports it as compiling; 2.10 and 2.11 do not, but a tracing
+    context is set (and no functionalization: that is AOTAutograd's trace).
+    """
+    if _functionalizing():
+        return False
+    return _is_compiling() or _TracingContext.try_get() is not None
 
 
 def _no_mode() -> bool:
@@ -307,29 +352,66 @@ def _schema(stage: Stage, variant: Variant) -> str:
     return f"({', '.join(arguments)}) -> {returns}"
 
 
+# Every qsa op is defined and implemented in this one library (kept for the process's life).
+_LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
+# op -> the Python function its backend kernel runs (the benchmarking seam: benchmarks/step_overhead.py).
+_IMPLEMENTATIONS: dict = {}
+_any_requires_grad = torch._C._any_requires_grad
+_grad_enabled = torch.is_grad_enabled
+_below_inplace_or_view = torch._C._AutoDispatchBelowADInplaceOrView
+_after_inplace_or_view = torch._C._after_ADInplaceOrView_keyset
+_increment_version = torch._C._increment_version
+_BACKENDS = frozenset((torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA))
+
+
 def _make_op(stage: Stage, variant: Variant):
+    """Define ``qsa::<variant name>`` and register its kernels (see the module docstring, "Op registration")."""
     parameters = _op_parameters(stage, variant)
     names = tuple(parameter.name for parameter in parameters)
     selected = dict(variant.selected)
+    name = variant.name
+    _LIBRARY.define(name + _schema(stage, variant), tags=(torch.Tag.pt2_compliant_tag,))
+    op = getattr(getattr(torch.ops, NAMESPACE), name).default
+    # Positions of the arrays updated in place: never defaulted, so the dispatcher always passes them
+    # positionally (it drops only trailing arguments equal to their defaults).
+    mutated = tuple(names.index(n) for n in variant.updated)
+    if any(parameters[i].default is not inspect.Parameter.empty for i in mutated):
+        raise RuntimeError(f"{NAMESPACE}::{name}: an array updated in place has a default (the op's kernels "
+                           f"find updated arrays by position)")
+
+    defaults = tuple(parameter.default for parameter in parameters)
+    fresh_positions: dict = {}  # id(program) -> (program, where its fresh results are in program.results)
+
+    def named(values: tuple, keywords: dict) -> dict:
+        # The op's values by the stage's names (the dispatcher drops trailing defaulted ones).
+        arguments = dict(zip(names, values))
+        if len(values) < len(names):
+            for n, default in zip(names[len(values):], defaults[len(values):]):
+                arguments[n] = keywords.get(n, default)
+        arguments.update(selected)
+        return arguments
 
     def bind(values: tuple, keywords: dict) -> tuple[dict, dict]:
-        # The op's values (the dispatcher passes defaulted ones by keyword) as the stage's (arrays, options).
-        arguments = dict(zip(names, values))
-        for parameter in parameters[len(values):]:
-            arguments[parameter.name] = keywords.get(parameter.name, parameter.default)
-        return stage.split(dict(arguments, **selected))
+        return stage.split(named(values, keywords))
 
     def implementation(*values, **keywords):
-        arrays, options = bind(values, keywords)
-        program, results = _eager.run(stage, {**arrays, **options})  # a compiled graph's steady calls
+        arguments = named(values, keywords)
+        program, results = _eager.run(stage, arguments)  # a compiled graph's steady calls
         if program is _eager.MISS:
             key = results
+            arrays, options = stage.split(arguments)
             program = stage.plan(**_infos(stage, arrays)[0], **options)
+            _check_updates(stage.name, program, arrays)
             device = next(value.device for value in arrays.values() if value is not None)
             results = run(program, arrays, device)
             _eager.remember(key, stage, program, device)
-        by_name = dict(zip(program.results, results))
-        return _returns(tuple(by_name[n] for n in program.fresh_results))
+        entry = fresh_positions.get(id(program))
+        if entry is None or entry[0] is not program:
+            if len(fresh_positions) >= _eager._LIMIT:
+                fresh_positions.clear()
+            entry = fresh_positions[id(program)] = (
+                program, tuple(program.results.index(n) for n in program.fresh_results))
+        return _returns(tuple([results[i] for i in entry[1]]))
 
     def fake(*values, **keywords):
         # Never launches: the plan validates and sizes the fresh results.
@@ -340,15 +422,35 @@ def _make_op(stage: Stage, variant: Variant):
         return _returns(tuple(torch.empty(buffers[n].shape, dtype=DTYPES[buffers[n].dtype], device=device)
                               for n in program.fresh_results))
 
-    # No autograd rule: called directly (as a loaded torch.export program
-    # calls it) on inputs that require grad, the op's result has a grad_fn
-    # whose backward raises torch's "no autograd formula" error, naming the
-    # op.  (A rule that raised in setup_context would raise in Dynamo's
-    # fake-tensor run too: see _refuse_grad.)
-    op = torch.library.custom_op(f"{NAMESPACE}::{variant.name}", implementation, mutates_args=variant.updated,
-                                 schema=_schema(stage, variant))
-    op.register_fake(fake)
-    return getattr(getattr(torch.ops, NAMESPACE), variant.name).default, parameters
+    def autograd(keyset, *values, **keywords):
+        # The Autograd key: refuse a call autograd would record, bump the versions of the arrays written
+        # in place (as ADInplaceOrView would), run the backend kernel.
+        if _grad_enabled() and _any_requires_grad(*values):
+            _refuse_grad(stage, dict(zip(names, values)))
+        below = keyset & _after_inplace_or_view
+        with _below_inplace_or_view():
+            if below.highestPriorityTypeId() in _BACKENDS:  # the backend kernel is next: call it without a hop
+                result = implementation(*values, **keywords)
+            else:
+                result = op.redispatch(below, *values, **keywords)
+        if mutated:
+            _increment_version([values[i] for i in mutated])
+        return result
+
+    def inplace_or_view(keyset, *values, **keywords):
+        # Reached without the Autograd key (inference mode on normal tensors): the version bump alone.
+        with _below_inplace_or_view():
+            result = op.redispatch(keyset & _after_inplace_or_view, *values, **keywords)
+        _increment_version([values[i] for i in mutated])
+        return result
+
+    _LIBRARY.impl(name, implementation, "CompositeExplicitAutograd")
+    _LIBRARY.impl(name, autograd, "Autograd", with_keyset=True)
+    if mutated:
+        _LIBRARY.impl(name, inplace_or_view, "ADInplaceOrView", with_keyset=True)
+    torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIBRARY)
+    _IMPLEMENTATIONS[op] = implementation
+    return op, parameters
 
 
 def _returns(fresh: tuple):
@@ -394,13 +496,13 @@ def _call(stage: Stage, arguments: Mapping[str, object], key=None):
     arrays, options = stage.split(arguments)
     infos, first, plain = _infos(stage, arrays)
     program = stage.plan(**infos, **options)
-    if not _is_compiling() or _functionalizing():  # eager, or AOTAutograd's trace (not Dynamo's fake run)
-        _refuse_grad(stage, arrays)
+    _refuse_grad(stage, arrays)  # (not in Dynamo's fake-tensor run)
     if not _is_compiling():
         _check_updates(stage.name, program, arrays)
         if plain and _no_mode():
             results = run(program, arrays, first.device)
             _eager.remember(key, stage, program, first.device)
+            _increment_version([arrays[name] for name in program.updated_arguments])  # (as _eager.call)
             return program.returned(results)
     op, values = op_call(stage, arguments)
     fresh = op(*values)
@@ -411,6 +513,7 @@ def _call(stage: Stage, arguments: Mapping[str, object], key=None):
 
 # True while Dynamo traces (and under torch.export); a flag read in eager.
 _is_compiling = torch.compiler.is_compiling
+_TracingContext = torch._guards.TracingContext  # (torch._guards is imported by torch itself)
 
 
 def _functionalizing() -> bool:
@@ -447,7 +550,7 @@ def call(stage: Stage, arguments: Mapping[str, object]):
         # torch.export it runs as Python, with torch._dynamo imported by then).
         given = {name: value for name, value in arguments.items() if value is not None}
         if not torch.compiler.is_dynamo_compiling():  # torch.export: refuse here (Dynamo: in AOTAutograd)
-            _refuse_grad(stage, given)
+            _refuse_grad(stage, given, exempt_fake_run=False)
         return torch._dynamo.nonstrict_trace(_traced_call)(stage.name, tuple(arguments), given)
     if _no_mode():  # a plain eager call with a key run before: its prepared program (qsa_torch._eager)
         results, key = _eager.call(stage, arguments)

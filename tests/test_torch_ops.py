@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import qsa_torch
 from qsa_kernels import runtime
+from qsa_kernels import step as _step
 from qsa_kernels.launch import observe_launches
 from qsa_kernels.stage import stage_named
 from qsa_torch import _launch
@@ -360,14 +361,160 @@ def test_the_step_names_the_state_field_that_requires_grad():
     assert_bitwise_equal(got, expected, "step under no_grad")
 
 
-def test_the_op_called_directly_has_no_silent_gradient():
-    """As a loaded torch.export program calls it: backward raises torch's error naming the op (no formula)."""
+def test_the_op_called_directly_refuses_grad_naming_the_function_and_argument():
+    """As a loaded torch.export program or a compiled graph calls it: the op's Autograd kernel refuses the call."""
     function, arguments = build("attention")
     op, values, _ = op_and_values(function, arguments)
     values = tuple(v.clone().requires_grad_() if v is arguments["q"] else v for v in values)
-    out = op(*values)
-    with pytest.raises(RuntimeError, match="qsa.sparse_paged_attention.default but no autograd formula"):
-        out.float().sum().backward()
+    with observe_launches() as launches:
+        with pytest.raises(NotImplementedError, match=not_differentiable("sparse_paged_attention", "q")):
+            op(*values)
+    assert launches == [], "a refused call launched"
+    expected = as_tuple(function(**arguments))
+    with torch.no_grad():
+        got = as_tuple(op(*values))
+    assert not any(t.requires_grad for t in got)
+    for a, b in zip(got, expected):
+        assert_bitwise_equal(a, b, "the op under no_grad")
+    with torch.inference_mode():
+        for a, b in zip(as_tuple(op(*values)), expected):
+            assert_bitwise_equal(a, b, "the op under inference_mode")
+
+
+def test_the_step_op_called_directly_names_the_state_field():
+    from .test_step import valid_arguments
+
+    arguments, _ = valid_arguments()
+    flat = _step.state_arguments(arguments, qsa_torch.QSAState, qsa_torch.StepMetadata)
+    op, values = _launch.op_call(stage_named("qsa_attention_step"), flat)
+    cache = flat["key_cache"].float().to(flat["key_cache"].dtype).requires_grad_()
+    values = tuple(cache if v is flat["key_cache"] else v for v in values)
+    with pytest.raises(NotImplementedError, match=not_differentiable("qsa_attention_step", "state.key_cache")):
+        op(*values)
+
+
+# --------------------------------------------------------------------------
+# Version counters: an array updated in place changes version, as with torch's own in-place ops
+# --------------------------------------------------------------------------
+
+IN_PLACE_CASES = [case_id for case_id in CASES if build(case_id)[0].plan(**build(case_id)[1]).updated_arguments]
+
+
+def versions(arguments: dict, names) -> dict:
+    return {name: arguments[name]._version for name in names}
+
+
+def assert_bumped(before: dict, arguments: dict, what: str) -> None:
+    for name, version in before.items():
+        assert arguments[name]._version > version, f"{what}: {name}'s version was not bumped"
+
+
+@pytest.mark.parametrize("case_id", IN_PLACE_CASES)
+def test_in_place_calls_bump_the_updated_arrays_versions(case_id):
+    function, arguments = build(case_id)
+    updated = function.plan(**arguments).updated_arguments
+    read_only = [n for n, v in arguments.items() if isinstance(v, torch.Tensor) and n not in updated]
+    for call in range(2):  # the general path, then the prepared one (qsa_torch._eager)
+        before, untouched = versions(arguments, updated), versions(arguments, read_only)
+        function(**arguments)
+        assert_bumped(before, arguments, f"eager call {call}")
+        assert versions(arguments, read_only) == untouched, "an array only read changed version"
+    op, values, _ = op_and_values(function, arguments)
+    for mode in (torch.enable_grad, torch.no_grad, torch.inference_mode):  # inference mode: ADInplaceOrView only
+        before = versions(arguments, updated)
+        with mode():
+            op(*values)
+        assert_bumped(before, arguments, f"the op under {mode.__name__}")
+    torch._dynamo.reset()
+    compiled = torch.compile(function, fullgraph=True, backend="aot_eager")
+    for call in range(2):
+        before = versions(arguments, updated)
+        compiled(**arguments)
+        assert_bumped(before, arguments, f"compiled call {call}")
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_the_step_bumps_the_caches_versions_and_compiles_bitwise(backend):
+    """Eager and compiled (fullgraph; Inductor's default mode too): the same bits, every cache's version bumped."""
+    from .test_step import STATE_FIELDS, clone_state, valid_arguments
+
+    arguments, _ = valid_arguments()
+    state = arguments.pop("state")
+    eager_state, compiled_state = clone_state(state), clone_state(state)
+    torch._dynamo.reset()
+    step = torch.compile(qsa_torch.qsa_attention_step, fullgraph=True, backend=backend)
+    for call in range(2):
+        before = {n: (getattr(eager_state, n)._version, getattr(compiled_state, n)._version) for n in STATE_FIELDS}
+        expected = qsa_torch.qsa_attention_step(state=eager_state, **arguments, return_token_indices=True)
+        got = step(state=compiled_state, **arguments, return_token_indices=True)
+        assert_bitwise_equal(got[0], expected[0], f"out, call {call}")
+        assert_bitwise_equal(got[2], expected[2], f"token_indices, call {call}")
+        for name in STATE_FIELDS:
+            assert getattr(got[1], name) is getattr(compiled_state, name), name
+            assert_bitwise_equal(getattr(compiled_state, name), getattr(eager_state, name), name)
+            eager_before, compiled_before = before[name]
+            assert getattr(eager_state, name)._version > eager_before, f"eager {name}, call {call}"
+            assert getattr(compiled_state, name)._version > compiled_before, f"compiled {name}, call {call}"
+
+
+def python_frames_outside(implementation, fn) -> list[str]:
+    """``file:function`` of every Python function ``fn()`` calls, less those under ``implementation`` (and
+    less comprehensions, lambdas and torch/_ops.py's OpOverload.__call__)."""
+    frames, depth = [], [0]
+
+    def profile(frame, event, _):
+        if event == "call":
+            if depth[0]:
+                depth[0] += 1
+            elif frame.f_code is implementation.__code__:
+                depth[0] = 1
+            elif not frame.f_code.co_name.startswith("<") and not (
+                    frame.f_code.co_name == "__call__" and frame.f_code.co_filename.endswith("_ops.py")):
+                frames.append(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}")
+        elif event == "return" and depth[0]:
+            depth[0] -= 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return frames
+
+
+def test_an_op_call_runs_one_python_kernel_before_the_implementation():
+    """The step's op through the dispatcher: our Autograd kernel, then the implementation (no torch._library
+    wrapper: custom_op's cost 3 Python kernels and, on torch 2.13, a bind quadratic in the 29 arguments)."""
+    from .test_step import valid_arguments
+
+    arguments, _ = valid_arguments()
+    flat = _step.state_arguments(arguments, qsa_torch.QSAState, qsa_torch.StepMetadata)
+    op, values = _launch.op_call(stage_named("qsa_attention_step"), flat)
+    implementation = _launch._IMPLEMENTATIONS[op]
+    op(*values)  # plans, builds and prepares
+    for mode in (torch.enable_grad, torch.no_grad):
+        with mode():
+            frames = python_frames_outside(implementation, lambda: op(*values))
+        assert frames == ["_launch.py:autograd"], frames
+    torch._dynamo.reset()
+    step = torch.compile(qsa_torch.qsa_attention_step, fullgraph=True)
+    state = arguments.pop("state")
+    step(state=state, **arguments)
+    frames = python_frames_outside(implementation, lambda: step(state=state, **arguments))
+    assert "_launch.py:autograd" in frames, frames
+    assert not [f for f in frames if f.startswith(("custom_ops.py", "autograd.py:", "utils.py:fill_defaults"))], frames
+
+
+def test_a_version_bump_is_what_autograd_checks():
+    """A cache saved for backward, then written by a qsa call under no_grad: backward raises, as for copy_."""
+    _, arguments = build("store")
+    cache = arguments["cache"].float()
+    weight = torch.ones((), requires_grad=True)
+    product = cache * weight  # saves cache for weight's gradient
+    with torch.no_grad():
+        qsa_torch.store_cache_rows(cache, arguments["slot_mapping"], arguments["rows"].float())
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        product.sum().backward()
 
 
 FORK_CHILD = r"""
