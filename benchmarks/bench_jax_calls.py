@@ -92,17 +92,7 @@ def payload_bytes(lowered) -> tuple[int, int]:
 
     from qsa_jax import _triton_call
 
-    sizes = []
-
-    def walk(op):
-        for region in op.regions:
-            for block in region.blocks:
-                for inner in block.operations:
-                    if inner.operation.name == "stablehlo.custom_call":
-                        sizes.append(len(_triton_call._payload(inner.operation, ir)))
-                    walk(inner.operation)
-
-    walk(lowered.compiler_ir("stablehlo").operation)
+    sizes = [len(_triton_call._payload(op, ir)) for op in _triton_call.custom_calls(lowered)]
     return len(sizes), sum(sizes)
 
 

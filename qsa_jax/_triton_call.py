@@ -386,6 +386,24 @@ def _install_lowering(jax_triton) -> None:
     _rule_installed = True
 
 
+def custom_calls(lowered) -> list:
+    """Every ``stablehlo.custom_call`` operation of ``lowered`` (a ``jax.stages.Lowered``), in order:
+    the launches whose payloads the diagnostics read (scripts/check_jax_lowering.py,
+    scripts/jax_payload.py, benchmarks/bench_jax_calls.py)."""
+    found = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    if inner.operation.name == "stablehlo.custom_call":
+                        found.append(inner.operation)
+                    walk(inner.operation)
+
+    walk(lowered.compiler_ir("stablehlo").operation)
+    return found
+
+
 def _payload(op, ir) -> bytes:
     """The compressed call proto jax-triton's rule put on ``op`` (0.3: the legacy call's
     ``backend_config``; 0.4: the FFI call's ``opaque`` attribute)."""

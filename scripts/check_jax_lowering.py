@@ -80,21 +80,6 @@ def functions() -> dict:
     return dict(rope=rope, topk=topk, step=step)
 
 
-def custom_calls(lowered) -> list:
-    found = []
-
-    def walk(op):
-        for region in op.regions:
-            for block in region.blocks:
-                for inner in block.operations:
-                    if inner.operation.name == "stablehlo.custom_call":
-                        found.append(inner.operation)
-                    walk(inner.operation)
-
-    walk(lowered.compiler_ir("stablehlo").operation)
-    return found
-
-
 def decode(op) -> dict:
     """What one custom call launches: the proto's fields, the kernel's apart."""
     proto = zlib.decompress(tc._payload(op, ir))
@@ -158,7 +143,7 @@ def main() -> int:
             with qsa_jax.use_triton_lowering(lowering):  # a fresh function: JAX reuses a function's trace
                 lowered = jax.jit(lambda *a, f=function: f(*a), donate_argnums=donated).trace(*arguments).lower(
                     lowering_platforms=("cuda",))
-            calls = [decode(op) for op in custom_calls(lowered)]
+            calls = [decode(op) for op in tc.custom_calls(lowered)]
             launches[lowering] = [(c["launch"], c["aliases"]) for c in calls]
             for c in calls:
                 if c["target"] != expected[lowering] or c["ttir"] != (lowering == "jax-triton"):

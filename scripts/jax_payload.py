@@ -69,21 +69,6 @@ def step_arguments(batch: int, context: int):
     return step, arguments
 
 
-def custom_calls(lowered) -> list:
-    found = []
-
-    def walk(op):
-        for region in op.regions:
-            for block in region.blocks:
-                for inner in block.operations:
-                    if inner.operation.name == "stablehlo.custom_call":
-                        found.append(inner.operation)
-                    walk(inner.operation)
-
-    walk(lowered.compiler_ir("stablehlo").operation)
-    return found
-
-
 def launch_facts(op) -> dict:
     """One custom call's payload, decoded: sizes, kernel, grid, parameters and the PTX."""
     compressed = tc._payload(op, ir)
@@ -103,7 +88,7 @@ def lower_step(batch: int, context: int, form: str) -> list[dict]:
     with qsa_jax.use_triton_lowering("ffi"), tc.ptx_form(form):
         lowered = jax.jit(lambda *a: function(*a), donate_argnums=(5,)).trace(*arguments).lower(
             lowering_platforms=("cuda",))
-    return [launch_facts(op) for op in custom_calls(lowered)]
+    return [launch_facts(op) for op in tc.custom_calls(lowered)]
 
 
 def main() -> int:
