@@ -353,8 +353,9 @@ class TopkTuning:
     #: atomic adds whose order cannot matter; the last program reads it, takes
     #: the digit holding the k-th largest, and runs ``radix_bits`` passes of
     #: digits fitted to that digit's range only while its keys are not yet
-    #: resolved: often none).  Bit for bit the same selection; not yet timed
-    #: on the H200 (``bench_topk.py --ticketed-select``).
+    #: resolved: often none).  Bit for bit the same selection, but slower on the
+    #: H200 where it matters (``bench_topk.py --ticketed-select``: 1 x 32768,
+    #: k 512, 18.1 us against 16.4; docs/performance.md), so not the default.
     ticketed_select: str = "last"
     ticketed_shared_bits: int = 11
 
