@@ -268,35 +268,38 @@ def test_launch_table():
     """The plan's choices for the production geometry (24 Q / 2 KV heads, d256): the tables timed on the H200."""
     plan = _production_plan
 
-    (fused,) = plan(1).launches  # split-K merged in the launch: 33 splits, then 12 merging programs
+    # With the merge in the launch (AttentionTuning.fused_merge, off by default): 33 splits, then 12
+    # merging programs.
+    (fused,) = plan(1, fused_merge=True).launches
     assert fused.kernel is attention.sparse_attention_fused_merge_kernel and fused.grid == (1, 2, 33 + 12)
     assert fused.constexprs["NUM_SPLITS"] == 33 and fused.constexprs["MERGERS"] == 12
     assert fused.constexprs["MERGE_HEADS"] == 1 and fused.constexprs["SPLIT_CHUNK"] == 16  # 4096 elements // D
     assert fused.constexprs["BLOCK_N"] == 64 and fused.constexprs["TILES_PER_SPLIT"] == 1  # one tile per split
     assert (fused.num_warps, fused.num_stages) == (8, 3)
-    assert plan(1).buffer("tickets").fill == 0
-    partial, merge = plan(1, fused_merge=False).launches  # split-K, then the merge launch
+    assert plan(1, fused_merge=True).buffer("tickets").fill == 0
+    partial, merge = plan(1).launches  # the default: split-K, then the merge launch
     assert partial.kernel is attention.sparse_attention_partial_kernel and merge.kernel is attention.merge_splits_kernel
     assert partial.grid == (1, 33, 2) and merge.grid == (1, 24)
     assert partial.constexprs["BLOCK_N"] == 64 and partial.constexprs["TILES_PER_SPLIT"] == 1
     assert (partial.num_warps, partial.num_stages) == (8, 3)
     assert merge.constexprs["NUM_SPLITS"] == 33 and merge.constexprs["SPLIT_CHUNK"] == 16
     assert {k: fused.constexprs[k] for k in partial.constexprs} == partial.constexprs
-    (fused,) = plan(1, fused_merge_heads=4).launches
+    (fused,) = plan(1, fused_merge=True, fused_merge_heads=4).launches
     assert fused.grid == (1, 2, 33 + 3) and fused.constexprs["MERGE_HEADS"] == 4
     # 8 / 16 / 32 / 64 rows (16 / 32 / 64 / 128 programs): the table's rows (tiles, warps, stages,
     # and splits toward 512 programs, 264 at 16 and 32 rows; 65 tiles of 32 tokens: 22 splits of 3);
-    # merged in the launch up to fused_merge_max_programs = 16 programs, by a merge launch past it.
+    # by a merge launch; with fused_merge=None merged in the launch up to fused_merge_max_programs = 16
+    # programs, by a merge launch past it.
     for rows, splits, block_n, warps, stages in ((8, 22, 32, 4, 3), (16, 7, 64, 8, 3), (32, 4, 64, 8, 3),
                                                  (64, 4, 32, 2, 3)):
         launches = plan(rows).launches
         if rows == 8:
-            (fused,) = launches
+            (fused,) = plan(rows, fused_merge=None).launches
             assert fused.kernel is attention.sparse_attention_fused_merge_kernel
             assert fused.grid == (rows, 2, splits + 12)
             assert fused.constexprs["BLOCK_N"] == block_n and (fused.num_warps, fused.num_stages) == (warps, stages)
-            launches = plan(rows, fused_merge=False).launches
         else:
+            assert len(plan(rows, fused_merge=None).launches) == 2
             (forced,) = plan(rows, fused_merge=True).launches
             assert forced.kernel is attention.sparse_attention_fused_merge_kernel
         partial, merge = launches

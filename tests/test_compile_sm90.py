@@ -288,13 +288,13 @@ CASES = {
                                                                heads=16),
     "select/fused-shared-decode-1-128k": _select(1, 1, 1 << 17, topk=dict(ticketed_select="shared")),
     "select/fused-shared-fp8-decode-8-128k": _select(8, 8, 1 << 17, k=FP8, topk=dict(ticketed_select="shared")),
-    # Stage 4: sparse_paged_attention (split-K where programs are few: merged in the launch up to
-    # AttentionTuning.fused_merge_max_programs programs, then by a merge launch).
-    "attention/decode-1": _attention(1),  # fused merge: 33 splits + 12 merging programs per KV head
-    "attention/decode-8-22-splits": _attention(8),  # fused merge: chunks of 16 splits, with a tail
-    "attention/decode-1-merge-launch": _attention(1, fused_merge=False),
-    "attention/decode-8-merge-launch": _attention(8, fused_merge=False),
-    "attention/decode-1-fused-merge-4-heads": _attention(1, fused_merge_heads=4),
+    # Stage 4: sparse_paged_attention (split-K where programs are few, merged by a merge launch; with
+    # AttentionTuning.fused_merge, off by default, in the launch by merging programs).
+    "attention/decode-1": _attention(1),  # 33 splits, then the merge launch
+    "attention/decode-8-22-splits": _attention(8),  # the merge launch's chunks of 16 splits, with a tail
+    "attention/decode-1-fused-merge": _attention(1, fused_merge=True),  # 33 splits + 12 merging programs
+    "attention/decode-8-fused-merge": _attention(8, fused_merge=True),
+    "attention/decode-1-fused-merge-4-heads": _attention(1, fused_merge=True, fused_merge_heads=4),
     "attention/decode-16-fused-merge-forced": _attention(16, fused_merge=True),
     "attention/decode-16": _attention(16),
     "attention/decode-32": _attention(32),
@@ -305,9 +305,10 @@ CASES = {
     "attention/d64-fp16-int64": _attention(8, qh=16, kh=4, d=64, dtype=FP16, index=I64, page=16),
     "attention/mqa-d128-narrow-scale": _attention(4, qh=16, kh=1, d=128, width=20, scale=0.1),
     "attention/decode-256-slot-addressing": _attention(256, row_addressing="slot"),
-    "attention/fp8-decode-1": _attention(1, cache=FP8),  # fused merge
-    "attention/fp8-decode-8": _attention(8, cache=FP8),  # fused merge
-    "attention/fp8-decode-1-merge-launch": _attention(1, cache=FP8, fused_merge=False),
+    "attention/fp8-decode-1": _attention(1, cache=FP8),
+    "attention/fp8-decode-8": _attention(8, cache=FP8),
+    "attention/fp8-decode-1-fused-merge": _attention(1, cache=FP8, fused_merge=True),
+    "attention/fp8-decode-8-fused-merge": _attention(8, cache=FP8, fused_merge=True),
     "attention/fp8-decode-64": _attention(64, cache=FP8),
     "attention/fp8-decode-256": _attention(256, cache=FP8),
     "attention/fp8-prefill-2048": _attention(2048, cache=FP8),
