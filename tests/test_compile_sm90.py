@@ -338,6 +338,9 @@ SPILLS_ALLOWED: dict[str, tuple[tuple[str, ...], str]] = {
     "attention/fp8-decode-256-64-token-tiles": (("3.8", "3.9"), _CANDIDATE_SPILL.format(
         "64-token fp8 tiles on 2 warps (bench_sparse_attention.py --sweep --fp8; 306-309 us against the "
         "table's 279 on Triton 3.6)")),
+    "attention/decode-16-fused-merge-forced": (("3.7",), _CANDIDATE_SPILL.format(
+        "the attention's split-K merged in its launch, forced at 16 rows (AttentionTuning.fused_merge, off "
+        "by default: slower on the H200; 128 registers and 2 spills on Triton 3.7.1, none on 3.6, 3.8, 3.9)")),
     "topk/forced-register-decode-1-64k-k512": (("3.8", "3.9"), _CANDIDATE_SPILL.format(
         "the register top-k forced at its widest row (REGISTER_MAX_TILE columns on 32 warps: at most 64 "
         "registers a thread; the plan takes it up to 2048 columns, TopkTuning.register_max_columns)")),
