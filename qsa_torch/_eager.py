@@ -46,6 +46,7 @@ from qsa_kernels.launch import Program, Schedule
 from qsa_kernels.stage import Stage
 
 from . import _fast_launch
+from ._internals import increment_version as _increment_version
 
 _ABSENT = object()  # an option the arguments do not hold
 __all__ = ["MISS", "Prepared", "call", "clear", "remember", "run"]
@@ -60,7 +61,6 @@ _data_ptr = torch.Tensor.data_ptr
 _Tensor = torch.Tensor
 
 _PREPARED: dict[tuple, "Prepared"] = {}
-_increment_version = torch._C._increment_version
 # (array names, option names) per stage, in declaration order.
 _SPECS: dict[Stage, tuple[tuple[str, ...], tuple[str, ...]]] = {}
 _is, _NONES, _ABSENTS = operator.is_, (None,) * 64, (_ABSENT,) * 64

@@ -58,7 +58,6 @@ allocates it).
 from __future__ import annotations
 
 import operator
-import os
 import warnings
 from functools import reduce
 from operator import or_
@@ -71,6 +70,8 @@ from triton.knobs import HookChain as _HookChain
 from triton.runtime.jit import JITFunction
 
 from qsa_kernels import runtime
+
+from ._internals import switch
 
 __all__ = ["ENABLED", "VERIFIED", "launch", "FastLauncher", "SpecializationDriftWarning", "argument_token",
            "claimed_specialization", "environment"]
@@ -100,14 +101,7 @@ _ENVIRONMENT = "QSA_FAST_LAUNCH"  # "0": always kernel[grid]; "1": the fast path
 
 
 def _enabled() -> bool:
-    choice = os.environ.get(_ENVIRONMENT, "").strip().lower()
-    if choice in ("0", "off", "false", "no"):
-        return False
-    if choice in ("1", "on", "true", "yes"):
-        return True
-    if choice not in ("", "auto"):
-        raise ValueError(f"{_ENVIRONMENT} must be 0, 1 or auto, got {os.environ[_ENVIRONMENT]!r}")
-    return ".".join(triton.__version__.split(".")[:2]) in VERIFIED
+    return switch(_ENVIRONMENT, triton.__version__, VERIFIED)
 
 
 #: Whether launches bind to the compiled launcher in this process (decided once, at import).

@@ -90,6 +90,7 @@ from qsa_kernels.stage import RUN_PROGRAM_DOC, Stage, Variant, make_public, stag
 from qsa_kernels.validate import device_error, type_error
 
 from . import _eager, _fast_launch
+from ._internals import OWN_OP_KERNELS, increment_version as _increment_version
 
 DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -318,7 +319,13 @@ def _dynamo_fake_run() -> bool:
 
 def _no_mode() -> bool:
     """No dispatch or torch-function mode is active (FakeTensorMode, a user's logging mode...)."""
-    return not (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled())
+    return not (_dispatch_modes() or _function_mode())
+
+
+# Where a torch lacks these (torch._C, read with every torch: qsa_torch._internals), a mode is
+# assumed: every call then goes through its op.
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)
+_function_mode = getattr(torch._C, "_is_torch_function_mode_enabled", lambda: True)
 
 
 # --------------------------------------------------------------------------
@@ -356,12 +363,12 @@ def _schema(stage: Stage, variant: Variant) -> str:
 _LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
 # op -> the Python function its backend kernel runs (the benchmarking seam: benchmarks/step_overhead.py).
 _IMPLEMENTATIONS: dict = {}
-_any_requires_grad = torch._C._any_requires_grad
 _grad_enabled = torch.is_grad_enabled
-_below_inplace_or_view = torch._C._AutoDispatchBelowADInplaceOrView
-_after_inplace_or_view = torch._C._after_ADInplaceOrView_keyset
-_increment_version = torch._C._increment_version
-_BACKENDS = frozenset((torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA))
+if OWN_OP_KERNELS:  # torch internals, for the verified torch minors only (qsa_torch._internals)
+    _any_requires_grad = torch._C._any_requires_grad
+    _below_inplace_or_view = torch._C._AutoDispatchBelowADInplaceOrView
+    _after_inplace_or_view = torch._C._after_ADInplaceOrView_keyset
+    _BACKENDS = frozenset((torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA))
 
 
 def _make_op(stage: Stage, variant: Variant):
@@ -370,8 +377,12 @@ def _make_op(stage: Stage, variant: Variant):
     names = tuple(parameter.name for parameter in parameters)
     selected = dict(variant.selected)
     name = variant.name
-    _LIBRARY.define(name + _schema(stage, variant), tags=(torch.Tag.pt2_compliant_tag,))
-    op = getattr(getattr(torch.ops, NAMESPACE), name).default
+    schema = _schema(stage, variant)
+    if OWN_OP_KERNELS:
+        _LIBRARY.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
+        op = getattr(getattr(torch.ops, NAMESPACE), name).default
+    else:
+        op = None  # defined below, by custom_op
     # Positions of the arrays updated in place: never defaulted, so the dispatcher always passes them
     # positionally (it drops only trailing arguments equal to their defaults).
     mutated = tuple(names.index(n) for n in variant.updated)
@@ -422,6 +433,17 @@ def _make_op(stage: Stage, variant: Variant):
         return _returns(tuple(torch.empty(buffers[n].shape, dtype=DTYPES[buffers[n].dtype], device=device)
                               for n in program.fresh_results))
 
+    if OWN_OP_KERNELS:
+        _register_own_kernels(stage, name, op, names, mutated, implementation, fake)
+    else:
+        op = _register_custom_op(stage, name, schema, names, variant.updated, implementation, fake)
+    _IMPLEMENTATIONS[op] = implementation
+    return op, parameters
+
+
+def _register_own_kernels(stage: Stage, name: str, op, names: tuple, mutated: tuple, implementation, fake):
+    """Register ``op``'s kernels in :data:`_LIBRARY` (the module docstring, "Op registration")."""
+
     def autograd(keyset, *values, **keywords):
         # The Autograd key: refuse a call autograd would record, bump the versions of the arrays written
         # in place (as ADInplaceOrView would), run the backend kernel.
@@ -449,8 +471,34 @@ def _make_op(stage: Stage, variant: Variant):
     if mutated:
         _LIBRARY.impl(name, inplace_or_view, "ADInplaceOrView", with_keyset=True)
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIBRARY)
-    _IMPLEMENTATIONS[op] = implementation
-    return op, parameters
+
+
+def _register_custom_op(stage: Stage, name: str, schema: str, names: tuple, updated: tuple, implementation, fake):
+    """Define and register ``qsa::<name>`` through ``torch.library.custom_op`` (a torch whose
+    internals :mod:`._internals` has not verified): the same schema, implementation and fake, with
+    torch's own Autograd and ADInplaceOrView kernels (which bump the versions of ``updated``).
+
+    An op called directly with an input that requires grad, in grad mode (the public functions
+    refuse such a call before any launch, on every path): an op without in-place arrays raises
+    the public functions' error from its autograd formula's context set-up, which torch runs
+    after the kernels; one with them (torch takes no formula for those) returns results whose
+    ``backward()`` raises torch's "no autograd formula" error.
+    """
+    definition = torch.library.custom_op(f"{NAMESPACE}::{name}", implementation, mutates_args=updated,
+                                         schema=schema, tags=(torch.Tag.pt2_compliant_tag,))
+    definition.register_fake(fake)
+    if not updated:
+        def refuse(ctx, inputs, output):
+            # Torch runs this (in no_grad) only when grad mode was on and an input requires grad.
+            if not _dynamo_fake_run():
+                raise _not_differentiable(stage, next(
+                    n for n, v in zip(names, inputs) if isinstance(v, torch.Tensor) and v.requires_grad))
+
+        def backward(ctx, *grads):  # never reached: refuse() raised in the forward
+            raise _not_differentiable(stage, names[0])
+
+        definition.register_autograd(backward, setup_context=refuse)
+    return definition._opoverload
 
 
 def _returns(fresh: tuple):

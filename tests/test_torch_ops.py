@@ -22,7 +22,7 @@ from qsa_kernels import runtime
 from qsa_kernels import step as _step
 from qsa_kernels.launch import observe_launches
 from qsa_kernels.stage import stage_named
-from qsa_torch import _launch
+from qsa_torch import _internals, _launch
 
 from .util import DEVICE, assert_bitwise_equal
 
@@ -369,7 +369,8 @@ def test_the_op_called_directly_refuses_grad_naming_the_function_and_argument():
     with observe_launches() as launches:
         with pytest.raises(NotImplementedError, match=not_differentiable("sparse_paged_attention", "q")):
             op(*values)
-    assert launches == [], "a refused call launched"
+    if _internals.OWN_OP_KERNELS:  # (torch.library.custom_op runs the formula's set-up after the kernels)
+        assert launches == [], "a refused call launched"
     expected = as_tuple(function(**arguments))
     with torch.no_grad():
         got = as_tuple(op(*values))
@@ -381,6 +382,11 @@ def test_the_op_called_directly_refuses_grad_naming_the_function_and_argument():
             assert_bitwise_equal(a, b, "the op under inference_mode")
 
 
+OWN_KERNELS_ONLY = pytest.mark.skipif(not _internals.OWN_OP_KERNELS, reason="the ops' own dispatcher kernels "
+                                      "(this process registered them through torch.library.custom_op)")
+
+
+@OWN_KERNELS_ONLY
 def test_the_step_op_called_directly_names_the_state_field():
     from .test_step import valid_arguments
 
@@ -391,6 +397,28 @@ def test_the_step_op_called_directly_names_the_state_field():
     values = tuple(cache if v is flat["key_cache"] else v for v in values)
     with pytest.raises(NotImplementedError, match=not_differentiable("qsa_attention_step", "state.key_cache")):
         op(*values)
+
+
+@pytest.mark.skipif(_internals.OWN_OP_KERNELS, reason="the torch.library.custom_op registration's behaviour")
+def test_the_step_op_called_directly_through_custom_op_cannot_backward():
+    """Registered through torch.library.custom_op (an unverified torch, QSA_OP_KERNELS=0): torch takes no
+    autograd formula for an op that writes in place, so a direct call records the call and backward() raises
+    torch's own error -- never a silent missing gradient.  (The public functions refuse before any launch.)"""
+    from .test_step import clone_state, valid_arguments
+
+    arguments, _ = valid_arguments()
+    flat = _step.state_arguments(arguments, qsa_torch.QSAState, qsa_torch.StepMetadata)
+    op, values = _launch.op_call(stage_named("qsa_attention_step"), flat)
+    q = flat["q"].float().to(flat["q"].dtype).requires_grad_()
+    values = tuple(q if v is flat["q"] else v for v in values)
+    out = op(*values)
+    out = out[0] if isinstance(out, tuple) else out
+    assert out.grad_fn is not None
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        out.float().sum().backward()
+    with pytest.raises(NotImplementedError, match=not_differentiable("qsa_attention_step", "q")):
+        qsa_torch.qsa_attention_step(state=clone_state(arguments["state"]),
+                                     **dict({k: v for k, v in arguments.items() if k != "state"}, q=q))
 
 
 # --------------------------------------------------------------------------
@@ -482,6 +510,7 @@ def python_frames_outside(implementation, fn) -> list[str]:
     return frames
 
 
+@OWN_KERNELS_ONLY
 def test_an_op_call_runs_one_python_kernel_before_the_implementation():
     """The step's op through the dispatcher: our Autograd kernel, then the implementation (no torch._library
     wrapper: custom_op's cost 3 Python kernels and, on torch 2.13, a bind quadratic in the 29 arguments)."""

@@ -1,0 +1,69 @@
+"""Torch internals behind a table (qsa_torch._internals): the switch, and the public registration path.
+
+The ops' own dispatcher kernels read torch._C and are used only with the
+torch minors ``_internals.VERIFIED`` lists; any other torch (or
+``QSA_OP_KERNELS=0``) registers every op through ``torch.library.custom_op``.
+That path must keep every promise the op suites check: they run here again, in
+a process that takes it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qsa_torch import _internals
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("value, version, own", [
+    ("", "2.11.0+cu130", True), ("auto", "2.13.0+cpu", True), ("", "2.99.0", False), ("", "3.0.0", False),
+    ("0", "2.13.0", False), ("off", "2.11.0", False), ("1", "2.99.0", True), (" yes ", "2.99.1", True)])
+def test_the_own_kernels_by_the_table_and_the_switch(monkeypatch, value, version, own):
+    monkeypatch.setenv("QSA_OP_KERNELS", value)
+    monkeypatch.setattr(_internals.torch, "__version__", version)
+    assert _internals._own_op_kernels() is own
+
+
+def test_a_torch_without_the_internals_takes_custom_op_unless_forced(monkeypatch):
+    monkeypatch.setattr(_internals.torch, "__version__", "2.13.0")
+    monkeypatch.delattr(torch._C, "_after_ADInplaceOrView_keyset")
+    monkeypatch.setenv("QSA_OP_KERNELS", "auto")
+    assert _internals._own_op_kernels() is False
+    monkeypatch.setenv("QSA_OP_KERNELS", "1")
+    with pytest.raises(RuntimeError, match="_after_ADInplaceOrView_keyset"):
+        _internals._own_op_kernels()
+
+
+def test_the_switch_refuses_other_values(monkeypatch):
+    monkeypatch.setenv("QSA_OP_KERNELS", "custom")
+    with pytest.raises(ValueError, match="QSA_OP_KERNELS must be 0, 1 or auto"):
+        _internals._own_op_kernels()
+
+
+def test_the_version_bumps_of_both_paths(monkeypatch):
+    tensors = [torch.zeros(2), torch.zeros(3)]
+    before = [t._version for t in tensors]
+    _internals._public_increment_version(tensors)
+    torch._C._increment_version(tensors)
+    assert [t._version for t in tensors] == [v + 2 for v in before]
+
+
+def test_the_op_suites_pass_with_the_ops_registered_through_custom_op():
+    """QSA_OP_KERNELS=0: every op defined by torch.library.custom_op; the op, export and eager suites
+    (bitwise results, version bumps, grad refusals, export save/load, compile) pass there too."""
+    env = dict(os.environ, QSA_OP_KERNELS="0")
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+               "tests/test_torch_ops.py", "tests/test_torch_export.py", "tests/test_eager.py"]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    probe = subprocess.run([sys.executable, "-c", "import qsa_torch._internals as i, torch; "
+                            "import torch._library.custom_ops as c; "
+                            "print(i.OWN_OP_KERNELS, isinstance(c.OPDEFS.get('qsa::store_cache_rows'), c.CustomOpDef))"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert probe.stdout.split() == ["False", "True"], probe.stdout + probe.stderr
