@@ -340,16 +340,6 @@ def test_disabled_launcher_always_takes_the_ordinary_path(monkeypatch):
     assert h.counts() == (3, 0)
 
 
-@pytest.mark.parametrize("value, version, enabled", [
-    ("", "3.6.0", True), ("auto", "3.9.0", True), ("", "3.10.0", False), ("", "4.0.1", False),
-    ("0", "3.6.0", False), ("off", "3.6.0", False), ("1", "3.10.0", True), (" ON ", "3.11.2", True)])
-def test_fast_path_versions_and_switch(monkeypatch, value, version, enabled):
-    """On by the verified-versions table, off elsewhere; QSA_FAST_LAUNCH forces either way."""
-    monkeypatch.setenv("QSA_FAST_LAUNCH", value)
-    monkeypatch.setattr(_fast_launch.triton, "__version__", version)
-    assert _fast_launch._enabled() is enabled
-
-
 def test_fast_path_switch_rejects_other_values(monkeypatch):
     monkeypatch.setenv("QSA_FAST_LAUNCH", "maybe")
     with pytest.raises(ValueError, match="QSA_FAST_LAUNCH"):

@@ -16,18 +16,30 @@ import sys
 import pytest
 import torch
 
-from qsa_torch import _internals
+from qsa_torch import _fast_launch, _internals
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("value, version, own", [
-    ("", "2.11.0+cu130", True), ("auto", "2.13.0+cpu", True), ("", "2.99.0", False), ("", "3.0.0", False),
-    ("0", "2.13.0", False), ("off", "2.11.0", False), ("1", "2.99.0", True), (" yes ", "2.99.1", True)])
-def test_the_own_kernels_by_the_table_and_the_switch(monkeypatch, value, version, own):
-    monkeypatch.setenv("QSA_OP_KERNELS", value)
-    monkeypatch.setattr(_internals.torch, "__version__", version)
-    assert _internals._own_op_kernels() is own
+SWITCHES = {  # switch -> (its variable, the module whose version it reads, the decision)
+    "op kernels": ("QSA_OP_KERNELS", _internals.torch, _internals._own_op_kernels),
+    "fast launch": ("QSA_FAST_LAUNCH", _fast_launch.triton, _fast_launch._enabled),
+}
+
+
+@pytest.mark.parametrize("which, value, version, on", [
+    ("op kernels", "", "2.11.0+cu130", True), ("op kernels", "auto", "2.13.0+cpu", True),
+    ("op kernels", "", "2.99.0", False), ("op kernels", "0", "2.13.0", False),
+    ("op kernels", "1", "2.99.0", True), ("op kernels", " yes ", "2.99.1", True),
+    ("fast launch", "", "3.6.0", True), ("fast launch", "auto", "3.9.0", True), ("fast launch", "", "3.10.0", False),
+    ("fast launch", "", "4.0.1", False), ("fast launch", "0", "3.6.0", False), ("fast launch", "off", "3.6.0", False),
+    ("fast launch", "1", "3.10.0", True), ("fast launch", " ON ", "3.11.2", True)])
+def test_private_paths_by_their_table_and_switch(monkeypatch, which, value, version, on):
+    """On by the verified-versions table, off elsewhere; the environment variable forces either way."""
+    variable, module, decide = SWITCHES[which]
+    monkeypatch.setenv(variable, value)
+    monkeypatch.setattr(module, "__version__", version)
+    assert decide() is on
 
 
 def test_a_torch_without_the_internals_takes_custom_op_unless_forced(monkeypatch):
