@@ -48,6 +48,9 @@ where it has the shape, with the goal: at 128K, the fp8 QSA layer at least
 attention's split-K merged in its launch and by a merge launch
 (``AttentionTuning.fused_merge`` forced each way; the default merges in the
 launch at up to ``fused_merge_max_programs`` programs: 1-8 requests).
+``--pdl-paths``: also the step's CUDA-graph µs and eager wall with
+programmatic dependent launch on and off (``qsa_kernels.pdl.ENABLED``
+forced each way; on by default on sm_90).
 ``--unfused``: the step's stage 2 and index-query RoPE as separate launches
 (``StepTuning(fuse_stages=False)``; results in step_unfused.json by default),
 to compare with the fused default.
@@ -343,7 +346,9 @@ class Runner:
         self.torch, self.smoke, self.fp8 = torch, smoke, fp8
         self.lowerings = lowerings  # extra JAX columns per Triton lowering (jax_*_us_<lowering>)
         self.skip_compile = False
+        self.skip_jax = False
         self.merge_paths = False
+        self.pdl_paths = False
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.share = "dlpack"
         self.notes: list[str] = []
@@ -365,11 +370,14 @@ class Runner:
         row["torch_graph_wall_us"] = self.graph_wall_us(shape)
         if self.merge_paths:
             row.update(self.merge_path_columns(shape))
+        if self.pdl_paths:
+            row.update(self.pdl_path_columns(shape))
         if not self.fp8:  # compiled columns and the dense layer (it reads bf16 caches) come from a bf16 run
             if not self.skip_compile:
                 row.update(self.compiled(shape, label))
             row["dense_graph_us"] = common.torch_graph_us(shape.dense_step, calls=LOOP_CALLS, smoke=self.smoke)
-        row.update(self.jax_lowerings(shape, label))
+        if not self.skip_jax:
+            row.update(self.jax_lowerings(shape, label))
         row["jax_over_torch_device"] = _ratio(row.get("jax_device_us") or row.get("jax_loop_us"),
                                               row.get("torch_graph_us"))
         row["jax_wall_over_torch_graph"] = _ratio(row.get("jax_wall_us"), row.get("torch_graph_us"))
@@ -392,6 +400,22 @@ class Runner:
                 columns[f"{name}_launches"] = launches(shape)
                 columns[f"{name}_graph_us"] = common.torch_graph_us(shape.torch_step, calls=LOOP_CALLS,
                                                                     smoke=self.smoke)
+        return columns
+
+    def pdl_path_columns(self, shape: Shape) -> dict:
+        """``--pdl-paths``: CUDA-graph µs and eager wall of the step with programmatic dependent
+        launch on and off (qsa_kernels.pdl.ENABLED forced each way, new graphs each way)."""
+        from qsa_kernels import pdl
+
+        columns, enabled = {}, pdl.ENABLED
+        try:
+            for on, name in ((False, "no_pdl"), (True, "pdl"), (False, "no_pdl_again")):
+                pdl.ENABLED = on
+                columns[f"{name}_graph_us"] = common.torch_graph_us(shape.torch_step, calls=LOOP_CALLS,
+                                                                    smoke=self.smoke)
+                columns[f"{name}_eager_wall_us"] = common.torch_wall_us(shape.torch_step, smoke=self.smoke)
+        finally:
+            pdl.ENABLED = enabled
         return columns
 
     def graph_wall_us(self, shape: Shape) -> float | None:
@@ -476,6 +500,7 @@ def main():
                    help="also measure JAX with each of these Triton lowerings (default: legacy and ffi where "
                         "available; jax-triton: jax-triton's own lowering, the fallback)")
     p.add_argument("--skip-compile", action="store_true", help="leave out the torch.compile columns (slow to build)")
+    p.add_argument("--skip-jax", action="store_true", help="leave out the JAX columns")
     p.add_argument("--unfused", action="store_true",
                    help="the step's stage 2 and index-query RoPE as separate launches (StepTuning.fuse_stages off)")
     p.add_argument("--unfused-selection", action="store_true",
@@ -483,6 +508,8 @@ def main():
                         "step_unfused-selection.json)")
     p.add_argument("--topk-path", choices=TOPK_PATHS, default="auto",
                    help="force the selection's top-k path (TopkTuning.path; results in step_topk-<path>.json)")
+    p.add_argument("--pdl-paths", action="store_true",
+                   help="also the step's graph us and eager wall with programmatic dependent launch off and on")
     p.add_argument("--merge-paths", action="store_true",
                    help="also time the step with the attention's split-K merged in its launch and by a merge "
                         "launch (AttentionTuning.fused_merge forced each way): fused_merge_* and merge_launch_* "
@@ -523,7 +550,9 @@ def run(args, fp8: bool) -> None:
     batches, contexts = (SMOKE_BATCHES, SMOKE_CONTEXTS) if args.smoke else (BATCHES, CONTEXTS)
     runner = Runner(args.smoke, fp8, tuple(args.jax_lowerings))
     runner.skip_compile = args.skip_compile
+    runner.skip_jax = args.skip_jax
     runner.merge_paths = args.merge_paths
+    runner.pdl_paths = args.pdl_paths
     rows = []
     chosen = None
     if args.shapes and not args.smoke:  # decode:B:L entries only (a step decodes one row a request)
@@ -554,6 +583,9 @@ def run(args, fp8: bool) -> None:
                  for kind in ("wall", "loop", "device")),
                "dense_graph_us", "jax_over_torch_device", "jax_wall_over_torch_graph",
                "compile_graph_over_graph", "dense_over_qsa"]
+    if args.pdl_paths:
+        columns[columns.index("torch_graph_us") + 1:1] = [
+            f"{name}_{kind}" for name in ("no_pdl", "pdl", "no_pdl_again") for kind in ("graph_us", "eager_wall_us")]
     if args.merge_paths:
         columns[columns.index("torch_graph_us") + 1:1] = [
             "fused_merge_launches", "fused_merge_graph_us", "merge_launch_launches", "merge_launch_graph_us"]

@@ -35,8 +35,8 @@ the achieved bandwidth).  The summary gives median speedups over the grid.
 ``--register-sweep`` the register path's (``register_keys_per_thread`` x
 ``register_radix_bits``); ``--ticketed-sweep``
 the ticketed path's (``ticketed_slice`` x ``ticketed_warps`` x ``ticketed_bound``);
-``--ticketed-select`` the ticketed path's two selections (``ticketed_select``
-"last", and "shared" with 11- and 12-bit histograms) on the shapes where the
+``--ticketed-select`` the ticketed path's selections (``ticketed_select``
+"last", "shared" with 11- and 12-bit histograms, and "fitted") on the shapes where the
 plan takes the ticketed path or forced beside it (results/topk_ticketed_select.json).
 """
 
@@ -97,7 +97,8 @@ TICKETED_SWEEP_SHAPES = [(1, 8192), (1, 32768), (8, 32768), (8, 131072)]
 TICKETED_SWEEP = dict(ticketed_slice=[2048, 4096], ticketed_warps=[4, 8], ticketed_bound=["scaled", "fixed"])
 TICKETED_SELECT_SHAPES = [(1, 8192), (1, 32768), (8, 32768), (64, 32768), (1, 131072), (8, 131072)]
 #: The variants of --ticketed-select (TopkTuning fields), the first the default.
-TICKETED_SELECTS = [dict(ticketed_select="last"), dict(ticketed_select="shared", ticketed_shared_bits=11),
+TICKETED_SELECTS = [dict(ticketed_select="fitted"), dict(ticketed_select="last"),
+                    dict(ticketed_select="shared", ticketed_shared_bits=11),
                     dict(ticketed_select="shared", ticketed_shared_bits=12)]
 
 
@@ -145,7 +146,7 @@ def main():
     parser.add_argument("--ticketed-sweep", action="store_true",
                         help="time the ticketed path's tuning instead of the grid")
     parser.add_argument("--ticketed-select", action="store_true",
-                        help="time the ticketed path's selections (last program, shared histogram) instead")
+                        help="time the ticketed path's selections (last program, shared histogram, fitted) instead")
     args = parser.parse_args()
     if args.ticketed_select:
         return sweep(args, "ticketed", TICKETED_SELECTS, TICKETED_SELECT_SHAPES, "topk_ticketed_select.json")

@@ -48,6 +48,7 @@ import triton.language as tl
 from . import runtime
 from .fp8 import bit_trick, widen_e4m3
 from .launch import ArrayInfo, Buffer, Launch, Program
+from .pdl import dependent, wait_for_previous_kernel
 from .stage import stage
 from .tickets import finish_ticket, publish, start_ticket, wait_for
 from .tuning import AttentionTuning
@@ -228,6 +229,7 @@ def _attend_split(
     tl.store(lse_ptr + at_split * lse_ss + row * lse_sr + heads, lse, mask=head_ok)
 
 
+@dependent
 @triton.jit
 def sparse_attention_partial_kernel(
     # inputs
@@ -255,6 +257,7 @@ def sparse_attention_partial_kernel(
     SAME_ROW_STRIDE: tl.constexpr,  # K and V rows share a stride: one slot offset for both
 ):
     """One (row, split, KV head) per program: the split's output (one split) or partial."""
+    wait_for_previous_kernel()
     _attend_split(
         q_ptr, k_cache_ptr, v_cache_ptr, token_indices_ptr, block_table_ptr, token_to_req_ptr, k_scale_ptr,
         v_scale_ptr, o_ptr, lse_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2),
@@ -327,6 +330,7 @@ def _merge_splits(
     tl.store(out_ptr + at, (merged / denominator).to(out_ptr.dtype.element_ty), mask=head_ok)
 
 
+@dependent
 @triton.jit
 def merge_splits_kernel(
     # inputs
@@ -340,12 +344,14 @@ def merge_splits_kernel(
     D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, CHUNKED_SPLITS: tl.constexpr,
 ):
     """The split-K merge, a launch of its own: one program per (row, head)."""
+    wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) + tl.arange(0, 1)
     _merge_splits(partial_out_ptr, partial_lse_ptr, out_ptr, row, heads, heads >= 0,
                   o_ss, o_sr, o_sh, lse_ss, lse_sr, 1, D, NUM_SPLITS, SPLIT_CHUNK, CHUNKED_SPLITS)
 
 
+@dependent
 @triton.jit
 def sparse_attention_fused_merge_kernel(
     # inputs
@@ -380,6 +386,7 @@ def sparse_attention_fused_merge_kernel(
     the fixed order 0..S-1: the merge launch's bits, whatever the schedule.
     The last merger to finish puts both counters back to zero.
     """
+    wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     tickets = tickets_ptr + row * tk_sr + kv_head * 2

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from .fp8 import quantise
 from .launch import ArrayInfo, Buffer, Launch, Program
+from .pdl import dependent, wait_for_previous_kernel
 from .stage import stage
 from .tuning import CompressTuning
 from .validate import FLOAT_DTYPES, FP8_DTYPE, INDEX_DTYPES, NONNEGATIVE_INT, POSITIVE_INT, Checker
@@ -166,6 +167,7 @@ def cache_rows(slot_mapping_ptr, rows, in_batch, num_slots, cache_sb, cache_sp, 
     return write, (slot // PAGE) * cache_sb + (slot % PAGE) * cache_sp
 
 
+@dependent
 @triton.jit
 def compress_groups_kernel(
     # inputs
@@ -188,6 +190,7 @@ def compress_groups_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
     RATIO: tl.constexpr, RING: tl.constexpr, HAS_ROPE_CACHE: tl.constexpr,
 ):
+    wait_for_previous_kernel()
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_batch = rows < R
     rows = rows.to(tl.int64)
@@ -232,6 +235,7 @@ def in_table(position, max_position):
     return (position >= 0) & (position < max_position)
 
 
+@dependent
 @triton.jit
 def store_cache_rows_kernel(
     # inputs
@@ -249,6 +253,7 @@ def store_cache_rows_kernel(
     QUANTISE: tl.constexpr,
     HAS_POSITIONS: tl.constexpr,  # rows whose position is outside [0, max_position) are skipped (the step)
 ):
+    wait_for_previous_kernel()
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_batch = rows < R
     rows = rows.to(tl.int64)

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from .launch import ArrayInfo, Buffer, Launch, Program
+from .pdl import dependent, wait_for_previous_kernel
 from .stage import stage
 from .rows import count_visible_blocks, row_request
 from .validate import NONNEGATIVE_INT, POSITIVE_INT, Checker
@@ -63,6 +64,7 @@ def expand_row_tile(block_row, position, length, out_row, cols,
     tl.store(out_row + cols, tl.where(keep, token, -1).to(tl.int32), mask=cols < WIDTH)
 
 
+@dependent
 @triton.jit
 def expand_kernel(
     block_indices_ptr,  # [rows of this launch, BLOCK_TOPK] int32/int64 (row stride bi_sr)
@@ -75,6 +77,7 @@ def expand_kernel(
     BLOCK_TOPK: tl.constexpr, RATIO: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     """Row ``row_begin + program_id(0)``; its block indices are row ``program_id(0)``."""
+    wait_for_previous_kernel()
     local = tl.program_id(0).to(tl.int64)
     row = row_begin + local
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)

@@ -17,12 +17,14 @@ import triton.language as tl
 from .compress import cache_rows, check_compress_groups, check_store_cache_rows, in_table, pool, window_start, windows
 from .fp8 import quantise
 from .launch import ArrayInfo, Buffer, Launch, Program
+from .pdl import dependent, wait_for_previous_kernel
 from .rope_cache import check_rope_rows, rope_cos_sin, rope_pairs, rope_query_heads, rotate
 from .stage import stage
 from .tuning import RopeCacheTuning
 from .validate import BOOL, NONNEGATIVE_INT, POSITIVE_INT, Checker
 
 
+@dependent
 @triton.jit
 def compress_rotate_store_kernel(
     # inputs
@@ -60,6 +62,7 @@ def compress_rotate_store_kernel(
     position is outside ``[0, max_row_position)`` (past the step's cos_sin)
     stores nothing: no compressed key, no ring slot.
     """
+    wait_for_previous_kernel()
     program = tl.program_id(0)
     i, d_a, d_b, freq_a, freq_b = rope_pairs(D, F, IS_NEOX)
     if program == 0:

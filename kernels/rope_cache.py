@@ -20,6 +20,7 @@ import triton.language as tl
 
 from .fp8 import quantise
 from .launch import ArrayInfo, Buffer, Launch, Program
+from .pdl import dependent, wait_for_previous_kernel
 from .stage import stage, when
 from .tuning import RopeCacheTuning
 from .validate import BOOL, FLOAT_DTYPES, FP8_DTYPE, INDEX_DTYPES, Checker
@@ -149,6 +150,7 @@ def _to_cache(x, scale_ptr, dtype: tl.constexpr, FP8_CACHE: tl.constexpr):
     return stored
 
 
+@dependent
 @triton.jit
 def rope_cache_kernel(
     # inputs
@@ -183,6 +185,7 @@ def rope_cache_kernel(
     FP8_CACHE: tl.constexpr,  # fp8 e4m3 caches, k_scale and v_scale given: fp8.quantise
     K_DX: tl.constexpr, K_PX: tl.constexpr, V_DX: tl.constexpr, V_PX: tl.constexpr,
 ):
+    wait_for_previous_kernel()
     t = tl.program_id(0).to(tl.int64)
     head_tile = tl.program_id(1)
     is_query_tile = head_tile < NUM_Q_TILES
@@ -467,6 +470,7 @@ def check_rope_rows(check: Checker, x: ArrayInfo, positions: ArrayInfo, cos_sin:
     return check_cos_sin(check, "cos_sin", cos_sin, x.dtype, d)
 
 
+@dependent
 @triton.jit
 def rope_rows_kernel(
     x_ptr,  # [R, H, D] bf16/fp16/fp32
@@ -476,6 +480,7 @@ def rope_rows_kernel(
     max_position, x_sr, x_sh, cs_sr, pos_sr, o_sr, o_sh,
     D: tl.constexpr, F: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr, IS_NEOX: tl.constexpr,
 ):
+    wait_for_previous_kernel()
     # Stage 1's query tiles, without the KV tile: the same helpers, so the same bits.
     t = tl.program_id(0).to(tl.int64)
     head_tile = tl.program_id(1)

@@ -24,6 +24,7 @@ import triton.language as tl
 from . import runtime
 from .fp8 import bit_trick, in_registers, widen_e4m3
 from .launch import ArrayInfo, Buffer, Launch, Program
+from .pdl import dependent, wait_for_previous_kernel
 from .stage import stage
 from .rows import count_visible_blocks, row_request
 from .tuning import SelectTuning
@@ -149,6 +150,7 @@ def _score_row(q_ptr, k_cache_ptr, page_table_ptr, token_to_req_ptr, query_posit
     tl.store(logits_ptr + local_row.to(tl.int64) * lg_sr + cols, scores, mask=cols < num_columns)
 
 
+@dependent
 @triton.jit
 def scores_kernel(
     # inputs
@@ -171,6 +173,7 @@ def scores_kernel(
     UPCAST: tl.constexpr, FP8_KEYS: tl.constexpr, BIT_TRICK: tl.constexpr, IN_REGISTERS: tl.constexpr,
 ):
     """Rows ``row_begin + [0, num_rows)``; their logits and visible rows are local (0-based)."""
+    wait_for_previous_kernel()
     if FP8_KEYS:
         # keys = stored * k_scale > 0, and relu(k_scale * x) = k_scale * relu(x).
         score_divisor = score_divisor / tl.load(k_scale_ptr).to(tl.float32)
@@ -279,6 +282,7 @@ def _score_tile(q, keys, present, logits_row, col_start, lane, num_columns, scor
              mask=lane < num_columns - col_start)
 
 
+@dependent
 @triton.jit
 def scores_rows_kernel(
     # inputs (scores_kernel's)
@@ -305,6 +309,7 @@ def scores_rows_kernel(
     successor's keys are hinted into L2 (one ``prefetch.global.L2`` a thread and tile), so
     that the DRAM reads of the next tile overlap this tile's work.
     """
+    wait_for_previous_kernel()
     if FP8_KEYS:
         # keys = stored * k_scale > 0, and relu(k_scale * x) = k_scale * relu(x).
         score_divisor = score_divisor / tl.load(k_scale_ptr).to(tl.float32)

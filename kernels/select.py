@@ -28,6 +28,7 @@ import triton.language as tl
 
 from .expand import EXPAND_OPTIONS, check_token_topk, expand_launches, expand_row_tile, expand_tiling
 from .launch import ArrayInfo, Buffer, Launch, Program
+from .pdl import dependent, wait_for_previous_kernel
 from .stage import stage
 from .rows import count_visible_blocks, row_request
 from .score import (SCALE_DOC, SCORES_DOC_ARGS, SCORING_OPTIONS, check_key_scale, check_scoring, exact_dot,
@@ -67,6 +68,7 @@ def _visible_width(token_to_req_ptr, query_positions_ptr, sequence_lengths_ptr, 
     return tl.minimum(count_visible_blocks(position, length, RATIO), num_columns).to(tl.int32)
 
 
+@dependent
 @triton.jit
 def select_fused_kernel(
     # inputs
@@ -97,7 +99,7 @@ def select_fused_kernel(
     K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr, GROUPS: tl.constexpr,
     REGION: tl.constexpr, CAND_TILE: tl.constexpr, COUNTS_TILE: tl.constexpr,
     BITS: tl.constexpr, BOUND_PASSES: tl.constexpr, SCALED: tl.constexpr, PAD_TILE: tl.constexpr,
-    STATE: tl.constexpr, SHARED_BITS: tl.constexpr, SHARED_PASSES: tl.constexpr,
+    STATE: tl.constexpr, SHARED_BITS: tl.constexpr, FITTED_PASSES: tl.constexpr,
     WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     """Score, select and expand row ``row_begin + program_id(0)`` by its
@@ -106,6 +108,7 @@ def select_fused_kernel(
     Roles by start ticket, as in ``topk_ticketed_kernel``: a program waits
     only for programs that started before it, so no schedule deadlocks.
     """
+    wait_for_previous_kernel()
     local = tl.program_id(0).to(tl.int64)
     row = row_begin + local
     tickets = state_ptr + local * STATE
@@ -141,7 +144,7 @@ def select_fused_kernel(
                                        cand_key_ptr + local * (SLICES * REGION),
                                        cand_col_ptr + local * (SLICES * REGION), blocks_row, width, slice_id,
                                        K, SLICES, SLICE, GROUPS, REGION, CAND_TILE, COUNTS_TILE, BITS,
-                                       BOUND_PASSES, SCALED, PAD_TILE, STATE, SHARED_BITS, SHARED_PASSES):
+                                       BOUND_PASSES, SCALED, PAD_TILE, STATE, SHARED_BITS, FITTED_PASSES):
             tl.debug_barrier()  # the blocks every thread wrote, visible to every thread
             # (Loaded again here: not held in registers through the selection.)
             _request, _request_ok, length = row_request(token_to_req_ptr, sequence_lengths_ptr, row, True,

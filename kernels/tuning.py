@@ -346,7 +346,14 @@ class TopkTuning:
     ticketed_bound_passes: int = 1
     #: How the ticketed path (and the fused selection) finds the k-th largest
     #: candidate: "last" (the last compaction program's radix passes over all
-    #: the row's candidates, ``radix_bits`` a pass; timed: the default) or
+    #: the row's candidates, ``radix_bits`` a pass, fixed digits from the top
+    #: bit), "fitted" (the same passes with digits of ``key - L`` fitted to
+    #: the candidates' span ``[L, T]`` from the first pass, as "shared" fits
+    #: its later ones: fewer passes where the span straddles a fixed digit's
+    #: boundary; the default, faster at every timed shape, ``bench_topk.py
+    #: --ticketed-select``, 2026-12-02, µs last / fitted: 1 x 8192 16.1 / 14.4,
+    #: 1 x 32768 16.3 / 15.9, 8 x 32768 19.4 / 19.2, 64 x 32768 46.0 / 45.5,
+    #: 1 x 131072 21.7 / 20.4, 8 x 131072 32.4 / 30.9) or
     #: "shared" (every compaction program counts its own candidates, keys >=
     #: the bound L, into one histogram per row of ``2**ticketed_shared_bits``
     #: digits of ``key - L`` fitted to the candidates' span ``[L, T]``, by
@@ -355,8 +362,9 @@ class TopkTuning:
     #: digits fitted to that digit's range only while its keys are not yet
     #: resolved: often none).  Bit for bit the same selection, but slower on the
     #: H200 where it matters (``bench_topk.py --ticketed-select``: 1 x 32768,
-    #: k 512, 18.1 us against 16.4; docs/performance.md), so not the default.
-    ticketed_select: str = "last"
+    #: k 512, 17.9 us against 16.3 for "last"; docs/performance.md).  All
+    #: three select the same columns, bit for bit.
+    ticketed_select: str = "fitted"
     ticketed_shared_bits: int = 11
 
     def __post_init__(self):
@@ -407,7 +415,7 @@ TOPK_PATHS = ("auto", "register", "row", "ticketed", "sliced")
 #: The values of ``TopkTuning.ticketed_bound``.
 TICKETED_BOUNDS = ("scaled", "fixed")
 #: The values of ``TopkTuning.ticketed_select``.
-TICKETED_SELECTS = ("last", "shared")
+TICKETED_SELECTS = ("last", "shared", "fitted")
 
 
 @_tuning_value

@@ -26,7 +26,10 @@ What the key holds, per call (``triton/runtime/jit.py`` and
 * the device (``JITFunction.device_caches[device]``: one compiled kernel, and
   one loaded CUfunction, per device);
 * ``num_warps``, ``num_stages``, the debug flag and the instrumentation mode
-  (``run`` puts them in ``options``, part of ``compute_cache_key``);
+  (``run`` puts them in ``options``, part of ``compute_cache_key``), and
+  ``launch_pdl``, which this module passes itself: on for the kernels
+  :mod:`qsa_kernels.pdl` marks, on sm_90 and later, while ``pdl.ENABLED``
+  (a function of the kernel, the device and :func:`environment`);
 * per kernel parameter, in signature order:
   - tensor: its dtype (the pointer type ``*bf16``, ``*fp8e4nv``...) and whether
     ``data_ptr() % 16 == 0`` (``handle_tensor``: attribute ``D``,
@@ -69,7 +72,7 @@ from triton import knobs as _knobs
 from triton.knobs import HookChain as _HookChain
 from triton.runtime.jit import JITFunction
 
-from qsa_kernels import runtime
+from qsa_kernels import pdl, runtime
 
 from ._internals import switch
 
@@ -325,7 +328,7 @@ def environment():
        getattr(runtime_knobs, "add_stages_inspection_hook", None) is not None:
         return None
     return (runtime_knobs.debug, compilation.instrumentation_mode,
-            getattr(compilation, "fpsan_homomorphic_casts", None))
+            getattr(compilation, "fpsan_homomorphic_casts", None), pdl.ENABLED)
 
 
 def _launch_function(compiled):
@@ -348,19 +351,23 @@ def _launch_function(compiled):
 class FastLauncher:
     """Launches Triton kernels through cached bindings (see the module docstring).
 
-    ``interpreted``, ``get_device`` and ``get_stream`` default to this
-    process's choice (``qsa_kernels.runtime.INTERPRETED``) and Triton's own
-    driver functions; tests inject them to exercise the compiled path on CPU.
+    ``interpreted``, ``get_device``, ``get_stream`` and ``get_capability``
+    default to this process's choice (``qsa_kernels.runtime.INTERPRETED``),
+    Triton's own driver functions and torch's device capability; tests inject
+    them to exercise the compiled path on CPU.
     """
 
     def __init__(self, interpreted: bool | None = None,
                  get_device: Callable[[], int] | None = None,
                  get_stream: Callable[[int], int] | None = None,
-                 enabled: bool | None = None):
+                 enabled: bool | None = None,
+                 get_capability: Callable[[int], tuple[int, int]] | None = None):
         self.interpreted = runtime.INTERPRETED if interpreted is None else interpreted
         self.enabled = ENABLED if enabled is None else enabled
         self._get_device = get_device
         self._get_stream = get_stream
+        self._get_capability = get_capability or torch.cuda.get_device_capability
+        self._capabilities: dict = {}  # device -> its compute capability
         self._kernels: dict = {}  # id(kernel) -> _KernelBinding
         self.misses = 0  # first calls of a specialization (tests and benchmarks read it)
 
@@ -388,12 +395,17 @@ class FastLauncher:
         the launch went through (made on a first call), or ``None`` when it
         took the ordinary path.
         """
-        if self.interpreted or not self.enabled:
+        if self.interpreted:
             kernel[grid](*args, **scalars, **constexprs, num_warps=num_warps, num_stages=num_stages)
             return None
         get_device, get_stream = self._get_device, self._get_stream
         if get_device is None or get_stream is None:
             get_device, get_stream = self._driver_functions()
+        device = get_device()
+        early = self.early(kernel, device)
+        if not self.enabled:
+            self._slow(kernel, grid, args, scalars, constexprs, num_warps, num_stages, early)
+            return None
         state = self._kernels.get(id(kernel))
         if state is None:
             # Only plain JITFunctions (not autotuners, heuristics...): their run() is the one modelled here.
@@ -401,9 +413,8 @@ class FastLauncher:
             self._kernels[id(kernel)] = state
         process = environment()
         if process is None or state.__class__ is _Unbindable or kernel.pre_run_hooks or callable(grid):
-            self._slow(kernel, grid, args, scalars, constexprs, num_warps, num_stages)
+            self._slow(kernel, grid, args, scalars, constexprs, num_warps, num_stages, early)
             return None
-        device = get_device()
         try:
             site = (id(scalars), id(constexprs), len(args))
             named = state.named.get(site)
@@ -426,14 +437,14 @@ class FastLauncher:
             # does whatever Triton does with such arguments.  (Meta and fake tensors report
             # data_ptr() == 0 and would launch like kernel[grid] launches them: callers must
             # not launch on them.)
-            self._slow(kernel, grid, args, scalars, constexprs, num_warps, num_stages)
+            self._slow(kernel, grid, args, scalars, constexprs, num_warps, num_stages, early)
             return None
         if binding is None:
             tokens = _positional_tokens(dtypes, alignment, args) + list(named.tokens)
             return self._miss(state, key, tokens, [*args, *named.values], device, kernel, grid, args, scalars,
-                              constexprs, num_warps, num_stages)
+                              constexprs, num_warps, num_stages, early)
         if not binding.globals_unchanged():  # JITFunction.run raises when one has changed: let it
-            self._slow(kernel, grid, args, scalars, constexprs, num_warps, num_stages)
+            self._slow(kernel, grid, args, scalars, constexprs, num_warps, num_stages, early)
             return None
         size = len(grid)
         # launch_metadata and the hooks: None, as there are no hooks (checked above).
@@ -441,12 +452,25 @@ class FastLauncher:
                        *binding.leading, binding.packed_metadata, None, None, None, *args, *named.values)
         return binding
 
+    def early(self, kernel, device: int) -> bool:
+        """Whether ``kernel`` is launched on ``device`` with programmatic dependent launch
+        (:func:`qsa_kernels.pdl.launches_early`; the device's capability read once)."""
+        if not (pdl.ENABLED and pdl.waits(kernel)):
+            return False
+        capability = self._capabilities.get(device)
+        if capability is None:
+            capability = self._capabilities[device] = tuple(self._get_capability(device))
+        return pdl.launches_early(kernel, capability)
+
     @staticmethod
-    def _slow(kernel, grid, args, scalars, constexprs, num_warps, num_stages):
+    def _slow(kernel, grid, args, scalars, constexprs, num_warps, num_stages, early):
+        if early:
+            return kernel[grid](*args, **scalars, **constexprs, num_warps=num_warps, num_stages=num_stages,
+                                launch_pdl=True)
         return kernel[grid](*args, **scalars, **constexprs, num_warps=num_warps, num_stages=num_stages)
 
     def _miss(self, state, key, tokens, values, device, kernel, grid, args, scalars, constexprs,
-              num_warps, num_stages):
+              num_warps, num_stages, early):
         """First call of a specialization: launch the ordinary way, check our key, bind.
 
         A key that disagrees with Triton's binder (or a Triton whose internals
@@ -454,7 +478,7 @@ class FastLauncher:
         kernel takes the ordinary path from then on: the call itself already
         ran the ordinary way.
         """
-        compiled = self._slow(kernel, grid, args, scalars, constexprs, num_warps, num_stages)
+        compiled = self._slow(kernel, grid, args, scalars, constexprs, num_warps, num_stages, early)
         self.misses += 1
         if compiled is None or not hasattr(compiled, "packed_metadata"):
             return None  # a jit_cache_hook skipped compilation: nothing to bind

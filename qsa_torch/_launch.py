@@ -226,8 +226,12 @@ def build_kernel(launch: Launch, inputs: list, outputs: list) -> None:
     compiled kernel's ``run`` loads its module, which is where Triton raises
     ``OutOfResources`` for a kernel the device cannot hold.
     """
+    # The options its launches will take (launch_pdl among them), so that they find this build.
+    options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages)
+    if _fast_launch.launch.early(launch.kernel, torch.cuda.current_device()):
+        options["launch_pdl"] = True
     compiled = launch.kernel.warmup(*inputs, *outputs, **launch.scalars, **launch.constexprs, grid=launch.grid,
-                                    num_warps=launch.num_warps, num_stages=launch.num_stages)
+                                    **options)
     compiled.run  # noqa: B018  (loads the module)
 
 

@@ -251,6 +251,9 @@ CASES = {
     "topk/ticketed-decode-1-256k-k2048": _topk(1, 1 << 16, 2048),
     "topk/ticketed-4096-slices-1-1m-k512": _topk(1, 1 << 18, 512, path="ticketed", ticketed_slice=4096),
     "topk/ticketed-fixed-bound-1-128k-k512": _topk(1, 1 << 15, 512, ticketed_bound="fixed"),
+    # The last program's fixed-digit passes (the default fits them to the candidates' span).
+    "topk/ticketed-last-decode-1-128k-k512": _topk(1, 1 << 15, 512, ticketed_select="last"),
+    "topk/ticketed-last-decode-1-256k-k2048": _topk(1, 1 << 16, 2048, ticketed_select="last"),
     # The ticketed path's shared selection (TopkTuning.ticketed_select): 2048 counts (4096 with
     # 12 bits) in the last program's registers before the candidates', and the fitted passes.
     "topk/ticketed-shared-decode-1-128k-k512": _topk(1, 1 << 15, 512, ticketed_select="shared"),

@@ -650,3 +650,45 @@ def test_stale_binding_on_gpu_unaligned_then_aligned():
             torch.cuda.synchronize()
             assert torch.equal(target.view(-1, width), expected), offset
     assert launcher.misses >= 2
+
+
+# --------------------------------------------------------------------------
+# Programmatic dependent launch (qsa_kernels.pdl): launch_pdl on exactly the
+# marked kernels, on sm_90 on, while pdl.ENABLED
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("marked, capability, enabled, early", [
+    (True, (9, 0), True, True), (True, (10, 0), True, True), (True, (8, 9), True, False),
+    (False, (9, 0), True, False), (True, (9, 0), False, False)])
+def test_launch_pdl_exactly_for_marked_kernels_on_sm90(monkeypatch, marked, capability, enabled, early):
+    from qsa_kernels import pdl
+
+    h = Harness(kernels.EVERY_KIND, monkeypatch)
+    h.launcher = FastLauncher(interpreted=False, get_device=lambda: h.device_now, get_stream=lambda device: 7000,
+                              get_capability=lambda device: capability)
+    monkeypatch.setattr(pdl, "ENABLED", enabled)
+    if marked:
+        monkeypatch.setattr(kernels.EVERY_KIND, "qsa_waits_for_previous_kernel", True, raising=False)
+    call = every_kind_call()
+    h((2,), *call)
+    h((2,), *call)
+    assert h.counts() == (1, 1)
+    assert h.launcher.early(kernels.EVERY_KIND, 0) is early
+    # The compiled kernel the binding launches is the one compiled with launch_pdl (or without).
+    assert h.fast[0]["compiled"].options.get("launch_pdl", False) is early
+
+
+def test_pdl_switch_rebinds(monkeypatch):
+    """pdl.ENABLED is part of the launcher's environment: flipping it never reuses the other's binding."""
+    from qsa_kernels import pdl
+
+    h = Harness(kernels.EVERY_KIND, monkeypatch)
+    h.launcher = FastLauncher(interpreted=False, get_device=lambda: 0, get_stream=lambda device: 7000,
+                              get_capability=lambda device: (9, 0))
+    monkeypatch.setattr(kernels.EVERY_KIND, "qsa_waits_for_previous_kernel", True, raising=False)
+    call = every_kind_call()
+    for enabled in (True, False, True, False):
+        monkeypatch.setattr(pdl, "ENABLED", enabled)
+        h((2,), *call)
+    assert h.counts() == (2, 2)
+    assert [f["compiled"].options.get("launch_pdl", False) for f in h.fast] == [True, False]

@@ -373,6 +373,8 @@ def test_fused_selection_default_tuning(integer, token_topk):
     ("shared", tuning.TopkTuning(path="ticketed", ticketed_slice=64, ticketed_select="shared"), 64),
     ("shared_4_bits", tuning.TopkTuning(path="ticketed", ticketed_slice=32, ticketed_select="shared",
                                         ticketed_shared_bits=4), 160),
+    # The last program's passes with digits fitted to the candidates' span.
+    ("fitted", tuning.TopkTuning(path="ticketed", ticketed_slice=64, ticketed_select="fitted"), 64),
 ])
 @pytest.mark.parametrize("integer", [False, True])
 def test_fused_selection_branches(name, topk, token_topk, integer):
@@ -388,7 +390,7 @@ def test_fused_selection_chunks_reuse_the_state():
                                        topk=tuning.TopkTuning(path="ticketed", ticketed_slice=64))
 
 
-@pytest.mark.parametrize("select", ["last", "shared"])
+@pytest.mark.parametrize("select", ["last", "shared", "fitted"])
 def test_ticketed_chunks_reuse_the_state_every_row_long(select):
     """Six long rows, two a chunk (three chunks), exact scores: each chunk's launch, the fused
     one and the three launches' top-k, finds the tickets, maxima and (``ticketed_select =
@@ -457,24 +459,25 @@ def test_fused_selection_production(columns, fp8, integer):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("selection", ["shared", "fitted"])
 @pytest.mark.parametrize("columns, fp8", [(32768, False), (131072, False), (32768, True)])
-def test_fused_selection_shared_production(columns, fp8):
-    """The fused selection with the top-k's shared selection
-    (``TopkTuning.ticketed_select = "shared"``) at production geometry: the
-    three launches' bits, torch = JAX, the default selection's bits, and the
-    same bits over repeated runs."""
+def test_fused_selection_shared_production(columns, fp8, selection):
+    """The fused selection with the top-k's shared and fitted selections
+    (``TopkTuning.ticketed_select``) at production geometry: the three
+    launches' bits, torch = JAX, the default selection's bits, and the same
+    bits over repeated runs."""
     case = long_decode_case(52, columns=columns, heads=4, dim=128)
     options = {}
     if fp8:
         case["k_cache"] = (case["k_cache"].float() / 0.05).to(torch.float8_e4m3fn)
         options["k_scale"] = torch.tensor(0.05, dtype=torch.float32, device=DEVICE)
     select = tuning.SelectTuning(fused_max_columns=columns)
-    shared = tuning.TopkTuning(ticketed_select="shared")
+    shared = tuning.TopkTuning(ticketed_select=selection)
     tokens = assert_fused_equals_three_launches(case, 2048, max_columns=columns, topk=shared,
                                                 score_columns=select.fused_score_columns, **options)
     with tuning.override(select=select):
         default = qsa_torch.select_paged_tokens(**case, token_topk=2048, compress_ratio=4, **options)
-    assert np.array_equal(host(default), tokens), "shared vs last selection"
+    assert np.array_equal(host(default), tokens), f"{selection} vs last selection"
     for _ in range(10):
         with tuning.override(select=select, topk=shared):
             again = qsa_torch.select_paged_tokens(**case, token_topk=2048, compress_ratio=4, **options)

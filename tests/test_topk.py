@@ -418,7 +418,7 @@ def _fitted_shift(span: int, bits: int) -> int:
     return max(int(np.frexp(np.float32(span))[1]) - bits, 0)
 
 
-def shared_passes(values: np.ndarray, k: int, launch) -> int | None:
+def fitted_passes(values: np.ndarray, k: int, launch) -> int | None:
     """How many radix passes the last program of the shared selection runs
     after the shared histogram's digit, recomputed from the definition
     (digits of ``key - lo`` fitted to the range, from ``[bound, top]``;
@@ -441,7 +441,7 @@ def shared_passes(values: np.ndarray, k: int, launch) -> int | None:
         in_range = int(np.sum((candidates >= new_lo) & (candidates <= new_hi)))
         lo, hi, passes, bits = new_lo, new_hi, passes + 1, c["BITS"]
         if in_range == remaining or lo == hi:
-            assert passes <= c["SHARED_PASSES"]
+            assert passes <= c["FITTED_PASSES"]
             return passes
 
 
@@ -458,15 +458,17 @@ def adjacent_case(columns=200, rows=3, k=60):
 
 
 def check_shared_equals_last(logits, visible, k, **fields):
-    """The shared selection against the reference (both adapters, check_topk), and bitwise
-    equal to the last program's passes (``fields``: the rest of the ticketed tuning)."""
+    """The shared and the fitted selections against the reference (both adapters, check_topk),
+    and bitwise equal to the last program's fixed passes (``fields``: the rest of the ticketed
+    tuning)."""
     outs = {}
-    for select in ("last", "shared"):
+    for select in ("last", "shared", "fitted"):
         with retuned(path="ticketed", ticketed_select=select, **fields):
-            if select == "shared":
+            if select != "last":
                 check_topk(logits, visible, k)
             outs[select] = qsa_torch.topk_blocks(logits.to(DEVICE), visible.to(DEVICE), k)
-    assert_bitwise_equal(outs["last"], outs["shared"], "ticketed top-k: shared vs last selection")
+    for select in ("shared", "fitted"):
+        assert_bitwise_equal(outs["last"], outs[select], f"ticketed top-k: {select} vs last selection")
 
 
 @pytest.mark.parametrize("kind, k, bits, passes", [
@@ -490,9 +492,9 @@ def test_ticketed_shared_selection_branches(kind, k, bits, passes):
     with retuned(path="ticketed", ticketed_slice=16, ticketed_select="shared", ticketed_shared_bits=bits):
         (launch,) = plan(3, logits.shape[1], k).launches
     c = launch.constexprs
-    assert c["SHARED_BITS"] == bits and c["SHARED_PASSES"] == -(-(33 - bits) // 8)
+    assert c["SHARED_BITS"] == bits and c["FITTED_PASSES"] == -(-(33 - bits) // 8)
     assert c["STATE"] == 4 + c["GROUPS"] + (1 << bits) and launch.grid == (3, 2 * 13)
-    assert shared_passes(host(logits[0]), k, launch) == passes
+    assert fitted_passes(host(logits[0]), k, launch) == passes
     check_shared_equals_last(logits, torch.tensor([200, 150, 77], dtype=torch.int32), k,
                              ticketed_slice=16, ticketed_shared_bits=bits)
 
@@ -632,14 +634,19 @@ def test_tuning_reaches_the_row_plan():
     # Past ticketed_max_slices a row, slices widen (to 4096 columns).
     (launch,) = plan(4, 16384, 64, TopkTuning(ticketed_max_slices=2)).launches
     assert launch.constexprs["SLICE"] == 4096 and launch.grid == (4, 2 * 4)
-    # The ticketed selection: the last program's passes (no histogram in the state), or shared.
+    # The ticketed selection: the last program's fitted passes (the default; no histogram in the
+    # state), its fixed passes ("last"), or shared.
     (launch,) = plan(4, 16384, 64).launches
-    assert launch.constexprs["SHARED_BITS"] == 0 and launch.constexprs["STATE"] == 4 + launch.constexprs["GROUPS"]
+    assert launch.constexprs["SHARED_BITS"] == 0 and launch.constexprs["FITTED_PASSES"] == 5  # 33 bits, 8 a pass
+    assert launch.constexprs["STATE"] == 4 + launch.constexprs["GROUPS"]
+    (launch,) = plan(4, 16384, 64, TopkTuning(ticketed_select="last")).launches
+    assert launch.constexprs["SHARED_BITS"] == 0 and launch.constexprs["FITTED_PASSES"] == 0
+    assert launch.constexprs["STATE"] == 4 + launch.constexprs["GROUPS"]
     (launch,) = plan(4, 16384, 64, TopkTuning(ticketed_select="shared")).launches
-    assert launch.constexprs["SHARED_BITS"] == 11 and launch.constexprs["SHARED_PASSES"] == 3
+    assert launch.constexprs["SHARED_BITS"] == 11 and launch.constexprs["FITTED_PASSES"] == 3
     assert launch.constexprs["STATE"] == 4 + launch.constexprs["GROUPS"] + 2048 and launch.num_warps == 8
     program = plan(4, 16384, 64, TopkTuning(ticketed_select="shared", ticketed_shared_bits=12, radix_bits=4))
-    assert program.launches[0].constexprs["SHARED_PASSES"] == 6  # 21 bits left, 4 a pass
+    assert program.launches[0].constexprs["FITTED_PASSES"] == 6  # 21 bits left, 4 a pass
     assert {b.name: b.info.shape for b in program.buffers}["topk_state"] == (4, 4 + 128 + 4096)
     with tuning.override(topk=TopkTuning(path="sliced")):
         assert kernels(plan(32, 16384, 64))[0] == "topk_group_max_kernel"

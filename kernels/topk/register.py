@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ..launch import Launch
+from ..pdl import dependent, wait_for_previous_kernel
 from ..tuning import TopkTuning
 from .common import kth_largest_between, order_key, pad, place_tile, row_width
 
@@ -30,6 +31,7 @@ from .common import kth_largest_between, order_key, pad, place_tile, row_width
 REGISTER_MAX_TILE = 16384
 
 
+@dependent
 @triton.jit
 def topk_register_kernel(
     logits_ptr,  # [rows, C] float32/bf16/fp16 (row stride lg_sr)
@@ -41,6 +43,7 @@ def topk_register_kernel(
     """The whole top-k of one row held in registers (module docstring,
     register path): one load, a radix select over the registers (BITS-bit
     histograms), one placement; no workspace.  TILE >= C (the plan makes sure)."""
+    wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     logits_row = logits_ptr + row * lg_sr
     cols = tl.arange(0, TILE)

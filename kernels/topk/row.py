@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ..launch import Buffer, Launch
+from ..pdl import dependent, wait_for_previous_kernel
 from ..tuning import TopkTuning
 from .common import (kth_largest_between, order_key, pad, place, place_tile, row_width, select_and_place,
                      topk_groups)
@@ -99,6 +100,7 @@ def _compact_at_least(logits_row, width, bound, cand_ptr, capacity, TILE: tl.con
     return count, above
 
 
+@dependent
 @triton.jit
 def topk_row_kernel(
     logits_ptr,  # [rows, C] float32/bf16/fp16 (row stride lg_sr)
@@ -118,6 +120,7 @@ def topk_row_kernel(
     held in registers.  Without BOUNDED, TILE covers the row (the plan
     makes sure: C <= G <= TILE).
     """
+    wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     width = row_width(visible_ptr, row, num_columns)
     logits_row = logits_ptr + row * lg_sr

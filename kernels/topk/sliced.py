@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ..launch import Buffer, Launch
+from ..pdl import dependent, wait_for_previous_kernel
 from ..tuning import TopkTuning
 from .common import kth_largest_resident, kth_largest_streamed, place, row_width, source, topk_groups
 
@@ -46,6 +47,7 @@ def _slice_counts(counts_ptr, row, slice_id, slices, MAX_SLICES: tl.constexpr):
             tl.sum(tl.where(before, above, 0), 0), tl.sum(tl.where(before, equal, 0), 0))
 
 
+@dependent
 @triton.jit
 def topk_group_max_kernel(
     logits_ptr,  # [rows, C] float32/bf16/fp16 (row stride lg_sr)
@@ -55,6 +57,7 @@ def topk_group_max_kernel(
     GROUPS: tl.constexpr, TILE: tl.constexpr,
 ):
     """Phase 1: maxima of the G strided groups over one slice of a row."""
+    wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     slice_id = tl.program_id(1)
     width = row_width(visible_ptr, row, num_columns)
@@ -71,6 +74,7 @@ def topk_group_max_kernel(
              maxima.to(tl.int32, bitcast=True))
 
 
+@dependent
 @triton.jit
 def topk_bound_kernel(
     logits_ptr,  # [rows, C] float32/bf16/fp16 (row stride lg_sr)
@@ -82,6 +86,7 @@ def topk_bound_kernel(
     K: tl.constexpr, GROUPS: tl.constexpr, TILE: tl.constexpr, BITS: tl.constexpr,
 ):
     """Phase 2: L = k-th largest group maximum; this slice's counts of keys > L and == L."""
+    wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     slice_id = tl.program_id(1)
     width = row_width(visible_ptr, row, num_columns)
@@ -110,6 +115,7 @@ def topk_bound_kernel(
         tl.store(bound_ptr + row, bound.to(tl.int32, bitcast=True))
 
 
+@dependent
 @triton.jit
 def topk_place_kernel(
     logits_ptr,  # [rows, C] float32/bf16/fp16 (row stride lg_sr)
@@ -123,6 +129,7 @@ def topk_place_kernel(
     K: tl.constexpr, TILE: tl.constexpr, MAX_SLICES: tl.constexpr,
 ):
     """Phase 3: write the selection if T == L, else compact keys > L into the candidates."""
+    wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     slice_id = tl.program_id(1)
     width = row_width(visible_ptr, row, num_columns)
@@ -141,6 +148,7 @@ def topk_place_kernel(
                cand_col_ptr + row * capacity, cand_key_ptr + row * capacity, TILE, True, True)
 
 
+@dependent
 @triton.jit
 def topk_finish_kernel(
     logits_ptr,  # [rows, C] float32/bf16/fp16 (row stride lg_sr)
@@ -156,6 +164,7 @@ def topk_finish_kernel(
 ):
     """Phase 4: when T > L, select among the candidates (or the whole row if
     they overflowed); then pad with -1."""
+    wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     width = row_width(visible_ptr, row, num_columns)
     above, _equal, _above_before, _equal_before = _slice_counts(counts_ptr, row, 0, slices, MAX_SLICES)

@@ -23,6 +23,12 @@ before it (docs/design.md, "Numerics and determinism").
 What bounds it (the last program's four histogram passes over ~1.4k
 candidates), from a timeline of one call: docs/performance.md.
 
+``TopkTuning.ticketed_select = "fitted"`` keeps that selection in the
+last program but fits its digits to the candidates' span ``[L, T]`` (T the
+largest maximum) from the first pass, as the bound's are: ``key - L`` in
+``radix_bits`` digits below the span's top bit, so no pass is spent on
+bits every candidate shares, however the span straddles a digit boundary.
+
 ``TopkTuning.ticketed_select = "shared"`` (SHARED_BITS > 0) spreads that
 selection over the compaction programs: each also counts its slice's
 candidates into one histogram per row, in the row's state after the maxima,
@@ -33,7 +39,7 @@ histogram, takes the digit holding the k-th largest (one reduction, no pass
 over the candidates), and only while that digit's keys are not resolved
 (one value, or exactly the keys left to take) runs ``radix_bits`` passes of
 digits fitted to the digit's range over the gathered candidates (at most
-SHARED_PASSES; at 11 bits on half-normal scores usually none or one).  The
+FITTED_PASSES; at 11 bits on half-normal scores usually none or one).  The
 threshold and equal count are the k-th largest's, so the placement, and the
 result, are those of the last program's passes bit for bit.  No program
 waits for more than before: the histogram is one more thing published by
@@ -49,6 +55,7 @@ import triton
 import triton.language as tl
 
 from ..launch import Buffer, Launch
+from ..pdl import dependent, wait_for_previous_kernel
 from ..tickets import finish_ticket, publish, start_ticket, wait_for
 from ..tuning import TopkTuning
 from .common import (digit_of_kth, kth_largest_between, order_key, pad, place, place_tile, row_width,
@@ -189,13 +196,16 @@ def _count_candidates(logits_row, histogram, first, width, bound, top, SLICE: tl
 def _ticketed_finish(logits_row, counts_row, cand_keys, cand_cols, histogram, out_row, width, bound, top,
                      K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr, REGION: tl.constexpr,
                      CAND_TILE: tl.constexpr, COUNTS_TILE: tl.constexpr, BITS: tl.constexpr,
-                     SHARED_BITS: tl.constexpr, SHARED_PASSES: tl.constexpr):
+                     SHARED_BITS: tl.constexpr, FITTED_PASSES: tl.constexpr):
     """The selection from every slice's candidates (keys >= bound, each
     slice's in its REGION of the buffers, in column order), held in
     registers; or, when they do not fit CAND_TILE, from the row itself.
     With SHARED_BITS, the k-th largest candidate's digit comes from the
     row's shared histogram (module docstring) and the radix passes run only
-    within that digit's range, while it is not resolved."""
+    within that digit's range, while it is not resolved; else with
+    FITTED_PASSES ("fitted") the passes' digits are fitted to ``[bound,
+    top]`` from the first, else ("last") they are the keys' fixed digits
+    from the top bit (those that bound and top share skipped)."""
     s = tl.arange(0, COUNTS_TILE)
     # (.cg: written by other programs of this launch.)
     at_least = tl.load(counts_row + s, mask=s < SLICES, other=0, cache_modifier=".cg")
@@ -230,7 +240,17 @@ def _ticketed_finish(logits_row, counts_row, cand_keys, cand_cols, histogram, ou
                                                                                                    bitcast=True)
             cols = tl.load(cand_cols + src, mask=idx < total, other=-1, cache_modifier=".cg")
             if total > K:
-                threshold, take_equal = _fitted_select(keys, remaining, lo, hi, done, SHARED_PASSES, BITS)
+                threshold, take_equal = _fitted_select(keys, remaining, lo, hi, done, FITTED_PASSES, BITS)
+            place_tile(keys, cols, cols >= 0, threshold, take_equal, zero, zero, out_row)
+        elif FITTED_PASSES > 0:
+            # ticketed_select "fitted": digits of key - L fitted to the candidates' span [L, T]
+            # from the first pass (unused entries as above: outside every fitted range).
+            keys = tl.load(cand_keys + src, mask=idx < total, other=-1, cache_modifier=".cg").to(tl.uint32,
+                                                                                                   bitcast=True)
+            cols = tl.load(cand_cols + src, mask=idx < total, other=-1, cache_modifier=".cg")
+            if total > K:
+                threshold, take_equal = _fitted_select(keys, zero + K, bound, top, (bound == top).to(tl.int32),
+                                                       FITTED_PASSES, BITS)
             place_tile(keys, cols, cols >= 0, threshold, take_equal, zero, zero, out_row)
         else:
             valid = idx < total
@@ -256,7 +276,7 @@ def ticketed_compact_and_select(logits_row, raw, cols, tickets, maxima, counts_r
                                 REGION: tl.constexpr, CAND_TILE: tl.constexpr, COUNTS_TILE: tl.constexpr,
                                 BITS: tl.constexpr, BOUND_PASSES: tl.constexpr, SCALED: tl.constexpr,
                                 PAD_TILE: tl.constexpr, STATE: tl.constexpr, SHARED_BITS: tl.constexpr,
-                                SHARED_PASSES: tl.constexpr):
+                                FITTED_PASSES: tl.constexpr):
     """Steps 2 and 3 of the ticketed path for slice ``slice_id`` (its keys
     ``raw`` at columns ``cols``), once the group maxima are all folded.
     Returns whether this program was the row's last: it selected into
@@ -297,7 +317,7 @@ def ticketed_compact_and_select(logits_row, raw, cols, tickets, maxima, counts_r
     last = finish_ticket(tickets + 2) == SLICES - 1
     if last:
         _ticketed_finish(logits_row, counts_row, cand_keys, cand_cols, histogram, out_row, width, bound, top,
-                         K, SLICES, SLICE, REGION, CAND_TILE, COUNTS_TILE, BITS, SHARED_BITS, SHARED_PASSES)
+                         K, SLICES, SLICE, REGION, CAND_TILE, COUNTS_TILE, BITS, SHARED_BITS, FITTED_PASSES)
         pad(out_row, tl.minimum(width, K), K, PAD_TILE)
         # Every program of the row has started and is past its waits:
         # the state is free again (select_paged_tokens' chunks reuse it).
@@ -314,6 +334,7 @@ def ticketed_compact_and_select(logits_row, raw, cols, tickets, maxima, counts_r
     return last
 
 
+@dependent
 @triton.jit
 def topk_ticketed_kernel(
     logits_ptr,  # [rows, C] float32/bf16/fp16 (row stride lg_sr)
@@ -330,7 +351,7 @@ def topk_ticketed_kernel(
     K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr, GROUPS: tl.constexpr,
     REGION: tl.constexpr, CAND_TILE: tl.constexpr, COUNTS_TILE: tl.constexpr,
     BITS: tl.constexpr, BOUND_PASSES: tl.constexpr, SCALED: tl.constexpr, PAD_TILE: tl.constexpr,
-    STATE: tl.constexpr, SHARED_BITS: tl.constexpr, SHARED_PASSES: tl.constexpr,
+    STATE: tl.constexpr, SHARED_BITS: tl.constexpr, FITTED_PASSES: tl.constexpr,
 ):
     """The whole top-k of one row by its 2 x SLICES programs (module
     docstring, ticketed path).
@@ -343,6 +364,7 @@ def topk_ticketed_kernel(
     schedules them, and Triton's interpreter (programs one after another)
     finds every wait already met.
     """
+    wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     tickets = state_ptr + row * STATE
     maxima = (tickets + 4).to(tl.pointer_type(tl.uint32))
@@ -362,7 +384,7 @@ def topk_ticketed_kernel(
                                     cand_key_ptr + row * (SLICES * REGION), cand_col_ptr + row * (SLICES * REGION),
                                     out_ptr + row * K, width, slice_id, K, SLICES, SLICE, GROUPS, REGION,
                                     CAND_TILE, COUNTS_TILE, BITS, BOUND_PASSES, SCALED, PAD_TILE, STATE,
-                                    SHARED_BITS, SHARED_PASSES)
+                                    SHARED_BITS, FITTED_PASSES)
 
 
 def ticketed_layout(columns: int, k: int, tuning: TopkTuning, widest_slice: int = 4096) -> tuple[dict, int]:
@@ -388,17 +410,18 @@ def ticketed_layout(columns: int, k: int, tuning: TopkTuning, widest_slice: int 
     # The scaled bound needs k maxima (fewer: the fixed radix's bound is 0, as it must be).
     scaled = tuning.ticketed_bound == "scaled" and groups >= k
     # The shared histogram's digits (0: the last program's radix passes), and
-    # the passes of radix_bits that resolve what remains of any span: one of
-    # up to 33 bits (a float32 exponent rounds up) leaves at most
-    # 33 - shared bits, and each pass takes radix_bits more.
+    # the passes of radix_bits fitted to a range that resolve what remains of
+    # any span: one of up to 33 bits (a float32 exponent rounds up) leaves at
+    # most 33 - shared bits, and each pass takes radix_bits more ("fitted":
+    # from the whole span; "last": 0, the fixed digits from the top bit).
     shared_bits = tuning.ticketed_shared_bits if tuning.ticketed_select == "shared" else 0
-    shared_passes = -(-(33 - shared_bits) // tuning.radix_bits) if shared_bits else 0
+    fitted_passes = 0 if tuning.ticketed_select == "last" else -(-(33 - shared_bits) // tuning.radix_bits)
     constexprs = dict(K=k, SLICES=slices, SLICE=slice_columns, GROUPS=groups, REGION=region, CAND_TILE=cand_tile,
                       COUNTS_TILE=triton.next_power_of_2(slices), BITS=tuning.radix_bits,
                       BOUND_PASSES=tuning.ticketed_bound_passes if scaled else tuning.bound_passes, SCALED=scaled,
                       PAD_TILE=min(1024, triton.next_power_of_2(k)),
                       STATE=4 + groups + ((1 << shared_bits) if shared_bits else 0), SHARED_BITS=shared_bits,
-                      SHARED_PASSES=shared_passes)
+                      FITTED_PASSES=fitted_passes)
     return constexprs, least_warps
 
 
