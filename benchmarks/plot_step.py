@@ -4,9 +4,9 @@
 
 One panel per batch size; log-log axes.  ``--overlay`` draws the points of
 later runs (of some shapes only) over the lines as stars, labelled with their
-file.  With no arguments it redraws the committed figure: step.json's grid,
-with step_128k.json (this release's run at 128K, the figures the README
-cites) over it.  Needs matplotlib (not a test dependency).
+file.  With no arguments it redraws the committed figure: step.json's grid
+(the latest full run, the figures the README cites).  Needs matplotlib (not
+a test dependency).
 """
 
 from __future__ import annotations
@@ -84,6 +84,6 @@ if __name__ == "__main__":
     arguments = parser.parse_args()
     source = arguments.source or os.path.join(RESULTS, "step.json")
     overlays = arguments.overlay
-    if overlays is None:  # the committed figure: the grid and this release's 128K run
-        overlays = [os.path.join(RESULTS, "step_128k.json")] if arguments.source is None else []
+    if overlays is None:  # the committed figure: step.json's grid alone (the latest full run)
+        overlays = []
     plot(source, arguments.target or os.path.splitext(source)[0] + ".png", tuple(overlays))
