@@ -20,11 +20,9 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 import qsa_kernels
-import qsa_torch
 from qsa_kernels import pdl
-from qsa_kernels.paging import CacheGeometry, PagedRequests
 
-from .util import DEVICE, assert_bitwise_equal
+from .util import assert_bitwise_equal
 
 
 def _every_kernel():
@@ -80,40 +78,15 @@ def test_launches_early_on_sm90_only_while_enabled(monkeypatch, capability, expe
     assert not pdl.launches_early(JITFunction(_loads_first), capability)
 
 
-def _production_step():
-    """A 4-request decode step at production heads (24 Q / 2 KV x d256, indexer 4 x d128, top
-    2048 tokens), after a prefill that fills ~650 compressed blocks a request: ``(run, state)``."""
-    from .test_step import Model, clone_state, random_inputs, random_state, rope_table
-
-    model = Model()
-    model.QH, model.KH, model.D, model.IH, model.DI, model.token_topk = 24, 2, 256, 4, 128, 2048
-    model.index_dtype = torch.bfloat16
-    geometry = CacheGeometry(page_size=64, num_pages=256, compress_ratio=4, compressed_page_size=64,
-                             num_compressed_pages=64, max_context=4096, max_requests=8)
-    g = torch.Generator().manual_seed(3)
-    pager = PagedRequests(geometry, seed=3)
-    cs, ics = rope_table(model.D, 4096), rope_table(model.DI, 4096)
-    state = random_state(model, g, geometry)
-    meta = qsa_torch.StepMetadata.from_host(pager.step({r: 2600 + 37 * r for r in range(4)}), DEVICE)
-    _, state = qsa_torch.qsa_attention_step(**random_inputs(model, meta.positions.shape[0], g), state=state,
-                                            metadata=meta, cos_sin=cs, index_cos_sin=ics, **model.options())
-    meta = qsa_torch.StepMetadata.from_host(pager.step({r: 1 for r in range(4)}), DEVICE)
-    inputs = random_inputs(model, 4, g)
-
-    def run(state):
-        return qsa_torch.qsa_attention_step(**inputs, state=state, metadata=meta, cos_sin=cs, index_cos_sin=ics,
-                                            return_token_indices=True, **model.options())
-
-    return run, state, clone_state
-
-
 @pytest.mark.gpu
 def test_step_with_early_launches_equals_ordinary_launches(monkeypatch):
     """PDL off, then on: eager, and 20 CUDA-graph replays each from the same state, all the bits
     of the ordinary eager step; on sm_90 the step's launches were compiled with launch_pdl."""
     from qsa_torch import _fast_launch
 
-    run, state, clone = _production_step()
+    from .test_step import STATE_FIELDS, clone_state as clone, production_decode_step
+
+    _, state, _, _, _, _, run = production_decode_step(seed=3)
     monkeypatch.setattr(pdl, "ENABLED", False)
     ordinary_state = clone(state)
     expected = run(ordinary_state)
@@ -124,7 +97,7 @@ def test_step_with_early_launches_equals_ordinary_launches(monkeypatch):
     for a, b, name in zip(eager, expected, ("out", "state", "indices")):
         if name != "state":
             assert_bitwise_equal(a, b, f"eager {name}")
-    for name in ("key_cache", "value_cache", "compressor_state_cache", "compressed_key_cache"):
+    for name in STATE_FIELDS:
         assert_bitwise_equal(getattr(early_state, name), getattr(ordinary_state, name), f"eager {name}")
     capable = torch.cuda.get_device_capability() >= (9, 0)
     assert {e.kernel for e in events if _fast_launch.launch.early(e.launch.kernel, torch.cuda.current_device())} \
@@ -134,11 +107,11 @@ def test_step_with_early_launches_equals_ordinary_launches(monkeypatch):
     with torch.cuda.graph(graph):
         graphed_out, _, graphed_indices = run(graph_state)
     for replay in range(20):
-        for name in ("key_cache", "value_cache", "compressor_state_cache", "compressed_key_cache"):
+        for name in STATE_FIELDS:
             getattr(graph_state, name).copy_(getattr(state, name))
         graph.replay()
         torch.cuda.synchronize()
         assert_bitwise_equal(graphed_out, expected[0], f"replay {replay} out")
         assert_bitwise_equal(graphed_indices, expected[2], f"replay {replay} indices")
-        for name in ("key_cache", "value_cache", "compressor_state_cache", "compressed_key_cache"):
+        for name in STATE_FIELDS:
             assert_bitwise_equal(getattr(graph_state, name), getattr(ordinary_state, name), f"replay {replay} {name}")

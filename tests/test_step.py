@@ -427,6 +427,33 @@ def test_unverified_versions_fall_back_to_jax_tritons_lowering_with_the_same_bit
         assert_bitwise_equal(a, b, "topk")
 
 
+def production_decode_step(seed: int):
+    """24 Q / 2 KV heads x d256, indexer 4 x d128, ratio 4, pages of 64, top 2048 tokens: a prefill
+    chunk (~650 complete groups per request: the top 512 blocks are a real choice), then a
+    4-request decode step's arguments: ``(model, state, host metadata, inputs, cos_sin,
+    index_cos_sin, torch_step)``, ``torch_step(state)`` running the step eagerly on ``state``
+    (with the token indices)."""
+    model = Model(QH=24, KH=2, D=256, IH=4, DI=128, token_topk=2048, index_dtype=torch.bfloat16)
+    geometry = CacheGeometry(page_size=64, num_pages=256, compress_ratio=4, compressed_page_size=64,
+                             num_compressed_pages=64, max_context=4096, max_requests=8)
+    g = torch.Generator().manual_seed(seed)
+    pager = PagedRequests(geometry, seed=seed)
+    cs, ics = rope_table(model.D, 4096), rope_table(model.DI, 4096)
+    state = random_state(model, g, geometry)
+    meta = qsa_torch.StepMetadata.from_host(pager.step({r: 2600 + 37 * r for r in range(4)}), DEVICE)
+    _, state = qsa_torch.qsa_attention_step(**random_inputs(model, meta.positions.shape[0], g), state=state,
+                                            metadata=meta, cos_sin=cs, index_cos_sin=ics, **model.options())
+    host_meta = pager.step({r: 1 for r in range(4)})
+    meta = qsa_torch.StepMetadata.from_host(host_meta, DEVICE)
+    inputs = random_inputs(model, 4, g)
+
+    def torch_step(state):
+        return qsa_torch.qsa_attention_step(**inputs, state=state, metadata=meta, cos_sin=cs, index_cos_sin=ics,
+                                            return_token_indices=True, **model.options())
+
+    return model, state, host_meta, inputs, cs, ics, torch_step
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("lowering, ptx", [("legacy", "minified"), ("legacy", "full"), ("ffi", "minified"),
                                           ("ffi", "full"), ("jax-triton", "full")])
@@ -437,25 +464,8 @@ def test_production_geometry_graph_and_jax(lowering, ptx):
     updated in place) agree bitwise."""
     from qsa_jax import _triton_call
 
-    model = Model(QH=24, KH=2, D=256, IH=4, DI=128, token_topk=2048, index_dtype=torch.bfloat16)
-    geometry = CacheGeometry(page_size=64, num_pages=256, compress_ratio=4, compressed_page_size=64,
-                             num_compressed_pages=64, max_context=4096, max_requests=8)
-    g = torch.Generator().manual_seed(0)
-    pager = PagedRequests(geometry, seed=0)
-    cs, ics = rope_table(model.D, 4096), rope_table(model.DI, 4096)
-    state = random_state(model, g, geometry)
-    # ~650 complete groups per request: the top 512 blocks are a real choice.
-    meta = qsa_torch.StepMetadata.from_host(pager.step({r: 2600 + 37 * r for r in range(4)}), DEVICE)
-    _, state = qsa_torch.qsa_attention_step(**random_inputs(model, meta.positions.shape[0], g), state=state,
-                                            metadata=meta, cos_sin=cs, index_cos_sin=ics, **model.options())
+    model, state, host_meta, inputs, cs, ics, torch_step = production_decode_step(seed=0)
     jax_state = qsa_jax.QSAState(**{n: to_jax(getattr(state, n)) for n in STATE_FIELDS})
-    host_meta = pager.step({r: 1 for r in range(4)})
-    meta = qsa_torch.StepMetadata.from_host(host_meta, DEVICE)
-    inputs = random_inputs(model, 4, g)
-
-    def torch_step(state):
-        return qsa_torch.qsa_attention_step(**inputs, state=state, metadata=meta, cos_sin=cs, index_cos_sin=ics,
-                                            return_token_indices=True, **model.options())
 
     eager_state, graph_state = clone_state(state), clone_state(state)
     eager, _, eager_indices = torch_step(eager_state)
