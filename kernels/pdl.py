@@ -19,9 +19,10 @@ process, 2026-12-02): "exit" 36.9 / 37.6 at 1 request, 77.1 / 77.3-77.8 at
 8, 305.1 / 305.6-306.0 at 64, 973.4 / 975.8-977.7 at 256; "start" 37.9 /
 39.7-40.0, 80.5 / 78.9-79.0, 300.8 / 307.0-307.1, 970.7 / 973.9-978.7:
 larger gains, but slower at 8 requests, so "exit" is the default.  No
-arithmetic changes: the results are bitwise those of ordinary launches.  A kernel launched without the attribute (JAX's
-launches, ``QSA_PDL=0``) runs both instructions as no-ops; for GPUs before
-sm_90, and under the interpreter, they are not emitted.
+arithmetic changes: the results are bitwise those of ordinary launches.  A
+kernel launched without the attribute (JAX's launches, ``QSA_PDL=0``) runs
+the instructions as no-ops; for GPUs before sm_90, and under the
+interpreter, they are not emitted.
 
 :func:`dependent` marks a kernel that begins with the wait, and refuses one
 that does not: only marked kernels are launched early
@@ -37,7 +38,6 @@ import textwrap
 
 import triton
 import triton.language as tl
-
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.language.target_info import cuda_capability_geq
 
