@@ -707,7 +707,7 @@ def test_topk_tuning_is_checked():
                             (dict(ticketed_bound_passes=5), "TopkTuning: ticketed_bound_passes must be at most 32 "
                                                             "// radix_bits = 4, got 5"),
                             (dict(ticketed_select="all"), "TopkTuning: ticketed_select must be one of "
-                                                          "'last', 'shared', got 'all'"),
+                                                          "'last', 'shared', 'fitted', got 'all'"),
                             (dict(ticketed_shared_bits=13), "TopkTuning: ticketed_shared_bits must be from 4 to 12, "
                                                             "got 13"),
                             (dict(ticketed_shared_bits=3), "TopkTuning: ticketed_shared_bits must be from 4 to 12"),
