@@ -16,7 +16,8 @@ Per shape, CUDA-graph replay (device time, L2 warm), median µs per call:
   (``tuning.override`` of ``TopkTuning.path``), in the same run;
 - ``ticketed_shared_us``: the ticketed path forced with its shared
   selection (``TopkTuning.ticketed_select = "shared"``: the compaction
-  programs' histogram), beside ``ticketed_us`` (the last program's passes);
+  programs' histogram), beside ``ticketed_us`` (the default: the last
+  program's fitted passes);
 - ``torch_topk_us``: ``torch.topk(logits, k, sorted=False)`` (values and
   indices, unordered; ours also orders the columns);
 - ``lax_topk_us``: ``jax.lax.top_k`` on the same logits (a jitted fori_loop

@@ -21,8 +21,10 @@ process, 2026-12-02): "exit" 36.9 / 37.6 at 1 request, 77.1 / 77.3-77.8 at
 larger gains, but slower at 8 requests, so "exit" is the default.  No
 arithmetic changes: the results are bitwise those of ordinary launches.  A
 kernel launched without the attribute (JAX's launches, ``QSA_PDL=0``) runs
-the instructions as no-ops; for GPUs before sm_90, and under the
-interpreter, they are not emitted.
+the instructions as no-ops.  They are emitted (:data:`EMIT`) only in a
+compiled process on a host whose every NVIDIA device is sm_90 or later, as
+NVML reports them, so that no kernel compiled for an older device, and no
+interpreted kernel, holds them; the early launch is taken only where they are.
 
 :func:`dependent` marks a kernel that begins with the wait, and refuses one
 that does not: only marked kernels are launched early
@@ -39,14 +41,47 @@ import textwrap
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-from triton.language.target_info import cuda_capability_geq
 
-__all__ = ["ENABLED", "dependent", "launches_early", "supported", "wait_for_previous_kernel"]
+from . import runtime
 
-#: ``QSA_PDL=0`` launches every kernel the ordinary way.  Read once, at import;
-#: benchmarks and tests set the attribute (the torch launcher keys its
-#: bindings on it).
-ENABLED: bool = os.environ.get("QSA_PDL", "1").strip() != "0"
+__all__ = ["EMIT", "ENABLED", "TRIGGER", "dependent", "launches_early", "supported", "wait_for_previous_kernel"]
+
+
+def _switch(variable: str, default: str, choices: tuple[str, ...]) -> str:
+    value = os.environ.get(variable, default).strip().lower() or default
+    if value not in choices:
+        raise ValueError(f"{variable} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
+
+
+#: ``QSA_PDL=0`` launches every kernel the ordinary way (``1``, the default:
+#: early where :data:`EMIT`).  Read once, at import; benchmarks and tests set
+#: the attribute (the torch launcher keys its bindings on it).
+ENABLED: bool = _switch("QSA_PDL", "1", ("0", "1")) == "1"
+
+
+def supported(capability: tuple[int, int]) -> bool:
+    """Whether a device of this compute capability takes programmatic dependent launch (sm_90 on)."""
+    return tuple(capability) >= (9, 0)
+
+
+def _emits() -> bool:
+    if runtime.INTERPRETED:
+        return False
+    forced = _switch("QSA_PDL_EMIT", "auto", ("auto", "0", "1"))
+    if forced != "auto":  # offline compiles for sm_90 on a machine without it (tests/test_compile_sm90.py)
+        return forced == "1"
+    capabilities = runtime.nvml_capabilities()
+    return bool(capabilities) and all(map(supported, capabilities))
+
+
+#: Whether the kernels hold the wait (compiled, every device sm_90 on); fixed
+#: at import, whatever ENABLED is, so that turning early launches on and off
+#: never changes a kernel (Triton keys its cache on it, a constexpr global).
+#: ``QSA_PDL_EMIT=1`` forces it, for the CPU's sm_90 compile check, which
+#: compiles what the H200 runs.
+EMIT: bool = _emits()
+_EMIT = tl.constexpr(EMIT)
 
 _MARK = "qsa_waits_for_previous_kernel"
 
@@ -54,9 +89,7 @@ _MARK = "qsa_waits_for_previous_kernel"
 #: ends, CUDA's implicit trigger; the default) or ``"start"`` (right after its
 #: wait: the next kernel's programs may take free SMs while this one runs).
 #: Read once, at import (``QSA_PDL_TRIGGER``): it is compiled into every kernel.
-TRIGGER: str = os.environ.get("QSA_PDL_TRIGGER", "exit").strip().lower()
-if TRIGGER not in ("start", "exit"):
-    raise ValueError(f"QSA_PDL_TRIGGER must be 'start' or 'exit', got {TRIGGER!r}")
+TRIGGER: str = _switch("QSA_PDL_TRIGGER", "exit", ("exit", "start"))
 _TRIGGER_AT_START = tl.constexpr(TRIGGER == "start")
 
 
@@ -64,7 +97,7 @@ _TRIGGER_AT_START = tl.constexpr(TRIGGER == "start")
 def wait_for_previous_kernel():
     """A dependent kernel's first step: wait for the previous kernel in the stream (and with
     TRIGGER "start", let the next one in)."""
-    if cuda_capability_geq(9, 0):
+    if _EMIT:
         gdc_wait()
         if _TRIGGER_AT_START:
             gdc_launch_dependents()
@@ -97,11 +130,6 @@ def waits(kernel) -> bool:
     return getattr(kernel, _MARK, False)
 
 
-def supported(capability: tuple[int, int]) -> bool:
-    """Whether a device of this compute capability takes programmatic dependent launch (sm_90 on)."""
-    return tuple(capability) >= (9, 0)
-
-
 def launches_early(kernel, capability: tuple[int, int]) -> bool:
     """Whether ``kernel`` is launched with programmatic stream serialization on a device of ``capability``."""
-    return ENABLED and waits(kernel) and supported(capability)
+    return ENABLED and EMIT and waits(kernel) and supported(capability)

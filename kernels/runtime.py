@@ -51,6 +51,35 @@ def _nvml_device_count() -> int | None:
     return count.value if ok else None
 
 
+def nvml_capabilities() -> list[tuple[int, int]] | None:
+    """The compute capability of every device NVML reports (whatever
+    ``CUDA_VISIBLE_DEVICES`` says), or ``None`` without a usable NVML library.
+    No CUDA context."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    try:
+        if nvml.nvmlInit_v2() != 0:
+            return None
+        try:
+            count = ctypes.c_uint(0)
+            if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+                return None
+            capabilities = []
+            for index in range(count.value):
+                handle, major, minor = ctypes.c_void_p(), ctypes.c_int(0), ctypes.c_int(0)
+                if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0 or \
+                        nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor)) != 0:
+                    return None
+                capabilities.append((major.value, minor.value))
+            return capabilities
+        finally:
+            nvml.nvmlShutdown()
+    except AttributeError:
+        return None
+
+
 def _proc_device_count() -> int | None:
     try:
         return len(os.listdir("/proc/driver/nvidia/gpus"))

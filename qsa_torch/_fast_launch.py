@@ -455,7 +455,7 @@ class FastLauncher:
     def early(self, kernel, device: int) -> bool:
         """Whether ``kernel`` is launched on ``device`` with programmatic dependent launch
         (:func:`qsa_kernels.pdl.launches_early`; the device's capability read once)."""
-        if not (pdl.ENABLED and pdl.waits(kernel)):
+        if not (pdl.ENABLED and pdl.EMIT and pdl.waits(kernel)):
             return False
         capability = self._capabilities.get(device)
         if capability is None:

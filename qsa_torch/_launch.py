@@ -84,7 +84,7 @@ import torch
 if TYPE_CHECKING:  # the annotations' array types (the same names in both adapters)
     from torch import Tensor as Array, Tensor as ArrayLike
 
-from qsa_kernels import api, runtime
+from qsa_kernels import api, pdl, runtime
 from qsa_kernels.launch import ArrayInfo, Buffer, Launch, Program, execute
 from qsa_kernels.stage import RUN_PROGRAM_DOC, Stage, Variant, make_public, stage_named
 from qsa_kernels.validate import device_error, type_error
@@ -235,10 +235,12 @@ def build_kernel(launch: Launch, inputs: list, outputs: list) -> None:
     compiled.run  # noqa: B018  (loads the module)
 
 
-# Programs whose kernels were built on a device: (id, device index) -> the
-# program (kept, so that its id is never reused).  Multi-launch programs are
-# built before their first launch the first time they run on a device.
-_BUILT: dict[tuple[int, int], Program] = {}
+# Programs whose kernels were built on a device: (id, device index, early
+# launches on) -> the program (kept, so that its id is never reused; the
+# kernels are built with the launch options they run with).  Multi-launch
+# programs are built before their first launch the first time they run on a
+# device.
+_BUILT: dict[tuple[int, int, bool], Program] = {}
 
 
 def run(program: Program, arrays: Mapping[str, torch.Tensor | None], device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -251,7 +253,7 @@ def run(program: Program, arrays: Mapping[str, torch.Tensor | None], device: tor
     if runtime.INTERPRETED:  # nothing to build: the interpreter runs the source
         return execute(program, arrays, adapter="torch", allocate=_Allocate(device), launch=launch_kernel,
                        guard=_interpreter_guard, read=_read_scale)
-    key = (id(program), device.index)
+    key = (id(program), device.index, pdl.ENABLED)
     prepare = None if key in _BUILT else build_kernel
     results = execute(program, arrays, adapter="torch", allocate=_Allocate(device), launch=launch_kernel,
                       guard=lambda: _CudaGuard(device), prepare=prepare, read=_read_scale)

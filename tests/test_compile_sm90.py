@@ -21,7 +21,7 @@ variant is not compiled here.
 
 The register table of every launch::
 
-    TRITON_INTERPRET=0 .venv/bin/python -m tests.test_compile_sm90
+    TRITON_INTERPRET=0 QSA_PDL_EMIT=1 .venv/bin/python -m tests.test_compile_sm90
 """
 
 from __future__ import annotations
@@ -335,7 +335,7 @@ SPILLS_ALLOWED: dict[str, tuple[tuple[str, ...], str]] = {
     **{label: (("3.6", "3.7"), _FUSED_SPILL) for label in (
         "select/fused-decode-1-128k", "select/fused-fp8-decode-1-128k",
         "select/fused-fp16-16-heads-decode-3-32k-topk1024",
-        # With the top-k's shared selection (not a default): 14 on Triton 3.6 (the default's 18), 10 on 3.7
+        # With the top-k's shared selection (not a default): 14 on Triton 3.6 ("last"'s 18), 10 on 3.7
         # (the default's 8), none on 3.8 and 3.9.
         "select/fused-shared-decode-1-128k", "select/fused-shared-fp8-decode-8-128k")},
     "attention/fp8-decode-256-64-token-tiles": (("3.8", "3.9"), _CANDIDATE_SPILL.format(
@@ -469,7 +469,10 @@ def compile_all() -> dict:
 def main() -> None:
     from qsa_kernels import runtime
 
+    from qsa_kernels import pdl
+
     assert not runtime.INTERPRETED, "run with TRITON_INTERPRET=0: kernels must be compiled, not interpreted"
+    assert pdl.EMIT, "run with QSA_PDL_EMIT=1: kernels must hold the wait a compiled sm_90 process compiles"
     results = compile_all()
     for label, kernels in results.items():
         for name, regs, spills, error in dict.fromkeys(map(tuple, kernels)):  # chunks repeat launches
@@ -493,7 +496,8 @@ def compiled() -> dict:
         knobs.nvidia.ptxas.path, knobs.nvidia.cuobjdump.path
     except RuntimeError as error:  # "Cannot find ptxas"
         pytest.skip(f"no bundled NVIDIA tools in this triton installation: {error}")
-    env = dict(os.environ, TRITON_INTERPRET="0")
+    # QSA_PDL_EMIT=1: the kernels as a compiled sm_90 process holds them (qsa_kernels.pdl.EMIT).
+    env = dict(os.environ, TRITON_INTERPRET="0", QSA_PDL_EMIT="1")
     result = subprocess.run([sys.executable, "-m", "tests.test_compile_sm90"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-5000:]

@@ -667,6 +667,7 @@ def test_launch_pdl_exactly_for_marked_kernels_on_sm90(monkeypatch, marked, capa
     h.launcher = FastLauncher(interpreted=False, get_device=lambda: h.device_now, get_stream=lambda device: 7000,
                               get_capability=lambda device: capability)
     monkeypatch.setattr(pdl, "ENABLED", enabled)
+    monkeypatch.setattr(pdl, "EMIT", True)  # as in a compiled process on an sm_90 host
     if marked:
         monkeypatch.setattr(kernels.EVERY_KIND, "qsa_waits_for_previous_kernel", True, raising=False)
     call = every_kind_call()
@@ -686,6 +687,7 @@ def test_pdl_switch_rebinds(monkeypatch):
     h.launcher = FastLauncher(interpreted=False, get_device=lambda: 0, get_stream=lambda device: 7000,
                               get_capability=lambda device: (9, 0))
     monkeypatch.setattr(kernels.EVERY_KIND, "qsa_waits_for_previous_kernel", True, raising=False)
+    monkeypatch.setattr(pdl, "EMIT", True)
     call = every_kind_call()
     for enabled in (True, False, True, False):
         monkeypatch.setattr(pdl, "ENABLED", enabled)

@@ -68,14 +68,40 @@ def test_dependent_marks_only_kernels_that_wait_first():
 
 
 @pytest.mark.parametrize("capability, expected", [((8, 0), False), ((8, 9), False), ((9, 0), True), ((12, 0), True)])
-def test_launches_early_on_sm90_only_while_enabled(monkeypatch, capability, expected):
+def test_launches_early_on_sm90_only_while_enabled_and_emitted(monkeypatch, capability, expected):
     kernel = _every_kernel()["merge_splits_kernel"]
-    assert pdl.launches_early(kernel, capability) is (expected and pdl.ENABLED)
+    assert pdl.launches_early(kernel, capability) is (expected and pdl.ENABLED and pdl.EMIT)
+    monkeypatch.setattr(pdl, "EMIT", True)
     monkeypatch.setattr(pdl, "ENABLED", False)
     assert not pdl.launches_early(kernel, capability)
     monkeypatch.setattr(pdl, "ENABLED", True)
     assert pdl.launches_early(kernel, capability) is expected
     assert not pdl.launches_early(JITFunction(_loads_first), capability)
+    # Kernels compiled without the wait (an interpreted process, or a host with an older device)
+    # are never launched early.
+    monkeypatch.setattr(pdl, "EMIT", False)
+    assert not pdl.launches_early(kernel, capability)
+
+
+def test_the_wait_is_emitted_only_in_compiled_processes_on_sm90_hosts(monkeypatch):
+    from qsa_kernels import runtime
+
+    assert not pdl.EMIT or not runtime.INTERPRETED  # this process: interpreted on a CPU, never emitted
+    monkeypatch.delenv("QSA_PDL_EMIT", raising=False)
+    monkeypatch.setattr(runtime, "INTERPRETED", False)
+    for capabilities, emits in (([(9, 0)], True), ([(9, 0), (10, 0)], True), ([(9, 0), (8, 0)], False),
+                                ([], False), (None, False)):
+        monkeypatch.setattr(runtime, "nvml_capabilities", lambda: capabilities)
+        assert pdl._emits() is emits, capabilities
+    for forced, emits in (("1", True), ("0", False)):
+        monkeypatch.setenv("QSA_PDL_EMIT", forced)
+        assert pdl._emits() is emits
+    monkeypatch.setattr(runtime, "INTERPRETED", True)
+    assert pdl._emits() is False  # the interpreter cannot run the instructions
+    monkeypatch.setenv("QSA_PDL_EMIT", "yes")
+    monkeypatch.setattr(runtime, "INTERPRETED", False)
+    with pytest.raises(ValueError, match="QSA_PDL_EMIT must be one of 'auto', '0', '1', got 'yes'"):
+        pdl._emits()
 
 
 @pytest.mark.gpu

@@ -464,8 +464,8 @@ def test_fused_selection_production(columns, fp8, integer):
 def test_fused_selection_shared_production(columns, fp8, selection):
     """The fused selection with the top-k's shared and fitted selections
     (``TopkTuning.ticketed_select``) at production geometry: the three
-    launches' bits, torch = JAX, the default selection's bits, and the same
-    bits over repeated runs."""
+    launches' bits, torch = JAX, the fixed-digit ("last") selection's bits,
+    and the same bits over repeated runs."""
     case = long_decode_case(52, columns=columns, heads=4, dim=128)
     options = {}
     if fp8:
@@ -475,9 +475,9 @@ def test_fused_selection_shared_production(columns, fp8, selection):
     shared = tuning.TopkTuning(ticketed_select=selection)
     tokens = assert_fused_equals_three_launches(case, 2048, max_columns=columns, topk=shared,
                                                 score_columns=select.fused_score_columns, **options)
-    with tuning.override(select=select):
-        default = qsa_torch.select_paged_tokens(**case, token_topk=2048, compress_ratio=4, **options)
-    assert np.array_equal(host(default), tokens), f"{selection} vs last selection"
+    with tuning.override(select=select, topk=tuning.TopkTuning(ticketed_select="last")):
+        last = qsa_torch.select_paged_tokens(**case, token_topk=2048, compress_ratio=4, **options)
+    assert np.array_equal(host(last), tokens), f"{selection} vs last selection"
     for _ in range(10):
         with tuning.override(select=select, topk=shared):
             again = qsa_torch.select_paged_tokens(**case, token_topk=2048, compress_ratio=4, **options)

@@ -414,8 +414,8 @@ def test_ticketed_state_is_reused_by_later_runs():
 # --------------------------------------------------------------------------
 
 def _fitted_shift(span: int, bits: int) -> int:
-    """The kernels' shift for ``bits``-bit digits of a span (its bit length from its float32 exponent)."""
-    return max(int(np.frexp(np.float32(span))[1]) - bits, 0)
+    """The kernels' shift for ``bits``-bit digits of a span: its exact bit length less ``bits``."""
+    return max(int(span).bit_length() - bits, 0)
 
 
 def fitted_passes(values: np.ndarray, k: int, launch) -> int | None:
@@ -492,11 +492,28 @@ def test_ticketed_shared_selection_branches(kind, k, bits, passes):
     with retuned(path="ticketed", ticketed_slice=16, ticketed_select="shared", ticketed_shared_bits=bits):
         (launch,) = plan(3, logits.shape[1], k).launches
     c = launch.constexprs
-    assert c["SHARED_BITS"] == bits and c["FITTED_PASSES"] == -(-(33 - bits) // 8)
+    assert c["SHARED_BITS"] == bits and c["FITTED_PASSES"] == -(-(32 - bits) // 8)
     assert c["STATE"] == 4 + c["GROUPS"] + (1 << bits) and launch.grid == (3, 2 * 13)
     assert fitted_passes(host(logits[0]), k, launch) == passes
     check_shared_equals_last(logits, torch.tensor([200, 150, 77], dtype=torch.int32), k,
                              ticketed_slice=16, ticketed_shared_bits=bits)
+
+
+@pytest.mark.parametrize("radix_bits", [1, 2, 4])
+def test_fitted_passes_resolve_any_span_with_small_digits(radix_bits):
+    """Digits of 1, 2 and 4 bits over keys spanning 2**32 (1e-30 to 1e31, the k-th largest among
+    neighbouring floats): every fitted pass takes radix_bits bits off the range, so the plan's
+    ceil(32 / radix_bits) passes resolve it (a rounded-up span length would take a bit less from
+    a wide span: 1-bit digits would never narrow it, and the unresolved range would place more
+    than k columns).  Fitted and shared against the reference and the fixed passes, bitwise."""
+    logits = adjacent_case()
+    visible = torch.tensor([200, 150, 77], dtype=torch.int32)
+    with retuned(path="ticketed", ticketed_slice=16, ticketed_select="fitted", radix_bits=radix_bits,
+                 bound_passes=1, ticketed_bound_passes=1):
+        (launch,) = plan(3, logits.shape[1], 60).launches
+    assert launch.constexprs["FITTED_PASSES"] == -(-32 // radix_bits)
+    check_shared_equals_last(logits, visible, 60, ticketed_slice=16, radix_bits=radix_bits, bound_passes=1,
+                             ticketed_bound_passes=1, ticketed_shared_bits=4)
 
 
 @pytest.mark.parametrize("columns, k", [(17, 8), (64, 1), (301, 20), (300, 64), (33, 40)])
@@ -637,7 +654,7 @@ def test_tuning_reaches_the_row_plan():
     # The ticketed selection: the last program's fitted passes (the default; no histogram in the
     # state), its fixed passes ("last"), or shared.
     (launch,) = plan(4, 16384, 64).launches
-    assert launch.constexprs["SHARED_BITS"] == 0 and launch.constexprs["FITTED_PASSES"] == 5  # 33 bits, 8 a pass
+    assert launch.constexprs["SHARED_BITS"] == 0 and launch.constexprs["FITTED_PASSES"] == 4  # 32 bits, 8 a pass
     assert launch.constexprs["STATE"] == 4 + launch.constexprs["GROUPS"]
     (launch,) = plan(4, 16384, 64, TopkTuning(ticketed_select="last")).launches
     assert launch.constexprs["SHARED_BITS"] == 0 and launch.constexprs["FITTED_PASSES"] == 0
@@ -646,7 +663,7 @@ def test_tuning_reaches_the_row_plan():
     assert launch.constexprs["SHARED_BITS"] == 11 and launch.constexprs["FITTED_PASSES"] == 3
     assert launch.constexprs["STATE"] == 4 + launch.constexprs["GROUPS"] + 2048 and launch.num_warps == 8
     program = plan(4, 16384, 64, TopkTuning(ticketed_select="shared", ticketed_shared_bits=12, radix_bits=4))
-    assert program.launches[0].constexprs["FITTED_PASSES"] == 6  # 21 bits left, 4 a pass
+    assert program.launches[0].constexprs["FITTED_PASSES"] == 5  # 20 bits left, 4 a pass
     assert {b.name: b.info.shape for b in program.buffers}["topk_state"] == (4, 4 + 128 + 4096)
     with tuning.override(topk=TopkTuning(path="sliced")):
         assert kernels(plan(32, 16384, 64))[0] == "topk_group_max_kernel"

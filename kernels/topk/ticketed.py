@@ -20,8 +20,9 @@ before it (docs/design.md, "Numerics and determinism").
    candidates overflow its tile, selects from the row (placing directly when
    ``T == L``); then ``-1`` padding, and the row's state back to zero.
 
-What bounds it (the last program's four histogram passes over ~1.4k
-candidates), from a timeline of one call: docs/performance.md.
+What bounds it (the last program's histogram passes over ~1.4k
+candidates: four with fixed digits, about two fitted), from a timeline of
+one call: docs/performance.md.
 
 ``TopkTuning.ticketed_select = "fitted"`` keeps that selection in the
 last program but fits its digits to the candidates' span ``[L, T]`` (T the
@@ -70,35 +71,23 @@ def _scaled_lower_bound(keys, k, lo, hi, PASSES: tl.constexpr, BITS: tl.constexp
     narrows the range to the chosen digit's, whose lowest key value is the
     bound.  One pass over keys spanning 24 bits resolves what two 8-bit
     passes from the top bit do (the first holds the bits all keys share)."""
-    remaining = tl.full((), 0, tl.int32) + k
-    done = (lo == hi).to(tl.int32)
-    for p in tl.static_range(PASSES):
-        if done == 0:
-            # Bit length of the span from its float32 exponent (rounded up at
-            # worst: a digit a bit coarser, never wrong).
-            span = hi - lo
-            length = ((span.to(tl.float32).to(tl.uint32, bitcast=True) >> 23) - 126).to(tl.int32)
-            shift = tl.maximum(length - BITS, 0).to(tl.uint32)
-            match = (keys >= lo) & (keys <= hi)
-            digits = ((keys - lo) >> shift).to(tl.int32)
-            digit, above, exact = digit_of_kth(tl.histogram(digits, 1 << BITS, mask=match), remaining, BITS)
-            lo = lo + (digit.to(tl.uint32) << shift)  # <= the digit's keys <= hi: no overflow
-            # The digit's keys lie below lo + 2**shift (when that fits 32 bits) and at most hi.
-            last = lo + ((tl.full((), 1, tl.uint32) << shift) - 1)
-            hi = tl.where(last >= lo, tl.minimum(hi, last), hi)
-            remaining -= above
-            # Exact: the k-th largest is the digit's lowest key, lo or above.
-            done = (exact | (lo == hi)).to(tl.int32)
-    return lo
+    bound, _remaining = _fitted_select(keys, tl.full((), 0, tl.int32) + k, lo, hi, (lo == hi).to(tl.int32),
+                                       PASSES, BITS)
+    return bound
 
 
 @triton.jit
 def _fitted_shift(span, BITS: tl.constexpr):
     """The shift that makes ``(key - lo) >> shift`` a BITS-bit digit of keys
-    in ``[lo, lo + span]``: the span's bit length (from its float32
-    exponent, rounded up at worst: a digit a bit coarser, never wrong) less
-    BITS, at least 0."""
-    length = ((span.to(tl.float32).to(tl.uint32, bitcast=True) >> 23) - 126).to(tl.int32)
+    in ``[lo, lo + span]``: the span's bit length less BITS, at least 0.  The
+    length is exact (from the float32 exponent of a value below 2**24, which
+    converts exactly: the span, or the span >> 8 for wider ones), so each
+    pass takes BITS bits off the range and ``ceil(32 / BITS)`` passes
+    resolve any span (a rounded-up length would take a bit less from a wide
+    span, and 1-bit digits would never narrow it)."""
+    wide = span >= (1 << 24)
+    exact = tl.where(wide, span >> 8, span)
+    length = ((exact.to(tl.float32).to(tl.uint32, bitcast=True) >> 23) - 126).to(tl.int32) + tl.where(wide, 8, 0)
     return tl.maximum(length - BITS, 0).to(tl.uint32)
 
 
@@ -411,11 +400,11 @@ def ticketed_layout(columns: int, k: int, tuning: TopkTuning, widest_slice: int 
     scaled = tuning.ticketed_bound == "scaled" and groups >= k
     # The shared histogram's digits (0: the last program's radix passes), and
     # the passes of radix_bits fitted to a range that resolve what remains of
-    # any span: one of up to 33 bits (a float32 exponent rounds up) leaves at
-    # most 33 - shared bits, and each pass takes radix_bits more ("fitted":
+    # any span: one of up to 32 bits leaves at most 32 - shared bits, and each
+    # pass takes radix_bits more (_fitted_shift's exact lengths; "fitted":
     # from the whole span; "last": 0, the fixed digits from the top bit).
     shared_bits = tuning.ticketed_shared_bits if tuning.ticketed_select == "shared" else 0
-    fitted_passes = 0 if tuning.ticketed_select == "last" else -(-(33 - shared_bits) // tuning.radix_bits)
+    fitted_passes = 0 if tuning.ticketed_select == "last" else -(-(32 - shared_bits) // tuning.radix_bits)
     constexprs = dict(K=k, SLICES=slices, SLICE=slice_columns, GROUPS=groups, REGION=region, CAND_TILE=cand_tile,
                       COUNTS_TILE=triton.next_power_of_2(slices), BITS=tuning.radix_bits,
                       BOUND_PASSES=tuning.ticketed_bound_passes if scaled else tuning.bound_passes, SCALED=scaled,
