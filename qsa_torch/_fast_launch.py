@@ -68,6 +68,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 import triton
+import triton.language as tl
 from triton import knobs as _knobs
 from triton.knobs import HookChain as _HookChain
 from triton.runtime.jit import JITFunction
@@ -527,22 +528,54 @@ class Binding:
     module the bound function lives in.
     """
 
-    __slots__ = ("launch", "leading", "packed_metadata", "compiled", "kernel", "process")
+    __slots__ = ("launch", "leading", "packed_metadata", "compiled", "kernel", "process", "_seen_globals")
 
     def __init__(self, launch, leading: tuple, compiled, kernel):
         self.launch, self.leading, self.compiled, self.kernel = launch, leading, compiled, kernel
         self.packed_metadata = compiled.packed_metadata
         self.process = environment()
+        # (Triton's record, the immutable globals found equal: (globals dict, name, object, its value),
+        # the others: (name, recorded value, globals dict)), or () before the first check
+        self._seen_globals: tuple = ()
 
     def globals_unchanged(self) -> bool:
-        """The globals the kernel read when it was compiled still hold those values (``run`` checks it too)."""
+        """The globals the kernel read when it was compiled still hold those values (``run`` checks it too).
+
+        Triton records a deep copy of each, so equality is a value comparison
+        (a ``tl.constexpr``'s ``!=`` builds constexprs: ~1 µs a global).  A
+        global found equal whose object is immutable (an immutable scalar or
+        tuple, or a constexpr of one) is remembered by identity: while the
+        name holds that object, with that value object, it holds that value."""
         used = self.kernel.used_global_vals
-        if used:
-            for (name, _), (value, globals_dict) in used.items():
-                now = globals_dict.get(name, _MISSING)
-                if now is not value and now != value:
-                    return False
+        if not used:
+            return True
+        seen = self._seen_globals
+        if seen and seen[0] is used:
+            for globals_dict, name, now, value in seen[1]:
+                if globals_dict.get(name, _MISSING) is not now or getattr(now, "value", None) is not value:
+                    break
+            else:  # the immutable ones hold; compare the others by value
+                return all(globals_dict.get(name, _MISSING) == recorded for name, recorded, globals_dict in seen[2])
+        remembered, compared = [], []
+        for (name, _), (recorded, globals_dict) in used.items():
+            now = globals_dict.get(name, _MISSING)
+            if now is not recorded and now != recorded:
+                return False
+            if _immutable(now):
+                remembered.append((globals_dict, name, now, getattr(now, "value", None)))
+            else:
+                compared.append((name, recorded, globals_dict))
+        self._seen_globals = (used, tuple(remembered), tuple(compared))
         return True
+
+
+def _immutable(value) -> bool:
+    """Whether ``value`` cannot change in place: an immutable scalar, a tuple of such, or a constexpr of one."""
+    if isinstance(value, tl.constexpr):
+        value = value.value
+    if isinstance(value, tuple):
+        return all(map(_immutable, value))
+    return value is None or type(value) in (bool, int, float, complex, str, bytes)
 
 
 def _same_argument(a, b) -> bool:

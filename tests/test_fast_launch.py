@@ -27,7 +27,7 @@ from triton.runtime.jit import create_function_from_signature
 from qsa_kernels import runtime, tuning
 from qsa_kernels.launch import ArrayInfo
 from qsa_torch import _fast_launch
-from qsa_torch._fast_launch import FastLauncher, SpecializationDriftWarning, claimed_specialization
+from qsa_torch._fast_launch import Binding, FastLauncher, SpecializationDriftWarning, claimed_specialization
 
 from . import _fast_launch_kernels as kernels
 
@@ -444,6 +444,55 @@ def test_changed_global_takes_the_ordinary_path(monkeypatch):
     scope["BLOCK"] = tl.constexpr(32)
     h((1,), *call)
     assert h.counts() == (2, 2)
+
+
+class _GlobalsKernel:
+    """A kernel as Binding.globals_unchanged reads it: Triton's record of each global (a deep copy)."""
+
+    def __init__(self, scope: dict):
+        import copy
+
+        self.used_global_vals = {(name, id(scope)): (copy.deepcopy(value), scope) for name, value in scope.items()}
+
+
+def _globals_binding(scope: dict):
+    binding = Binding.__new__(Binding)
+    binding.kernel, binding._seen_globals = _GlobalsKernel(scope), ()
+    return binding
+
+
+def test_unchanged_globals_are_checked_by_identity_after_the_first_comparison(monkeypatch):
+    """Immutable globals found equal once are then held by identity: no value comparison per call."""
+    scope = {"BLOCK": tl.constexpr(16), "SHIFT": 3, "PAIR": (1, 2.0)}
+    binding = _globals_binding(scope)
+    assert binding.globals_unchanged()
+    compared = []
+    monkeypatch.setattr(tl.constexpr, "__ne__", lambda self, other: compared.append(1) or NotImplemented)
+    for _ in range(3):
+        assert binding.globals_unchanged()
+    assert not compared
+
+
+@pytest.mark.parametrize("change", ["rebound", "constexpr_value", "scalar", "mutable_in_place", "removed"])
+def test_every_change_of_a_global_is_seen_after_identity_checks(change):
+    """Whatever changes -- a new object of another value, a constexpr's value reassigned, a mutable
+    global changed in place, the name gone -- the next check says so (as ``JITFunction.run`` would)."""
+    scope = {"BLOCK": tl.constexpr(16), "SHIFT": 3, "SIZES": [1, 2]}
+    binding = _globals_binding(scope)
+    assert binding.globals_unchanged() and binding.globals_unchanged()
+    scope["BLOCK"] = tl.constexpr(16)  # an equal value in a new object: unchanged
+    assert binding.globals_unchanged()
+    if change == "rebound":
+        scope["BLOCK"] = tl.constexpr(32)
+    elif change == "constexpr_value":
+        scope["BLOCK"].value = 32
+    elif change == "scalar":
+        scope["SHIFT"] = 4
+    elif change == "mutable_in_place":
+        scope["SIZES"].append(3)
+    else:
+        del scope["SHIFT"]
+    assert not binding.globals_unchanged()
 
 
 def test_same_dicts_mutated_in_place_are_rebound(monkeypatch):
