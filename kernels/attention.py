@@ -557,7 +557,7 @@ def plan_sparse_paged_attention(
         # so that the mergers (the highest program ids) are the last to be scheduled.
         merge_heads = min(tuning.fused_merge_heads, triton.next_power_of_2(group))
         mergers = triton.cdiv(group, merge_heads)
-        tickets = Buffer("tickets", (rows, kh, 2), "int32", fill=0)
+        tickets = Buffer("tickets", (rows, kh, 2), "int32", fill=0, refilled=True)
         launches = (Launch(
             kernel=sparse_attention_fused_merge_kernel, grid=(rows, kh, splits + mergers),
             inputs=inputs + (tickets.name,), outputs=(partial_out.name, partial_lse.name, out.name, tickets.name),

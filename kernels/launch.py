@@ -96,12 +96,19 @@ class Buffer:
     it: a result, or a launch input, that no launch before writes (every
     writer has an empty grid).  The executor applies it, identically in both
     adapters.
+
+    ``refilled``: every run of the program leaves the buffer holding
+    ``fill`` again (tickets and histograms that the last program to use
+    them sets back to zero), so an executor that runs programs one after
+    another on one stream may keep it from one call to the next instead of
+    filling a fresh one (qsa_torch's eager path: docs/design.md).
     """
 
     name: str
     shape: tuple[int, ...]
     dtype: str
     fill: int | float = 0
+    refilled: bool = False
 
     @property
     def info(self) -> ArrayInfo:
@@ -282,7 +289,11 @@ class Schedule:
     whatever the number of its zeroed workspaces (all-zero bytes are a zero of
     every dtype); the others are ``allocated`` one by one (``fill`` ``None``:
     uninitialised).  An in-place executor (torch) needs no output threading:
-    every launch's outputs are the arrays in its slots.
+    every launch's outputs are the arrays in its slots.  ``zeroed_refilled``:
+    every zeroed workspace is :attr:`Buffer.refilled`, so the zeroed
+    allocation is all zeros again after each run (and the scratch is always
+    written before it is read): an executor may keep both between runs that
+    follow one another.
     """
 
     arguments: tuple[str, ...]
@@ -294,6 +305,7 @@ class Schedule:
     launches: tuple[tuple[Launch, tuple[int, ...]], ...]  # (launch, slots of its inputs then outputs)
     results: tuple[int, ...]
     updated: tuple[int, ...]  # slots of the arguments some launch writes in place
+    zeroed_refilled: bool = False
 
     @classmethod
     def of(cls, program: "Program", arguments: tuple[str, ...]) -> "Schedule":
@@ -324,7 +336,8 @@ class Schedule:
         return cls(arguments, tuple(scratch), ends["scratch"], tuple(zeroed), ends["zeroed"], tuple(allocated),
                    launches,
                    tuple(slot[name] for name in program.results),
-                   tuple(slot[name] for name in program.updated_arguments))
+                   tuple(slot[name] for name in program.updated_arguments),
+                   all(buffer.refilled for _, buffer, _ in zeroed))
 
 
 # --------------------------------------------------------------------------

@@ -36,6 +36,7 @@ general path, which raises the errors.
 from __future__ import annotations
 
 import operator
+import threading
 from functools import reduce
 
 import torch
@@ -149,8 +150,9 @@ def remember(key, stage: Stage, program: Program, device: torch.device) -> None:
 
 
 def clear() -> None:
-    """Forget every prepared program (never needed for correctness)."""
+    """Forget every prepared program and kept workspace (never needed for correctness)."""
     _PREPARED.clear()
+    _KEPT.clear()
 
 
 class Prepared:
@@ -210,19 +212,26 @@ class Prepared:
                 if tensors[slot].is_inference():
                     return MISS  # the general path raises torch's error
         compiled = not runtime.INTERPRETED
+        stream = 0
         if compiled:
             launcher = _fast_launch.launch
             if launcher._get_device is None:
                 launcher._driver_functions()
             if launcher._get_device() != self.index:
                 return MISS  # launches go on the current device: the general path makes the tensors' current
+            stream = launcher._get_stream(self.index)
         device = self.device
         allocated = [torch.empty(shape, dtype=dtype, device=device) if fill is None else
                      torch.full(shape, fill, dtype=dtype, device=device) for shape, dtype, fill in self.allocations]
-        scratch = torch.empty(self.schedule.scratch_bytes, dtype=torch.uint8, device=device) \
-            if self.scratch_offsets else None
-        zeroed = torch.zeros(self.schedule.zeroed_bytes, dtype=torch.uint8, device=device) \
-            if self.zeroed_offsets else None
+        schedule = self.schedule
+        scratch = zeroed = None
+        if self.scratch_offsets or self.zeroed_offsets:
+            kept = _kept_workspaces(self.index, stream, compiled)
+            if self.scratch_offsets:
+                scratch = _workspace(kept, 0, schedule.scratch_bytes, device)
+            if self.zeroed_offsets:
+                zeroed = _workspace(kept, 1, schedule.zeroed_bytes, device) if schedule.zeroed_refilled else \
+                    torch.zeros(schedule.zeroed_bytes, dtype=torch.uint8, device=device)
         results = tuple(tensors[i] if kind == 0 else allocated[i] for kind, i in self.results)
         if not compiled:
             env = self._env(tensors, allocated, scratch, zeroed)
@@ -243,7 +252,6 @@ class Prepared:
         bound = self.bound.get(alignment)
         process = _fast_launch.environment()
         if bound is not None and process == bound[0] and self._kernels_unchanged(bound[1]):
-            stream = launcher._get_stream(self.index)
             for function, head, take, values, gx, gy, gz in bound[2]:
                 function(gx, gy, gz, stream, *head, *take(pointers), *values)
         else:
@@ -290,6 +298,49 @@ class Prepared:
             bindings.append(binding)
         if records is not None and process is not None:
             self.bound[alignment] = (process, tuple(bindings), tuple(records))
+
+
+# -- workspaces kept between calls ------------------------------------------
+#
+# The scratch is written before it is read, and a refilled zeroed allocation
+# is all zeros again when the call's launches are done (Schedule.zeroed_refilled),
+# so calls that follow one another can share both: the kernels of one stream
+# run in order (with PDL too: each kernel waits for the one before it before
+# touching memory).  Kept per device, stream and thread (two threads launching
+# on one stream interleave their launches), never while a CUDA graph is being
+# captured (the graph would bake them in, and replay them on other streams),
+# and only up to _KEPT_BYTES: a larger workspace is allocated per call.
+
+_KEPT: dict[tuple, list] = {}  # (device index, stream, thread) -> [scratch or None, zeroed or None]
+_KEPT_BYTES = 32 << 20
+_KEPT_STREAMS = 64  # entries before all are dropped (a process that makes a stream per request)
+_thread = threading.get_ident
+_capturing = torch.cuda.is_current_stream_capturing
+
+
+def _kept_workspaces(index: int, stream: int, compiled: bool) -> list:
+    """The kept [scratch, zeroed] pair for this call's device, stream and thread (a fresh pair while
+    the stream is being captured)."""
+    if compiled and _capturing():
+        return [None, None]
+    key = (index, stream, _thread())
+    kept = _KEPT.get(key)
+    if kept is None:
+        if len(_KEPT) >= _KEPT_STREAMS:
+            _KEPT.clear()
+        kept = _KEPT[key] = [None, None]
+    return kept
+
+
+def _workspace(kept: list, region: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """At least ``nbytes`` of the kept ``region`` (0: scratch, uninitialised; 1: zeroed), grown as needed."""
+    tensor = kept[region]
+    if tensor is not None and tensor.numel() >= nbytes:
+        return tensor
+    tensor = (torch.zeros if region else torch.empty)(nbytes, dtype=torch.uint8, device=device)
+    if nbytes <= _KEPT_BYTES:
+        kept[region] = tensor
+    return tensor
 
 
 def _count(shape) -> int:

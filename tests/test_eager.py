@@ -11,6 +11,9 @@ either get its own key or take the general path (which raises the errors).
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 
@@ -237,3 +240,98 @@ def test_prepared_binding_follows_pointer_alignment(general_calls):
             torch.cuda.synchronize()
             assert torch.equal(target.view(-1, width), expected), offset
     assert general_calls == ["store_cache_rows"]  # one key: the shapes, strides and dtypes never changed
+
+
+def _kept(region: int) -> list:
+    """The kept workspaces of one region (0 scratch, 1 zeroed) of every device, stream and thread."""
+    return [pair[region] for pair in _eager._KEPT.values() if pair[region] is not None]
+
+
+@pytest.mark.parametrize("what", ["topk_ticketed", "attention_fused_merge"])
+def test_kept_workspaces_are_reused_and_left_zeroed(what, general_calls):
+    """Calls that follow one another share one scratch and one zeroed allocation; the zeroed one is
+    all zeros after every call (Buffer.refilled: the last program puts its tickets back), and every
+    call gives the reference's result -- tickets left over would give the next call wrong roles."""
+    from . import reference
+    from .test_select import topk_logits
+    from .util import f64, host
+
+    if what == "topk_ticketed":
+        topk = dataclasses.replace(tuning.current().topk, path="ticketed", ticketed_slice=16)
+        logits = topk_logits(7, 6, 300, special=True).to(DEVICE)
+        visible = torch.tensor([300, 4, 0, -5, 303, 150], dtype=torch.int32, device=DEVICE)
+        expected = reference.topk_blocks(f64(logits), host(visible), 20)
+        override, call = tuning.override(topk=topk), lambda: qsa_torch.topk_blocks(logits, visible, 20)
+        check = lambda out: np.testing.assert_array_equal(host(out), expected)  # noqa: E731
+    else:
+        from .test_attention import MERGE_TILE_BYTES, merge_inputs
+
+        args, expected = merge_inputs()
+        override = tuning.override(attention=tuning.AttentionTuning(num_splits=5, tile_bytes=MERGE_TILE_BYTES,
+                                                                    fused_merge=True))
+        call = lambda: qsa_torch.sparse_paged_attention(**args)  # noqa: E731
+        first = []
+        check = lambda out: first.append(out) if not first else assert_bitwise_equal(out, first[0], "repeat")  # noqa: E731
+    with override:
+        results = [call() for _ in range(4)]
+        assert len(general_calls) == 1
+        program_zeroed = _kept(1)
+        assert len(program_zeroed) == 1 and len(_kept(0)) == 1, "one kept pair for this device, stream, thread"
+        pointers = (program_zeroed[0].data_ptr(), _kept(0)[0].data_ptr())
+        for out in results:
+            check(out)
+        assert not host(program_zeroed[0]).any(), "the kept zeroed workspace is not all zeros after the calls"
+        call()
+        assert (_kept(1)[0].data_ptr(), _kept(0)[0].data_ptr()) == pointers, "not reused"
+
+
+def test_kept_workspaces_are_per_thread(general_calls):
+    """Two threads launching on one stream interleave their launches: each gets its own workspaces."""
+    import threading
+
+    from .test_select import topk_logits
+
+    topk = dataclasses.replace(tuning.current().topk, path="ticketed", ticketed_slice=16)
+    logits = topk_logits(3, 2, 200).to(DEVICE)
+    visible = torch.tensor([200, 100], dtype=torch.int32, device=DEVICE)
+    outs = []
+    with tuning.override(topk=topk):
+        outs.append(qsa_torch.topk_blocks(logits, visible, 9))
+        outs.append(qsa_torch.topk_blocks(logits, visible, 9))
+
+        def other():
+            with tuning.override(topk=topk):  # (a context variable: a new thread starts from the default)
+                outs.append(qsa_torch.topk_blocks(logits, visible, 9))
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+    assert len({key[2] for key in _eager._KEPT}) == 2 and len(_kept(1)) == 2
+    assert len({t.data_ptr() for t in _kept(1)}) == 2
+    for out in outs[1:]:
+        assert_bitwise_equal(out, outs[0], "threads")
+
+
+@pytest.mark.gpu
+def test_a_captured_call_keeps_no_workspace(general_calls):
+    """A call captured into a CUDA graph allocates its workspaces in the graph's pool: a kept one
+    would be baked into the graph and shared with eager calls while the graph replays elsewhere."""
+    from .test_select import topk_logits
+
+    topk = dataclasses.replace(tuning.current().topk, path="ticketed", ticketed_slice=16)
+    logits = topk_logits(5, 4, 300).to(DEVICE)
+    visible = torch.tensor([300, 200, 17, 0], dtype=torch.int32, device=DEVICE)
+    with tuning.override(topk=topk):
+        expected = qsa_torch.topk_blocks(logits, visible, 11)
+        qsa_torch.topk_blocks(logits, visible, 11)
+        kept = {key: [t.data_ptr() for t in pair if t is not None] for key, pair in _eager._KEPT.items()}
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = qsa_torch.topk_blocks(logits, visible, 11)
+        assert {key: [t.data_ptr() for t in pair if t is not None] for key, pair in _eager._KEPT.items()} == kept
+        for _ in range(3):
+            captured.fill_(-7)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert_bitwise_equal(captured, expected, "replay")
+    assert general_calls == ["topk_blocks"]

@@ -417,7 +417,7 @@ def ticketed_layout(columns: int, k: int, tuning: TopkTuning, widest_slice: int 
 def ticketed_buffers(rows: int, layout: dict) -> tuple[Buffer, ...]:
     """The ticketed path's state (zeros, left at zero) and workspaces for ``rows`` rows."""
     slices, region = layout["SLICES"], layout["REGION"]
-    return (Buffer("topk_state", (rows, layout["STATE"]), "int32", fill=0),
+    return (Buffer("topk_state", (rows, layout["STATE"]), "int32", fill=0, refilled=True),
             Buffer("topk_counts", (rows, 2, slices), "int32"),
             Buffer("topk_cand_key", (rows, slices, region), "int32"),
             Buffer("topk_cand_col", (rows, slices, region), "int32"))
