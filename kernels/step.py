@@ -568,9 +568,11 @@ def state_arguments(function_arguments: dict, state_type: type, metadata_type: t
 
 
 def step_results(results: tuple, state, return_token_indices: bool):
-    """``(out, state[, token_indices])`` from the plan's results."""
+    """``(out, state[, token_indices])`` from the plan's results (``state`` itself where every cache
+    is the one it holds: torch's, updated in place)."""
     out, *caches = results[:1 + len(STATE_FIELDS)]
-    state = dataclasses.replace(state, **dict(zip(STATE_FIELDS, caches)))
+    if any(cache is not getattr(state, name) for name, cache in zip(STATE_FIELDS, caches)):
+        state = dataclasses.replace(state, **dict(zip(STATE_FIELDS, caches)))
     return (out, state, results[-1]) if return_token_indices else (out, state)
 
 
