@@ -36,19 +36,8 @@ def _hidden_by_environment() -> bool:
 
 def _nvml_device_count() -> int | None:
     """Devices NVML reports, or ``None`` without a usable NVML library."""
-    try:
-        nvml = ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:
-        return None
-    try:
-        if nvml.nvmlInit_v2() != 0:
-            return None
-        count = ctypes.c_uint(0)
-        ok = nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 0
-        nvml.nvmlShutdown()
-    except AttributeError:
-        return None
-    return count.value if ok else None
+    capabilities = nvml_capabilities()
+    return None if capabilities is None else len(capabilities)
 
 
 def nvml_capabilities() -> list[tuple[int, int]] | None:
