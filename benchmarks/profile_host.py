@@ -8,6 +8,8 @@ eager, ``torch.compile`` default, ``mode="reduce-overhead"``, the hand-captured
 CUDA graph -- it writes:
 
 * ``host_us``: wall per call of back-to-back calls (no sync in the loop);
+  ``eager-per-call-workspaces`` times eager with its workspaces allocated per
+  call, then eager again (``eager_again``), in the same process;
 * cProfile of 200 calls, by own time and cumulative (all in ``profiles.txt``);
 * the kernels the GPU ran for 20 calls (CUPTI through
   ``torch.profiler``) with their total time, and the CPU-side ops;
@@ -90,7 +92,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=131072)
     parser.add_argument("--calls", type=int, default=200)
-    parser.add_argument("--paths", default="eager,graph,compile,reduce-overhead,reduce-overhead-static,one-launch")
+    parser.add_argument("--paths", default="eager,graph,compile,reduce-overhead,reduce-overhead-static,one-launch",
+                        help="also: eager-per-call-workspaces (eager with nothing kept between calls, then again)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
@@ -128,6 +131,19 @@ def main() -> None:
 
     if "eager" in paths:
         measure("eager", shape.torch_step)
+    if "eager-per-call-workspaces" in paths:
+        # The same path with nothing kept between calls (the workspaces allocated, the zeroed one
+        # filled, per call, as before qsa_torch._eager kept them), then kept again: an A/B in one process.
+        from qsa_torch import _eager
+
+        kept_bytes = _eager._KEPT_BYTES
+        _eager._KEPT_BYTES = 0
+        _eager._KEPT.clear()
+        try:
+            measure("eager_per_call_workspaces", shape.torch_step)
+        finally:
+            _eager._KEPT_BYTES = kept_bytes
+        measure("eager_again", shape.torch_step)
     if "one-launch" in paths:
         import qsa_torch
 
