@@ -104,12 +104,17 @@ def run(stage: Stage, arguments) -> tuple:
     once the general path has run the call.  No version counter is bumped
     here (:func:`call` bumps them; an op's own dispatcher kernels do for the op).
     """
-    prepared, results, _ = _run(stage, arguments)
+    prepared, results, _ = _run(stage, arguments, keep=False)
     return (MISS, results) if prepared is MISS else (prepared.program, results)
 
 
-def _run(stage: Stage, arguments) -> tuple:
-    """:func:`run`, with the Prepared program and the call's array arguments: ``(prepared, results, tensors)``."""
+def _run(stage: Stage, arguments, keep: bool) -> tuple:
+    """:func:`run`, with the Prepared program and the call's array arguments: ``(prepared, results, tensors)``.
+
+    ``keep``: the call may use the workspaces kept for its stream (a plain
+    eager call; an op's implementation never does: under
+    ``torch.compile(mode="reduce-overhead")`` it runs inside the CUDA-graph
+    tree's memory pool, which must hold no allocation but the graph's outputs)."""
     found = _key(stage, arguments)
     if found is None:
         return MISS, None, None
@@ -120,7 +125,7 @@ def _run(stage: Stage, arguments) -> tuple:
         return MISS, None, None
     if prepared is None or _launch_module._observers or runtime.CHECK_SCALES:  # (the general path reads scales)
         return MISS, key, None
-    results = prepared.run(tensors, present)
+    results = prepared.run(tensors, present, keep)
     if results is MISS:
         return MISS, None, None
     return prepared, results, tensors
@@ -132,7 +137,7 @@ def call(stage: Stage, arguments) -> tuple:
     As torch's own in-place ops do, the arrays the call updated in place
     have their version counter bumped (``tensor._version``).
     """
-    prepared, results, tensors = _run(stage, arguments)
+    prepared, results, tensors = _run(stage, arguments, keep=True)
     if prepared is MISS:
         return MISS, results
     if prepared.updated:
@@ -205,8 +210,10 @@ class Prepared:
 
     # -- one call ------------------------------------------------------------
 
-    def run(self, tensors: list, present: list):
-        """Allocate, launch, return the results in ``program.results`` order (``MISS``: take the general path)."""
+    def run(self, tensors: list, present: list, keep: bool):
+        """Allocate, launch, return the results in ``program.results`` order (``MISS``: take the general path).
+
+        ``keep``: take the workspaces from those kept for this device, stream and thread."""
         if self.updated and not torch.is_inference_mode_enabled():
             for slot in self.updated:
                 if tensors[slot].is_inference():
@@ -226,7 +233,7 @@ class Prepared:
         schedule = self.schedule
         scratch = zeroed = None
         if self.scratch_offsets or self.zeroed_offsets:
-            kept = _kept_workspaces(self.index, stream, compiled)
+            kept = _kept_workspaces(self.index, stream, compiled) if keep else [None, None]
             if self.scratch_offsets:
                 scratch = _workspace(kept, 0, schedule.scratch_bytes, device)
             if self.zeroed_offsets:

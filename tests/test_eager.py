@@ -312,6 +312,30 @@ def test_kept_workspaces_are_per_thread(general_calls):
         assert_bitwise_equal(out, outs[0], "threads")
 
 
+def test_an_op_call_keeps_no_workspace(general_calls):
+    """The op's own implementation (what a compiled graph calls) allocates its workspaces per call:
+    under reduce-overhead it runs inside the CUDA-graph tree's pool, where a kept allocation would
+    be a live tensor the tree does not own (torch refuses the graph)."""
+    from . import reference
+    from .test_select import topk_logits
+    from .util import f64, host
+
+    topk = dataclasses.replace(tuning.current().topk, path="ticketed", ticketed_slice=16)
+    logits = topk_logits(5, 4, 300).to(DEVICE)
+    visible = torch.tensor([300, 200, 17, 0], dtype=torch.int32, device=DEVICE)
+    expected = reference.topk_blocks(f64(logits), host(visible), 11)
+    op = torch.ops.qsa.topk_blocks.default
+    with tuning.override(topk=topk):
+        outs = [op(logits, visible, 11) for _ in range(3)]
+    assert _eager._PREPARED, "the op's calls did not take the prepared path"
+    assert not _eager._KEPT, "an op call kept a workspace"
+    for out in outs:
+        np.testing.assert_array_equal(host(out), expected)
+    with tuning.override(topk=topk):
+        qsa_torch.topk_blocks(logits, visible, 11)
+    assert _kept(1), "the public call kept none (the test above shows nothing)"
+
+
 @pytest.mark.gpu
 def test_a_captured_call_keeps_no_workspace(general_calls):
     """A call captured into a CUDA graph allocates its workspaces in the graph's pool: a kept one
