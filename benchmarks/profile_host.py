@@ -13,7 +13,9 @@ CUDA graph -- it writes:
 * cProfile of 200 calls, by own time and cumulative (all in ``profiles.txt``);
 * the kernels the GPU ran for 20 calls (CUPTI through
   ``torch.profiler``) with their total time, and the CPU-side ops;
-* the fast launcher's misses and ordinary-path launches over the timed calls;
+* the fast launcher's misses, ordinary-path launches and general-path calls
+  (``qsa_torch._launch._call``: validated and planned) over the timed calls
+  and their five warm-up calls (a first call of a key is a general one);
 * for reduce-overhead: Inductor's cudagraph counters and the
   ``cudagraphs,perf_hints`` log lines (``compile_log.txt``).
 
@@ -118,12 +120,23 @@ def main() -> None:
         return slow(*a, **k)
 
     launcher._slow = counting_slow
+    from qsa_torch import _launch
+
+    general_calls = [0]
+    general = _launch._call
+
+    def counting_general(*a, **k):
+        general_calls[0] += 1
+        return general(*a, **k)
+
+    _launch._call = counting_general  # the general (validating, planning) eager path
 
     def measure(name: str, fn) -> None:
-        misses, slows = launcher.misses, slow_calls[0]
+        misses, slows, generals = launcher.misses, slow_calls[0], general_calls[0]
         row = dict(host_us=wall_us(fn, args.calls))
         row["fast_launch_misses"] = launcher.misses - misses
         row["ordinary_launches"] = slow_calls[0] - slows
+        row["general_path_calls"] = general_calls[0] - generals
         profile(fn, args.calls, report, name)
         row.update(kernels(fn, 20, report, name))
         results[name] = row
