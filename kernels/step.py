@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import types
 from typing import TYPE_CHECKING, Any, Self
 
@@ -570,8 +571,8 @@ def state_arguments(function_arguments: dict, state_type: type, metadata_type: t
 def step_results(results: tuple, state, return_token_indices: bool):
     """``(out, state[, token_indices])`` from the plan's results (``state`` itself where every cache
     is the one it holds: torch's, updated in place)."""
-    out, *caches = results[:1 + len(STATE_FIELDS)]
-    if any(cache is not getattr(state, name) for name, cache in zip(STATE_FIELDS, caches)):
+    out, caches = results[0], results[1:1 + len(STATE_FIELDS)]
+    if not all(map(operator.is_, caches, map(getattr, (state,) * len(STATE_FIELDS), STATE_FIELDS))):
         state = dataclasses.replace(state, **dict(zip(STATE_FIELDS, caches)))
     return (out, state, results[-1]) if return_token_indices else (out, state)
 

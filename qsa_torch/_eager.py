@@ -38,6 +38,7 @@ from __future__ import annotations
 import operator
 import threading
 from functools import reduce
+from itertools import compress
 
 import torch
 
@@ -47,7 +48,7 @@ from qsa_kernels.launch import Program, Schedule
 from qsa_kernels.stage import Stage
 
 from . import _fast_launch
-from ._internals import increment_version as _increment_version
+from ._internals import any_requires_grad as _any_requires_grad, increment_version as _increment_version
 
 _ABSENT = object()  # an option the arguments do not hold
 __all__ = ["MISS", "Prepared", "call", "clear", "remember", "run"]
@@ -59,36 +60,44 @@ _ALIGNED = "aligned"  # the alignment class of calls whose every pointer is 16-b
 _current_tuning = _tuning._CURRENT.get
 _DEFAULT_TUNING = _tuning.DEFAULT
 _data_ptr = torch.Tensor.data_ptr
-_Tensor = torch.Tensor
+_inference_mode, _is_inference = torch.is_inference_mode_enabled, torch.Tensor.is_inference
 
 _PREPARED: dict[tuple, "Prepared"] = {}
-# (array names, option names) per stage, in declaration order.
-_SPECS: dict[Stage, tuple[tuple[str, ...], tuple[str, ...]]] = {}
-_is, _NONES, _ABSENTS = operator.is_, (None,) * 64, (_ABSENT,) * 64
+# Per stage: (a getter of its array arguments in declaration order, their names, as many Nones, its
+# option names, as many _ABSENTs).
+_SPECS: dict[Stage, tuple] = {}
 _ONLY_TENSORS = {torch.Tensor}
+_is, _is_not, _grad_enabled = operator.is_, operator.is_not, torch.is_grad_enabled
 _get_device, _stride, _is_meta = torch.Tensor.get_device, torch.Tensor.stride, operator.attrgetter("is_meta")
-_shape, _dtype, _requires_grad = (operator.attrgetter(name) for name in ("shape", "dtype", "requires_grad"))
+_shape, _dtype = operator.attrgetter("shape"), operator.attrgetter("dtype")
+
+
+def _spec(stage: Stage) -> tuple:
+    arrays = stage.arrays
+    options = tuple(p.name for p in stage.parameters if p.name in stage.options)
+    take = operator.itemgetter(*arrays) if len(arrays) > 1 else (lambda arguments, name=arrays[0]: (arguments[name],))
+    spec = _SPECS[stage] = (take, arrays, (None,) * len(arrays), options, (_ABSENT,) * len(options))
+    return spec
 
 
 def _key(stage: Stage, arguments) -> tuple | None:
     """The call key (module docstring) and the array arguments in the stage's order; ``None``: not a
     plain eager call.  Built with C-level passes (``map``) over the arrays: this is the per-call cost."""
-    spec = _SPECS.get(stage)
-    if spec is None:
-        spec = _SPECS[stage] = (stage.arrays, tuple(p.name for p in stage.parameters if p.name in stage.options))
-    array_names, option_names = spec
-    get = arguments.get
-    tensors = list(map(get, array_names))
-    absent = tuple(map(_is, tensors, _NONES[:len(tensors)]))
-    present = [t for t, missing in zip(tensors, absent) if not missing] if True in absent else tensors
+    take, array_names, nones, option_names, absents = _SPECS.get(stage) or _spec(stage)
+    try:
+        tensors = take(arguments)  # the public functions give every array argument (None where absent)
+    except KeyError:
+        tensors = tuple(map(arguments.get, array_names))
+    absent = tuple(map(_is, tensors, nones))
+    present = tuple(compress(tensors, map(_is_not, tensors, nones))) if True in absent else tensors
     if set(map(type, present)) != _ONLY_TENSORS:
         return None
     devices = tuple(map(_get_device, present))
-    if torch.is_grad_enabled() and True in map(_requires_grad, present):
+    if _grad_enabled() and _any_requires_grad(*present):
         return None
     if -1 in devices and True in map(_is_meta, present):  # CPU and meta tensors both report -1
         return None
-    options = tuple(map(get, option_names, _ABSENTS[:len(option_names)]))
+    options = tuple(map(arguments.get, option_names, absents))
     current = _current_tuning()
     key = (stage, None if current is _DEFAULT_TUNING else current, absent, tuple(map(_shape, present)),
            tuple(map(_stride, present)), tuple(map(_dtype, present)), devices, tuple(map(type, options)), options)
@@ -141,7 +150,7 @@ def call(stage: Stage, arguments) -> tuple:
     if prepared is MISS:
         return MISS, results
     if prepared.updated:
-        _increment_version([tensors[slot] for slot in prepared.updated])
+        _increment_version(prepared.take_updated(tensors))
     return prepared.program.returned(results), None
 
 
@@ -169,7 +178,8 @@ class Prepared:
     """
 
     __slots__ = ("program", "schedule", "device", "index", "allocations", "scratch_views", "scratch_offsets",
-                 "zeroed_views", "zeroed_offsets", "results", "positions", "kernels", "bound", "updated")
+                 "zeroed_views", "zeroed_offsets", "results", "positions", "kernels", "bound", "updated",
+                 "take_updated", "take_results", "own_pointers", "last_views")
 
     def __init__(self, program: Program, arguments: tuple[str, ...], device: torch.device, absent: tuple[bool, ...]):
         from . import _launch
@@ -204,27 +214,31 @@ class Prepared:
                              for slot in schedule.results)
         self.kernels = tuple({id(launch.kernel): launch.kernel for launch, _ in schedule.launches}.values())
         self.updated = schedule.updated
+        self.take_updated = _getter(schedule.updated)
+        # The results from (*arguments, *allocations).
+        self.take_results = _getter(tuple(i if kind == 0 else len(arguments) + i for kind, i in self.results))
+        self.own_pointers = len(present) + len(schedule.allocated)  # pointers before the workspaces' views
+        self.last_views = [(None, None), (None, None)]  # per workspace region: (base, its views' pointers)
         # alignment class -> (process environment, bindings, records: (launch function, leading arguments,
         # pointer getter, keyword values, gx, gy, gz) per launch)
         self.bound: dict = {}
 
     # -- one call ------------------------------------------------------------
 
-    def run(self, tensors: list, present: list, keep: bool):
+    def run(self, tensors: tuple, present: tuple, keep: bool):
         """Allocate, launch, return the results in ``program.results`` order (``MISS``: take the general path).
 
         ``keep``: take the workspaces from those kept for this device, stream and thread."""
-        if self.updated and not torch.is_inference_mode_enabled():
-            for slot in self.updated:
-                if tensors[slot].is_inference():
-                    return MISS  # the general path raises torch's error
+        if self.updated and not _inference_mode() and True in map(_is_inference, self.take_updated(tensors)):
+            return MISS  # the general path raises torch's error
         compiled = not runtime.INTERPRETED
         stream = 0
         if compiled:
             launcher = _fast_launch.launch
-            if launcher._get_device is None:
-                launcher._driver_functions()
-            if launcher._get_device() != self.index:
+            get_device = launcher._get_device
+            if get_device is None:
+                get_device, _ = launcher._driver_functions()
+            if get_device() != self.index:
                 return MISS  # launches go on the current device: the general path makes the tensors' current
             stream = launcher._get_stream(self.index)
         device = self.device
@@ -239,7 +253,7 @@ class Prepared:
             if self.zeroed_offsets:
                 zeroed = _workspace(kept, 1, schedule.zeroed_bytes, device) if schedule.zeroed_refilled else \
                     torch.zeros(schedule.zeroed_bytes, dtype=torch.uint8, device=device)
-        results = tuple(tensors[i] if kind == 0 else allocated[i] for kind, i in self.results)
+        results = self.take_results((*tensors, *allocated))
         if not compiled:
             env = self._env(tensors, allocated, scratch, zeroed)
             with runtime.interpreter_lock:
@@ -248,27 +262,34 @@ class Prepared:
                                                num_warps=launch.num_warps, num_stages=launch.num_stages)
             return results
         pointers = [*map(_data_ptr, present), *map(_data_ptr, allocated)]
-        if scratch is not None:
-            base = _data_ptr(scratch)
-            pointers += [base + offset for offset in self.scratch_offsets]
-        if zeroed is not None:
-            base = _data_ptr(zeroed)
-            pointers += [base + offset for offset in self.zeroed_offsets]
-        alignment = _ALIGNED if not reduce(operator.or_, pointers, 0) & 15 else \
+        # A workspace's views start at multiples of SCRATCH_ALIGNMENT: aligned where its base is.
+        bases = 0
+        for region, workspace, offsets in ((0, scratch, self.scratch_offsets), (1, zeroed, self.zeroed_offsets)):
+            if workspace is not None:
+                base = _data_ptr(workspace)
+                bases |= base
+                pointers += self._views(region, base, offsets)
+        alignment = _ALIGNED if not reduce(operator.or_, pointers[:self.own_pointers], bases) & 15 else \
             tuple([pointer & 15 == 0 for pointer in pointers])
         bound = self.bound.get(alignment)
-        process = _fast_launch.environment()
-        if bound is not None and process == bound[0] and self._kernels_unchanged(bound[1]):
+        if bound is not None and _fast_launch.environment() == bound[0] and self._kernels_unchanged(bound[1]):
             for function, head, take, values, gx, gy, gz in bound[2]:
                 function(gx, gy, gz, stream, *head, *take(pointers), *values)
         else:
-            self._bind(self._env(tensors, allocated, scratch, zeroed), alignment, process)
+            self._bind(self._env(tensors, allocated, scratch, zeroed), alignment, _fast_launch.environment())
         return results
+
+    def _views(self, region: int, base: int, offsets: tuple) -> list:
+        """The pointers of a workspace's views at ``base`` (the last base's list again: kept workspaces)."""
+        last = self.last_views[region]
+        if last[0] != base:
+            last = self.last_views[region] = (base, [base + offset for offset in offsets])
+        return last[1]
 
     def _env(self, tensors: list, allocated: list, scratch, zeroed) -> list:
         """Every slot's tensor: the arguments, the allocations, views of the workspaces in the scratch
         and in the zeroed allocation."""
-        env = tensors + [None] * (len(allocated) + len(self.scratch_views) + len(self.zeroed_views))
+        env = [*tensors, *[None] * (len(allocated) + len(self.scratch_views) + len(self.zeroed_views))]
         for (slot, _, _), tensor in zip(self.schedule.allocated, allocated):
             env[slot] = tensor
         for region, views in ((scratch, self.scratch_views), (zeroed, self.zeroed_views)):
@@ -348,6 +369,13 @@ def _workspace(kept: list, region: int, nbytes: int, device: torch.device) -> to
     if nbytes <= _KEPT_BYTES:
         kept[region] = tensor
     return tensor
+
+
+def _getter(positions: tuple):
+    """``values -> tuple of values[i] for i in positions`` (one C call: operator.itemgetter)."""
+    if len(positions) == 1:
+        return lambda values, i=positions[0]: (values[i],)
+    return operator.itemgetter(*positions) if positions else (lambda values: ())
 
 
 def _count(shape) -> int:

@@ -24,7 +24,7 @@ import os
 
 import torch
 
-__all__ = ["VERIFIED", "OWN_OP_KERNELS", "switch", "increment_version"]
+__all__ = ["VERIFIED", "OWN_OP_KERNELS", "switch", "increment_version", "any_requires_grad"]
 
 #: Torch minors the ops' own dispatcher kernels were verified with: minor -> (what, where).
 VERIFIED = {
@@ -77,3 +77,12 @@ def _public_increment_version(tensors) -> None:
 
 #: ``increment_version(tensors)``: bump each tensor's ``_version``, as torch's in-place ops do.
 increment_version = torch._C._increment_version if OWN_OP_KERNELS else _public_increment_version
+
+
+def _public_any_requires_grad(*values) -> bool:
+    return any(isinstance(value, torch.Tensor) and value.requires_grad for value in values)
+
+
+#: ``any_requires_grad(*values)``: whether any of the values is a tensor that requires grad (one C
+#: call where verified).
+any_requires_grad = torch._C._any_requires_grad if OWN_OP_KERNELS else _public_any_requires_grad

@@ -90,7 +90,7 @@ from qsa_kernels.stage import RUN_PROGRAM_DOC, Stage, Variant, make_public, stag
 from qsa_kernels.validate import device_error, type_error
 
 from . import _eager, _fast_launch
-from ._internals import OWN_OP_KERNELS, increment_version as _increment_version
+from ._internals import OWN_OP_KERNELS, any_requires_grad as _any_requires_grad, increment_version as _increment_version
 
 DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -371,7 +371,6 @@ _LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
 _IMPLEMENTATIONS: dict = {}
 _grad_enabled = torch.is_grad_enabled
 if OWN_OP_KERNELS:  # torch internals, for the verified torch minors only (qsa_torch._internals)
-    _any_requires_grad = torch._C._any_requires_grad
     _below_inplace_or_view = torch._C._AutoDispatchBelowADInplaceOrView
     _after_inplace_or_view = torch._C._after_ADInplaceOrView_keyset
     _BACKENDS = frozenset((torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA))

@@ -66,6 +66,15 @@ def test_the_version_bumps_of_both_paths(monkeypatch):
     assert [t._version for t in tensors] == [v + 2 for v in before]
 
 
+@pytest.mark.parametrize("values, expected", [
+    ((), False), ((1, None, "x", torch.zeros(2)), False), ((torch.zeros(2), torch.zeros(2, requires_grad=True)), True),
+    ((3.0, torch.zeros(2, requires_grad=True).detach()), False)])
+def test_any_requires_grad_of_both_paths(values, expected):
+    """The eager key's grad check: the public reading and torch._C's agree, non-tensors ignored."""
+    assert _internals._public_any_requires_grad(*values) is expected
+    assert torch._C._any_requires_grad(*values) is expected
+
+
 def test_the_op_suites_pass_with_the_ops_registered_through_custom_op():
     """QSA_OP_KERNELS=0: every op defined by torch.library.custom_op; the op, export and eager suites
     (bitwise results, version bumps, grad refusals, export save/load, compile) pass there too."""
