@@ -51,6 +51,9 @@ launch at up to ``fused_merge_max_programs`` programs: 1-8 requests).
 ``--pdl-paths``: also the step's CUDA-graph µs and eager wall with
 programmatic dependent launch on and off (``qsa_kernels.pdl.ENABLED``
 forced each way; on by default on sm_90).
+``--rope-paths``: also the step's launches, CUDA-graph µs and eager wall
+with stage 1 in stage 2's launch and in its own (``StepTuning.fuse_rope``
+each way, alternating: separate, fused, separate again, fused again).
 ``--unfused``: the step's stage 2 and index-query RoPE as separate launches
 (``StepTuning(fuse_stages=False)``; results in step_unfused.json by default),
 to compare with the fused default.
@@ -349,6 +352,7 @@ class Runner:
         self.skip_jax = False
         self.merge_paths = False
         self.pdl_paths = False
+        self.rope_paths = False
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.share = "dlpack"
         self.notes: list[str] = []
@@ -372,6 +376,8 @@ class Runner:
             row.update(self.merge_path_columns(shape))
         if self.pdl_paths:
             row.update(self.pdl_path_columns(shape))
+        if self.rope_paths:
+            row.update(self.rope_path_columns(shape))
         if not self.fp8:  # compiled columns and the dense layer (it reads bf16 caches) come from a bf16 run
             if not self.skip_compile:
                 row.update(self.compiled(shape, label))
@@ -416,6 +422,21 @@ class Runner:
                 columns[f"{name}_eager_wall_us"] = common.torch_wall_us(shape.torch_step, smoke=self.smoke)
         finally:
             pdl.ENABLED = enabled
+        return columns
+
+    def rope_path_columns(self, shape: Shape) -> dict:
+        """``--rope-paths``: launches, CUDA-graph µs and eager wall of the step with stage 1 in its own
+        launch and in stage 2's (StepTuning.fuse_rope forced each way, alternating, new graphs each time)."""
+        from qsa_kernels import tuning
+
+        columns = {}
+        for fused, name in ((False, "rope_launch"), (True, "rope_fused"), (False, "rope_launch_again"),
+                            (True, "rope_fused_again")):
+            with tuning.override(step=dataclasses.replace(tuning.current().step, fuse_rope=fused)):
+                columns[f"{name}_launches"] = launches(shape)
+                columns[f"{name}_graph_us"] = common.torch_graph_us(shape.torch_step, calls=LOOP_CALLS,
+                                                                    smoke=self.smoke)
+                columns[f"{name}_eager_wall_us"] = common.torch_wall_us(shape.torch_step, smoke=self.smoke)
         return columns
 
     def graph_wall_us(self, shape: Shape) -> float | None:
@@ -510,6 +531,9 @@ def main():
                    help="force the selection's top-k path (TopkTuning.path; results in step_topk-<path>.json)")
     p.add_argument("--pdl-paths", action="store_true",
                    help="also the step's graph us and eager wall with programmatic dependent launch off and on")
+    p.add_argument("--rope-paths", action="store_true",
+                   help="also the step's launches, graph us and eager wall with stage 1 in its own launch and in "
+                        "stage 2's (StepTuning.fuse_rope each way, alternating)")
     p.add_argument("--merge-paths", action="store_true",
                    help="also time the step with the attention's split-K merged in its launch and by a merge "
                         "launch (AttentionTuning.fused_merge forced each way): fused_merge_* and merge_launch_* "
@@ -553,6 +577,7 @@ def run(args, fp8: bool) -> None:
     runner.skip_jax = args.skip_jax
     runner.merge_paths = args.merge_paths
     runner.pdl_paths = args.pdl_paths
+    runner.rope_paths = args.rope_paths
     rows = []
     chosen = None
     if args.shapes and not args.smoke:  # decode:B:L entries only (a step decodes one row a request)
@@ -586,6 +611,10 @@ def run(args, fp8: bool) -> None:
     if args.pdl_paths:
         columns[columns.index("torch_graph_us") + 1:1] = [
             f"{name}_{kind}" for name in ("no_pdl", "pdl", "no_pdl_again") for kind in ("graph_us", "eager_wall_us")]
+    if args.rope_paths:
+        columns[columns.index("torch_graph_us") + 1:1] = [
+            f"{name}_{kind}" for name in ("rope_launch", "rope_fused", "rope_launch_again", "rope_fused_again")
+            for kind in ("launches", "graph_us", "eager_wall_us")]
     if args.merge_paths:
         columns[columns.index("torch_graph_us") + 1:1] = [
             "fused_merge_launches", "fused_merge_graph_us", "merge_launch_launches", "merge_launch_graph_us"]

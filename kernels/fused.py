@@ -2,7 +2,8 @@
 
 ``compress_rotate_store_kernel`` is the composed step's stage 2 and its
 index-query RoPE in one launch (kernels/step.py uses it for steps of at most
-``StepTuning.fused_max_rows`` rows).  It is built from the stages' public
+``StepTuning.fused_max_rows`` rows); ``rope_compress_store_kernel`` runs
+stage 1's programs beside it in the same launch (``StepTuning.fuse_rope``).  It is built from the stages' public
 ``@triton.jit`` helpers (:mod:`.compress`: windows, pooling, cache rows;
 :mod:`.fp8`: the writers' quantisation; :mod:`.rope_cache`: rotation pairs, cos/sin, rotation,
 query heads), so each piece of arithmetic lives in one place and the fused
@@ -16,9 +17,10 @@ import triton.language as tl
 
 from .compress import cache_rows, check_compress_groups, check_store_cache_rows, in_table, pool, window_start, windows
 from .fp8 import quantise
-from .launch import ArrayInfo, Buffer, Launch, Program
+from .launch import ArrayInfo, Buffer, Launch, Program, fused_launch
 from .pdl import dependent, wait_for_previous_kernel
-from .rope_cache import check_rope_rows, rope_cos_sin, rope_pairs, rope_query_heads, rotate
+from .rope_cache import (check_rope_rows, rope_cache_kernel, rope_cache_program, rope_cos_sin, rope_pairs,
+                         rope_query_heads, rotate)
 from .stage import stage
 from .tuning import RopeCacheTuning
 from .validate import BOOL, NONNEGATIVE_INT, POSITIVE_INT, Checker
@@ -63,7 +65,29 @@ def compress_rotate_store_kernel(
     stores nothing: no compressed key, no ring slot.
     """
     wait_for_previous_kernel()
-    program = tl.program_id(0)
+    compress_rotate_store_program(
+        tl.program_id(0), raw_keys_ptr, ring_ptr, block_table_ptr, token_to_req_ptr, query_start_loc_ptr,
+        positions_ptr, compressed_slots_ptr, ring_slots_ptr, compressed_ptr, cos_sin_ptr, scale_ptr, index_q_ptr,
+        ring_out_ptr, compressed_out_ptr, index_q_out_ptr,
+        T, num_requests, num_ring_blocks, num_ring_slots, num_compressed_slots, max_position, max_row_position,
+        raw_sr, ring_sb, ring_sp, table_sr, ck_sb, ck_sp, cs_sr, q_sr, q_sh, qo_sr, qo_sh,
+        D, F, BLOCK_R, RATIO, RING, CPAGE, IS_NEOX, QUANTISE, WIDE_FIRST_POSITIONS, IH, BLOCK_H, NUM_Q_TILES)
+
+
+@triton.jit
+def compress_rotate_store_program(
+    program,  # 0: every row's pooling and stores; 1 + t: index_q's row t
+    # compress_rotate_store_kernel's parameters (its signature gives each pointer's shape)
+    raw_keys_ptr, ring_ptr, block_table_ptr, token_to_req_ptr, query_start_loc_ptr, positions_ptr,
+    compressed_slots_ptr, ring_slots_ptr, compressed_ptr, cos_sin_ptr, scale_ptr, index_q_ptr,
+    ring_out_ptr, compressed_out_ptr, index_q_out_ptr,
+    T, num_requests, num_ring_blocks, num_ring_slots, num_compressed_slots, max_position, max_row_position,
+    raw_sr, ring_sb, ring_sp, table_sr, ck_sb, ck_sp, cs_sr, q_sr, q_sh, qo_sr, qo_sh,
+    D: tl.constexpr, F: tl.constexpr, BLOCK_R: tl.constexpr, RATIO: tl.constexpr, RING: tl.constexpr,
+    CPAGE: tl.constexpr, IS_NEOX: tl.constexpr, QUANTISE: tl.constexpr, WIDE_FIRST_POSITIONS: tl.constexpr,
+    IH: tl.constexpr, BLOCK_H: tl.constexpr, NUM_Q_TILES: tl.constexpr,
+):
+    """One program of ``compress_rotate_store_kernel`` (also run by ``rope_compress_store_kernel``)."""
     i, d_a, d_b, freq_a, freq_b = rope_pairs(D, F, IS_NEOX)
     if program == 0:
         rows = tl.arange(0, BLOCK_R)
@@ -118,6 +142,71 @@ def compress_rotate_store_kernel(
             rope_query_heads(index_q_ptr, index_q_out_ptr, index_q_out_ptr, t, head_tile, d_a, d_b,
                               q_cos_a[None, :], q_sin_a[None, :], q_cos_b[None, :], q_sin_b[None, :],
                               q_sr, q_sh, qo_sr, qo_sh, IH, BLOCK_H, False)
+
+
+@dependent
+@triton.jit
+def rope_compress_store_kernel(
+    # inputs: rope_cache_kernel's (r_), then compress_rotate_store_kernel's (c_); each pointer's
+    # shape as those kernels' signatures give it
+    r_q_ptr, r_k_ptr, r_v_ptr, r_key_cache_ptr, r_value_cache_ptr, r_slot_mapping_ptr, r_positions_ptr,
+    r_offsets_ptr, r_cos_sin_ptr, r_k_scale_ptr, r_v_scale_ptr, r_swa_ptr,
+    c_raw_keys_ptr, c_ring_ptr, c_block_table_ptr, c_token_to_req_ptr, c_query_start_loc_ptr, c_positions_ptr,
+    c_compressed_slots_ptr, c_ring_slots_ptr, c_compressed_ptr, c_cos_sin_ptr, c_scale_ptr, c_index_q_ptr,
+    # outputs, in the same order
+    r_q_out_ptr, r_k_out_ptr, r_key_cache_out_ptr, r_value_cache_out_ptr, r_zeros_ptr,
+    c_ring_out_ptr, c_compressed_out_ptr, c_index_q_out_ptr,
+    # each part's programs and its grid's second extent (launch.fused_launch), its sizes and strides
+    r_programs, r_grid_1, c_programs, c_grid_1,
+    r_T, r_max_position, r_num_slots, r_swa_len, r_q_sr, r_q_sh, r_k_sr, r_k_sh, r_v_sr, r_v_sh, r_cs_sr,
+    r_qo_sr, r_qo_sh, r_ko_sr, r_ko_sh, r_kc_sb, r_kc_sh, r_kc_sd1, r_kc_sd2, r_kc_sp1, r_kc_sp2,
+    r_vc_sb, r_vc_sh, r_vc_sd1, r_vc_sd2, r_vc_sp1, r_vc_sp2,
+    c_T, c_num_requests, c_num_ring_blocks, c_num_ring_slots, c_num_compressed_slots, c_max_position,
+    c_max_row_position, c_raw_sr, c_ring_sb, c_ring_sp, c_table_sr, c_ck_sb, c_ck_sp, c_cs_sr, c_q_sr, c_q_sh,
+    c_qo_sr, c_qo_sh,
+    # constexprs
+    r_D: tl.constexpr, r_F: tl.constexpr, r_QH: tl.constexpr, r_KH: tl.constexpr, r_BLOCK_H: tl.constexpr,
+    r_BLOCK_KH: tl.constexpr, r_NUM_Q_TILES: tl.constexpr, r_PAGE: tl.constexpr, r_IS_NEOX: tl.constexpr,
+    r_HAS_OFFSETS: tl.constexpr, r_HAS_SWA: tl.constexpr, r_WRITE_ZEROS: tl.constexpr,
+    r_FP8_CACHE: tl.constexpr, r_K_DX: tl.constexpr, r_K_PX: tl.constexpr, r_V_DX: tl.constexpr,
+    r_V_PX: tl.constexpr,
+    c_D: tl.constexpr, c_F: tl.constexpr, c_BLOCK_R: tl.constexpr, c_RATIO: tl.constexpr, c_RING: tl.constexpr,
+    c_CPAGE: tl.constexpr, c_IS_NEOX: tl.constexpr, c_QUANTISE: tl.constexpr,
+    c_WIDE_FIRST_POSITIONS: tl.constexpr, c_IH: tl.constexpr, c_BLOCK_H: tl.constexpr,
+    c_NUM_Q_TILES: tl.constexpr,
+):
+    """The composed step's stages 1 and 2 and its index-query RoPE in one launch (plan_rope_compress_store).
+
+    Its first ``r_programs`` programs are ``rope_cache_kernel``'s (its grid
+    flattened), the next ``c_programs`` ``compress_rotate_store_kernel``'s:
+    the two touch different arrays (the KV caches and q; the index caches
+    and index_q), so no order between them is needed, and each program
+    computes what it computes in its own launch, bit for bit.
+    """
+    wait_for_previous_kernel()
+    program = tl.program_id(0)
+    if program < r_programs:
+        rope_cache_program(
+            (program // r_grid_1).to(tl.int64), program % r_grid_1,
+            r_q_ptr, r_k_ptr, r_v_ptr, r_key_cache_ptr, r_value_cache_ptr, r_slot_mapping_ptr, r_positions_ptr,
+            r_offsets_ptr, r_cos_sin_ptr, r_k_scale_ptr, r_v_scale_ptr, r_swa_ptr, r_q_out_ptr, r_k_out_ptr,
+            r_key_cache_out_ptr, r_value_cache_out_ptr, r_zeros_ptr,
+            r_T, r_max_position, r_num_slots, r_swa_len, r_q_sr, r_q_sh, r_k_sr, r_k_sh, r_v_sr, r_v_sh, r_cs_sr,
+            r_qo_sr, r_qo_sh, r_ko_sr, r_ko_sh, r_kc_sb, r_kc_sh, r_kc_sd1, r_kc_sd2, r_kc_sp1, r_kc_sp2,
+            r_vc_sb, r_vc_sh, r_vc_sd1, r_vc_sd2, r_vc_sp1, r_vc_sp2,
+            r_D, r_F, r_QH, r_KH, r_BLOCK_H, r_BLOCK_KH, r_NUM_Q_TILES, r_PAGE, r_IS_NEOX, r_HAS_OFFSETS,
+            r_HAS_SWA, r_WRITE_ZEROS, r_FP8_CACHE, r_K_DX, r_K_PX, r_V_DX, r_V_PX)
+    else:
+        compress_rotate_store_program(
+            program - r_programs,
+            c_raw_keys_ptr, c_ring_ptr, c_block_table_ptr, c_token_to_req_ptr, c_query_start_loc_ptr,
+            c_positions_ptr, c_compressed_slots_ptr, c_ring_slots_ptr, c_compressed_ptr, c_cos_sin_ptr,
+            c_scale_ptr, c_index_q_ptr, c_ring_out_ptr, c_compressed_out_ptr, c_index_q_out_ptr,
+            c_T, c_num_requests, c_num_ring_blocks, c_num_ring_slots, c_num_compressed_slots, c_max_position,
+            c_max_row_position, c_raw_sr, c_ring_sb, c_ring_sp, c_table_sr, c_ck_sb, c_ck_sp, c_cs_sr, c_q_sr,
+            c_q_sh, c_qo_sr, c_qo_sh,
+            c_D, c_F, c_BLOCK_R, c_RATIO, c_RING, c_CPAGE, c_IS_NEOX, c_QUANTISE, c_WIDE_FIRST_POSITIONS, c_IH,
+            c_BLOCK_H, c_NUM_Q_TILES)
 
 
 @stage(
@@ -203,3 +292,12 @@ def plan_compress_rotate_store(
     )
     return Program("compress_rotate_store", (index_q_out,), (launch,),
                    ("compressor_state_cache", "compressed_key_cache", "index_q_out"))
+
+
+def rope_compress_store(rope: Launch, compression: Launch) -> Launch:
+    """Stage 1's launch (``rope_cache_kernel``) and ``compress_rotate_store``'s as one launch of
+    ``rope_compress_store_kernel`` (kernels/step.py: ``StepTuning.fuse_rope``)."""
+    if rope.kernel is not rope_cache_kernel or compression.kernel is not compress_rotate_store_kernel:
+        raise ValueError(f"rope_compress_store: got launches of {rope.kernel} and {compression.kernel}")
+    return fused_launch(rope_compress_store_kernel, (("r_", rope), ("c_", compression)),
+                        num_warps=max(rope.num_warps, compression.num_warps))

@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 from . import runtime
 
 __all__ = ["ArrayInfo", "Buffer", "ITEMSIZE", "Launch", "LaunchEvent", "Program", "Schedule", "contiguous_strides",
-           "execute", "kernel_name", "observe_launches", "triton_launch"]
+           "execute", "fused_launch", "kernel_name", "observe_launches", "triton_launch"]
 
 #: Bytes per element of every dtype a plan names.
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1, "int32": 4, "int64": 8,
@@ -142,6 +142,33 @@ class Launch:
     @property
     def empty(self) -> bool:
         return math.prod(self.grid) == 0
+
+
+def fused_launch(kernel, parts: tuple[tuple[str, Launch], ...], num_warps: int) -> Launch:
+    """One launch of ``kernel`` doing the work of independent launches ``parts``: ``(prefix, launch)``.
+
+    Its grid is one dimension: each part's programs in turn, the part's grid
+    (at most two dimensions) flattened row-major.  Its array arguments are
+    every part's inputs, then every part's outputs, in part order; its
+    scalars and constexprs each part's under the part's prefix, and per part
+    ``<prefix>programs`` and ``<prefix>grid_1`` (its program count and its
+    grid's second extent), for ``kernel`` to find which part's program it
+    runs.  The parts must read nothing another writes: nothing orders their
+    programs.  ``num_stages``: the parts' largest.
+    """
+    scalars, constexprs = {}, {}
+    for prefix, launch in parts:
+        if len(launch.grid) > 2:
+            raise ValueError(f"fused_launch: the {prefix!r} part has a {len(launch.grid)}-dimensional grid")
+        extent_0, extent_1 = (*launch.grid, 1)[:2]
+        scalars[f"{prefix}programs"], scalars[f"{prefix}grid_1"] = extent_0 * extent_1, extent_1
+        scalars.update({prefix + name: value for name, value in launch.scalars.items()})
+        constexprs.update({prefix + name: value for name, value in launch.constexprs.items()})
+    return Launch(kernel=kernel, grid=(sum(scalars[f"{prefix}programs"] for prefix, _ in parts),),
+                  inputs=tuple(name for _, launch in parts for name in launch.inputs),
+                  outputs=tuple(name for _, launch in parts for name in launch.outputs),
+                  scalars=scalars, constexprs=constexprs, num_warps=num_warps,
+                  num_stages=max(launch.num_stages for _, launch in parts))
 
 
 def kernel_name(kernel) -> str:

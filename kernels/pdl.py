@@ -4,7 +4,7 @@ Where the launcher supports it (the torch adapter on sm_90 and later),
 every kernel of this package is launched with CUDA's programmatic stream
 serialization (Triton's ``launch_pdl``): the GPU may schedule a kernel's
 programs before the previous kernel in the stream has finished, so the
-launch gap between dependent kernels (a decode step is 5 launches at 1-8
+launch gap between dependent kernels (a decode step is 4 launches at 1-8
 requests) overlaps that kernel's tail.  Each kernel therefore begins with
 :func:`wait_for_previous_kernel`: ``griddepcontrol.wait`` blocks until the
 previous kernel has completed and its writes are visible, before the kernel

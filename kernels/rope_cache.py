@@ -186,8 +186,31 @@ def rope_cache_kernel(
     K_DX: tl.constexpr, K_PX: tl.constexpr, V_DX: tl.constexpr, V_PX: tl.constexpr,
 ):
     wait_for_previous_kernel()
-    t = tl.program_id(0).to(tl.int64)
-    head_tile = tl.program_id(1)
+    rope_cache_program(
+        tl.program_id(0).to(tl.int64), tl.program_id(1),
+        q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr, positions_ptr, offsets_ptr,
+        cos_sin_ptr, k_scale_ptr, v_scale_ptr, swa_ptr, q_out_ptr, k_out_ptr, key_cache_out_ptr,
+        value_cache_out_ptr, zeros_ptr, T, max_position, num_slots, swa_len, q_sr, q_sh, k_sr, k_sh, v_sr,
+        v_sh, cs_sr, qo_sr, qo_sh, ko_sr, ko_sh, kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2, vc_sb, vc_sh,
+        vc_sd1, vc_sd2, vc_sp1, vc_sp2, D, F, QH, KH, BLOCK_H, BLOCK_KH, NUM_Q_TILES, PAGE, IS_NEOX,
+        HAS_OFFSETS, HAS_SWA, WRITE_ZEROS, FP8_CACHE, K_DX, K_PX, V_DX, V_PX)
+
+
+@triton.jit
+def rope_cache_program(
+    t, head_tile,  # the program: row t (int64), its query-head tile (NUM_Q_TILES: its KV heads)
+    # rope_cache_kernel's parameters (its signature gives each pointer's shape)
+    q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr, positions_ptr, offsets_ptr,
+    cos_sin_ptr, k_scale_ptr, v_scale_ptr, swa_ptr, q_out_ptr, k_out_ptr, key_cache_out_ptr,
+    value_cache_out_ptr, zeros_ptr, T, max_position, num_slots, swa_len, q_sr, q_sh, k_sr, k_sh, v_sr,
+    v_sh, cs_sr, qo_sr, qo_sh, ko_sr, ko_sh, kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2, vc_sb, vc_sh,
+    vc_sd1, vc_sd2, vc_sp1, vc_sp2,
+    D: tl.constexpr, F: tl.constexpr, QH: tl.constexpr, KH: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_KH: tl.constexpr, NUM_Q_TILES: tl.constexpr, PAGE: tl.constexpr, IS_NEOX: tl.constexpr,
+    HAS_OFFSETS: tl.constexpr, HAS_SWA: tl.constexpr, WRITE_ZEROS: tl.constexpr, FP8_CACHE: tl.constexpr,
+    K_DX: tl.constexpr, K_PX: tl.constexpr, V_DX: tl.constexpr, V_PX: tl.constexpr,
+):
+    """One program of ``rope_cache_kernel`` (also run by ``fused.rope_compress_store_kernel``)."""
     is_query_tile = head_tile < NUM_Q_TILES
     # Query tiles of KV-only rows (t >= T) have nothing to do.
     if (t < T) | (head_tile == NUM_Q_TILES):

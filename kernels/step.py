@@ -26,10 +26,12 @@ Order within a step (every write lands before the read that needs it):
 
 With at most ``StepTuning.fused_max_rows`` rows, stage 2 and the index
 queries' RoPE are one launch (``fused.plan_compress_rotate_store``) in
-that order, bit for bit the separate launches (:func:`_fuses_compression`);
-the selection is one launch for few rows (``SelectTuning.fused``): five
-launches per decode step at 1-8 requests (four with the attention's merge in
-its launch, ``AttentionTuning(fused_merge=True)``, measured slower).
+that order, bit for bit the separate launches (:func:`_fuses_compression`),
+and stage 1's programs run in that launch too (``StepTuning.fuse_rope``:
+stage 1 touches none of stage 2's arrays); the selection is one launch for
+few rows (``SelectTuning.fused``): four launches per decode step at 1-8
+requests (three with the attention's merge in its launch,
+``AttentionTuning(fused_merge=True)``, measured slower).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import numpy as np
 
 from .attention import plan_sparse_paged_attention
 from .compress import plan_compress_groups, plan_store_rows_in_table
-from .fused import plan_compress_rotate_store
+from .fused import plan_compress_rotate_store, rope_compress_store
 from .launch import ArrayInfo, Buffer, Launch, Program
 from .paging import METADATA_FIELDS, STATE_FIELDS
 from .rope_cache import plan_rope_reshape_and_cache, plan_rope_rows
@@ -312,6 +314,10 @@ class _Composer:
             name: arrays[name] if name in arrays else Handle(renamed[name], program.buffer(name).info, renamed[name])
             for name in program.results})
 
+    def fuse_last(self, count: int, fuse) -> None:
+        """Replace the last ``count`` launches by ``fuse(*launches)`` (one launch doing their work)."""
+        self.launches[-count:] = [fuse(*self.launches[-count:])]
+
     def program(self, results: tuple[Handle, ...]) -> Program:
         return Program(FUNCTION, tuple(self.buffers), tuple(self.launches), tuple(h.name for h in results))
 
@@ -477,6 +483,8 @@ def plan_qsa_attention_step(
             compressor_state_slots=a.compressor_state_slots, compressed_key_cache=a.compressed_key_cache,
             cos_sin=a.index_cos_sin, index_q=a.index_q, scale=a.compressed_key_scale,
             compress_ratio=compress_ratio, is_neox=is_neox, max_row_position=max_row_position).index_q_out
+        if tuning.fuse_rope:  # stage 1 beside it: they touch different arrays (the caches are distinct)
+            step.fuse_last(2, rope_compress_store)
     else:
         compress = step.stage(
             "compress", plan_compress_groups, raw_keys=a.index_k, raw_positions=a.raw_positions,

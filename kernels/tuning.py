@@ -224,7 +224,7 @@ class AttentionTuning:
     #: after the splits of a (row, KV head), merging programs that wait for them by
     #: ticket) instead of a merge launch, for at most ``fused_merge_max_programs``
     #: programs (rows x KV heads: decode batches of up to 8 requests at 2 KV heads), so
-    #: that a decode step is four launches.  ``fused_merge`` True / False forces either
+    #: that a decode step is three launches.  ``fused_merge`` True / False forces either
     #: path (benchmarks time both), None takes it by that bound; the split count, hence
     #: the bits, are the same.  Off by default: on the H200 (``bench_sparse_attention.py
     #: --merge-paths``, 128K, CUDA graphs) it took 12.5 us against the merge launch's 9.5
@@ -531,14 +531,20 @@ class StepTuning:
     ring is read before it is overwritten), hence the bound.  Off: the
     separate launches (tests compare the two).  The bound is not yet measured
     on the H200: a decode batch of up to 16 rows is one [16, DI] tile.
+
+    ``fuse_rope``: stage 1 (RoPE on q and k, k and v into the KV cache) runs
+    its programs in that same launch (``fused.rope_compress_store``): one
+    launch fewer (four per decode step at 1-8 requests), the same bits.
     """
 
     fuse_stages: bool = True
     fused_max_rows: int = 16
+    fuse_rope: bool = True
 
     def __post_init__(self):
-        if not isinstance(self.fuse_stages, bool):
-            raise ValueError(f"StepTuning: fuse_stages must be a bool, got {self.fuse_stages!r}")
+        for name in ("fuse_stages", "fuse_rope"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"StepTuning: {name} must be a bool, got {getattr(self, name)!r}")
         _positive_int("StepTuning", "fused_max_rows", self.fused_max_rows)
 
 

@@ -26,6 +26,7 @@ The register table of every launch::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -105,6 +106,36 @@ def _fused_compression(rows, d=128, requests=None, dtype=BF16, ratio=4, cache=No
         compressed_key_cache=a((4096, 64, 1, d), cache), cos_sin=a((1 << 17, 2 * d if full_rotary else d), FP32),
         index_q=a((rows, heads, d), dtype), compress_ratio=ratio, is_neox=is_neox,
         scale=a((), FP32) if cache == FP8 else None, max_row_position=1 << 17)
+
+
+def _first_launch_of_step(**arrays_and_options):
+    """The composed step's plan with its first launch only (the selection and the attention have
+    cases of their own)."""
+    from qsa_kernels.step import plan_qsa_attention_step
+
+    program = plan_qsa_attention_step(**arrays_and_options)
+    return dataclasses.replace(program, launches=program.launches[:1])
+
+
+def _stages_1_and_2(requests, context=131072, cache=BF16):
+    """The composed decode step's first launch (a row per request): at 1-16 rows its stages 1 and 2
+    in one (kernels/fused.py: rope_compress_store_kernel)."""
+    from qsa_kernels.paging import CacheGeometry
+
+    b = requests
+    g = CacheGeometry(page_size=64, num_pages=b * -(-context // 64), compress_ratio=4, compressed_page_size=64,
+                      num_compressed_pages=b * -(-(context // 4) // 64), max_context=context, max_requests=b)
+    scales = dict(k_scale=a((), FP32), v_scale=a((), FP32), compressed_key_scale=a((), FP32)) if cache == FP8 else {}
+    return _first_launch_of_step, dict(
+        q=a((b, 24, 256), BF16), k=a((b, 2, 256), BF16), v=a((b, 2, 256), BF16), index_q=a((b, 4, 128), BF16),
+        index_k=a((b, 1, 128), BF16), **{name: a(shape, cache if name != "compressor_state_cache" else BF16)
+                                         for name, shape in g.state_shapes(2, 256, 128).items()},
+        slot_mapping=a((b,), I32), positions=a((b,), I32), raw_positions=a((b, 1, 3), I32),
+        token_to_req=a((b,), I32), query_start_loc=a((b + 1,), I32), sequence_lengths=a((b,), I32),
+        block_table=a((b, g.table_width), I32), compressed_block_table=a((b, g.compressed_table_width), I32),
+        compressed_slots=a((b,), I32), compressor_state_block_table=a((b, 1), I32),
+        compressor_state_slots=a((b,), I32), cos_sin=a((context, 256), FP32),
+        index_cos_sin=a((context, 128), FP32), compress_ratio=4, token_topk=2048, **scales)
 
 
 def _store(rows, width, dtype, index=I32, squeezed=True, quantise_from=None):
@@ -190,6 +221,9 @@ CASES = {
                                                                                 is_neox=False, full_rotary=True),
     "fused-compression/decode-8-fp32-ratio8-fp8-12-heads": _fused_compression(8, dtype=FP32, ratio=8, cache=FP8,
                                                                               heads=12),
+    "step/stages-1-2-decode-1-128k": _stages_1_and_2(1),
+    "step/stages-1-2-decode-8-128k-fp8": _stages_1_and_2(8, cache=FP8),
+    "step/stages-1-2-decode-16-128k": _stages_1_and_2(16),
     "store/bf16-d128-decode-256": _store(256, 128, BF16),
     "store/fp8-d256-prefill-2048-3d-rows": _store(2048, 256, FP8, squeezed=False),
     "store/int64-positions-1-row": _store(1, 3, I64, index=I64),

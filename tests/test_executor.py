@@ -152,3 +152,40 @@ print("ok")
             if name.endswith(".py"):
                 text = open(os.path.join(folder, name)).read()
                 assert f"import {other}" not in text and f"from {other}" not in text, f"{adapter}/{name} imports {other}"
+
+
+def test_fused_launch_joins_the_parts_arguments_under_their_prefixes():
+    """launch.fused_launch (the step's stages 1 and 2 in one launch): one grid of every part's programs in turn,
+    the parts' inputs then their outputs, each part's scalars and constexprs under its prefix."""
+    from qsa_kernels import fused
+    from qsa_kernels.launch import fused_launch
+    from qsa_kernels.rope_cache import plan_rope_reshape_and_cache
+
+    a, i32 = ArrayInfo.contiguous, "int32"
+    rope = plan_rope_reshape_and_cache(
+        q=a((3, 8, 32), "bfloat16"), k=a((3, 2, 32), "bfloat16"), v=a((3, 2, 32), "bfloat16"),
+        key_cache=a((4, 8, 2, 32), "bfloat16"), value_cache=a((4, 8, 2, 32), "bfloat16"),
+        slot_mapping=a((3,), i32), positions=a((3,), i32), cos_sin=a((64, 32), "float32"), is_neox=True).launches[0]
+    compression = fused.plan_compress_rotate_store(
+        raw_keys=a((3, 1, 16), "bfloat16"), raw_positions=a((3, 1, 3), i32),
+        compressor_state_cache=a((2, 4, 1, 16), "bfloat16"), compressor_state_block_table=a((2, 1), i32),
+        token_to_req=a((3,), i32), query_start_loc=a((3,), i32), logical_positions=a((3,), i32),
+        compressed_slots=a((3,), i32), compressor_state_slots=a((3,), i32),
+        compressed_key_cache=a((4, 8, 1, 16), "bfloat16"), cos_sin=a((64, 16), "float32"),
+        index_q=a((3, 2, 16), "bfloat16"), compress_ratio=2, is_neox=True, max_row_position=64).launches[0]
+    assert len(rope.grid) == 2 and rope.grid[1] > 1 and len(compression.grid) == 1  # a 2-D part flattened
+    joined = fused.rope_compress_store(rope, compression)
+    assert joined.kernel is fused.rope_compress_store_kernel
+    assert joined.grid == (rope.grid[0] * rope.grid[1] + compression.grid[0],)
+    assert joined.inputs == rope.inputs + compression.inputs and joined.outputs == rope.outputs + compression.outputs
+    assert (joined.scalars["r_programs"], joined.scalars["r_grid_1"]) == (rope.grid[0] * rope.grid[1], rope.grid[1])
+    assert (joined.scalars["c_programs"], joined.scalars["c_grid_1"]) == (compression.grid[0], 1)
+    for prefix, part in (("r_", rope), ("c_", compression)):
+        assert all(joined.scalars[prefix + name] == value for name, value in part.scalars.items())
+        assert all(joined.constexprs[prefix + name] == value for name, value in part.constexprs.items())
+    assert joined.num_warps == max(rope.num_warps, compression.num_warps)
+    with pytest.raises(ValueError, match="rope_compress_store: got launches of"):
+        fused.rope_compress_store(compression, rope)
+    with pytest.raises(ValueError, match="3-dimensional grid"):
+        fused_launch(fused.rope_compress_store_kernel, (("r_", Launch(**{**rope.__dict__, "grid": (1, 1, 2)})),
+                                                        ("c_", compression)), num_warps=4)

@@ -719,47 +719,59 @@ def test_position_past_cos_sin_gives_nan_out_rows():
 # Stage 2 and the index queries' RoPE fused into one launch (issue 14)
 # --------------------------------------------------------------------------
 
-FUSED_KERNEL = "compress_rotate_store_kernel"
-#: The launches the fused one replaces, in the order the unfused step runs them.
+#: The default's launch for stages 1 and 2 of a few rows (StepTuning.fuse_rope), and with
+#: fuse_rope off the launch of stage 2 alone (stage 1's rope_cache_kernel before it).
+FUSED_KERNEL, COMPRESSION_KERNEL = "rope_compress_store_kernel", "compress_rotate_store_kernel"
+#: The launches stage 2's fused one replaces, in the order the unfused step runs them.
 UNFUSED_KERNELS = ["compress_groups_kernel", "store_cache_rows_kernel", "rope_rows_kernel",
                    "store_cache_rows_kernel", "rope_rows_kernel"]
 
 
-def _unfused():
-    from qsa_kernels import tuning
-
-    return tuning.override(step=tuning.StepTuning(fuse_stages=False))
-
-
-def _run_step(arguments: dict, fuse: bool):
-    """One torch step on a copy of the state; ``(results, final state, kernel names launched)``."""
+def _step_tuning(fuse):
+    """``fuse``: True, the step tuning in force; "compression", that with stage 2 fused without
+    stage 1 (``fuse_rope`` off); False, no stage fused."""
     import contextlib
 
+    from qsa_kernels import tuning
+
+    if fuse is True:
+        return contextlib.nullcontext()
+    return tuning.override(step=dataclasses.replace(tuning.current().step, fuse_stages=bool(fuse), fuse_rope=False))
+
+
+def _run_step(arguments: dict, fuse):
+    """One torch step on a copy of the state; ``(results, final state, kernel names launched)``;
+    ``fuse`` as :func:`_step_tuning`'s."""
     from qsa_kernels.launch import observe_launches
 
     arguments = dict(arguments, state=clone_state(arguments["state"]))
-    with (contextlib.nullcontext() if fuse else _unfused()), observe_launches() as events:
+    with _step_tuning(fuse), observe_launches() as events:
         results = qsa_torch.qsa_attention_step(**arguments)
     return results, [event.kernel for event in events]
 
 
 def _assert_same_step(arguments: dict, expect_fused: bool = True, valid: bool = True):
-    """The step with the fused launch and with the separate ones: the same out, token indices and caches, bit for bit.
+    """The step with the fused launches (stages 1 and 2 in one; stage 2 alone in one) and with
+    the separate ones: the same out, token indices and caches, bit for bit.
 
     ``valid``: pager-built metadata, so the step stores compressed keys and
     ring rows and every out row is finite (the comparison is not vacuous).
     """
     before = {n: getattr(arguments["state"], n).clone() for n in STATE_FIELDS}
-    (out, state, indices), fused_kernels = _run_step(arguments, fuse=True)
     (ref_out, ref_state, ref_indices), unfused_kernels = _run_step(arguments, fuse=False)
-    assert (FUSED_KERNEL in fused_kernels) == expect_fused, fused_kernels
-    assert FUSED_KERNEL not in unfused_kernels and unfused_kernels[1:6] == UNFUSED_KERNELS, unfused_kernels
-    if expect_fused:  # the one launch stands where the five were
-        assert fused_kernels == unfused_kernels[:1] + [FUSED_KERNEL] + unfused_kernels[6:]
-    assert_bitwise_equal(out, ref_out, "out")
-    assert_bitwise_equal(indices, ref_indices, "token_indices")
-    for name in STATE_FIELDS:
-        assert_bitwise_equal(getattr(state, name), getattr(ref_state, name), name)
+    assert unfused_kernels[:6] == ["rope_cache_kernel", *UNFUSED_KERNELS], unfused_kernels
+    for fuse, replaced in ((True, 6), ("compression", 5)):
+        (out, state, indices), fused_kernels = _run_step(arguments, fuse=fuse)
+        kernel = FUSED_KERNEL if fuse is True else COMPRESSION_KERNEL
+        assert (kernel in fused_kernels) == expect_fused, fused_kernels
+        if expect_fused:  # the one launch stands where the six (or five) were
+            assert fused_kernels == unfused_kernels[:6 - replaced] + [kernel] + unfused_kernels[6:], fused_kernels
+        else:
+            assert fused_kernels == unfused_kernels, fused_kernels
+        assert_bitwise_equal(out, ref_out, f"out ({fuse})")
+        assert_bitwise_equal(indices, ref_indices, f"token_indices ({fuse})")
+        for name in STATE_FIELDS:
+            assert_bitwise_equal(getattr(state, name), getattr(ref_state, name), f"{name} ({fuse})")
     # Not vacuous: the step stored compressed keys and ring rows.
     for name in ("compressor_state_cache", "compressed_key_cache"):
         assert not torch.equal(host_bits(getattr(state, name)), host_bits(before[name])), f"{name} unchanged"
@@ -849,7 +861,7 @@ def test_decode_step_launch_count():
     RoPE, their store, the index queries' RoPE (5), score + top-k + expand
     (3), attention (2: partial + merge launch; 1 with
     ``AttentionTuning(fused_merge=True)``, split-K merged in its launch) = 11.
-    Fused: 1 + 1 + the fused selection (1) + attention (2) = 5.
+    Fused: stages 1 and 2 in one launch (1) + the fused selection (1) + attention (2) = 4.
     """
     from qsa_kernels.launch import kernel_name
 
@@ -859,32 +871,32 @@ def test_decode_step_launch_count():
     assert attention == ["sparse_attention_partial_kernel", "merge_splits_kernel"] and unfused[-2:] == attention
     selection = ["scores_kernel", "topk_ticketed_kernel", "expand_kernel"]
     assert unfused == ["rope_cache_kernel", *UNFUSED_KERNELS, *selection, *attention]
-    assert fused == ["rope_cache_kernel", FUSED_KERNEL, "select_fused_kernel", *attention]
+    assert fused == [FUSED_KERNEL, "select_fused_kernel", *attention]
 
 
 #: Launches of a decode step at production geometry x 128K context per batch-size class
 #: (requests: launches), by default (the merge launch) and with the merge in the attention's launch
-#: (AttentionTuning(fused_merge=None): at most 16 programs).  1 and 8 requests: RoPE + KV, the
-#: fused compression, the fused selection, the attention and its merge launch (4 with the merge in
-#: the attention's launch).  64: RoPE + KV, the separate compression launches (5: more than
-#: StepTuning.fused_max_rows rows), score + top-k (the row path) + expand (3: past
+#: (AttentionTuning(fused_merge=None): at most 16 programs).  1 and 8 requests: RoPE + KV and the
+#: compression in one launch, the fused selection, the attention and its merge launch (3 with the
+#: merge in the attention's launch).  64: RoPE + KV, the separate compression launches (5: more
+#: than StepTuning.fused_max_rows rows), score + top-k (the row path) + expand (3: past
 #: SelectTuning.fused_max_rows), partial + merge launch (2: 128 programs, past
 #: AttentionTuning.fused_merge_max_programs) = 11.  256: the same with no split to merge = 10.
-DECODE_LAUNCHES = {1: 5, 8: 5, 64: 11, 256: 10}
-FUSED_MERGE_LAUNCHES = {1: 4, 8: 4}
+DECODE_LAUNCHES = {1: 4, 8: 4, 64: 11, 256: 10}
+FUSED_MERGE_LAUNCHES = {1: 3, 8: 3}
 
 
 @pytest.mark.parametrize("requests", sorted(DECODE_LAUNCHES))
 def test_decode_step_launches_per_batch_size(requests):
     """Issue 26: the decode step's launches per batch size (128K context, production geometry),
-    pinned.  With the attention's merge in its launch (``AttentionTuning(fused_merge=True)``)
-    the 1-8 request step is four launches; the default keeps the merge launch, measured faster
-    on the H200 (docs/performance.md)."""
+    pinned: at most four at 1-8 requests (stages 1 and 2 in one launch, ``StepTuning.fuse_rope``);
+    three with the attention's merge in its launch (``AttentionTuning(fused_merge=True)``), which
+    the default leaves off, measured slower on the H200 (docs/performance.md)."""
     from qsa_kernels import tuning
     from qsa_kernels.launch import kernel_name
 
     names = [kernel_name(la.kernel) for la in _production_decode_plan(131072, requests=requests).runnable_launches]
-    assert len(names) == DECODE_LAUNCHES[requests], names
+    assert len(names) == DECODE_LAUNCHES[requests] and (requests > 8 or len(names) <= 4), names
     assert "sparse_attention_fused_merge_kernel" not in names
     if requests in FUSED_MERGE_LAUNCHES:
         with tuning.override(attention=tuning.AttentionTuning(fused_merge=None)):  # by the programs' bound
@@ -943,11 +955,6 @@ def test_fused_compression_equals_separate_launches_on_metadata_to_skip(case):
 # A row past cos_sin writes nothing anywhere (issue 28, item 5)
 # --------------------------------------------------------------------------
 
-def _step_context(fuse: bool):
-    import contextlib
-
-    return contextlib.nullcontext() if fuse else _unfused()
-
 
 CACHE_SLOTS = (("key_cache", "slot_mapping"), ("value_cache", "slot_mapping"),
                ("compressor_state_cache", "compressor_state_slots"), ("compressed_key_cache", "compressed_slots"))
@@ -973,7 +980,7 @@ def _assert_rows_write_nothing(arguments, meta, past, fuse):
     (out, new_state, _), kernels = _run_step(arguments, fuse)
     assert (FUSED_KERNEL in kernels) == fuse
     (ref_out, ref_state, _), _ = _run_step(dict(arguments, metadata=_without_rows(meta, past)), fuse)
-    with _step_context(fuse):
+    with _step_tuning(fuse):
         jax_out, jax_state, _ = qsa_jax.qsa_attention_step(**_jax_arguments(arguments))
     assert np.isnan(f64(out)[past]).all() and np.isfinite(f64(out)[~past]).all()
     assert_bitwise_equal(out, ref_out, "out")
@@ -1033,7 +1040,7 @@ def test_step_with_every_row_past_cos_sin_changes_no_cache(fuse):
     assert (host(arguments["metadata"].positions) >= 2).all()
     before = {n: getattr(arguments["state"], n).clone() for n in STATE_FIELDS}
     (out, state, _), _ = _run_step(arguments, fuse)
-    with _step_context(fuse):
+    with _step_tuning(fuse):
         jax_out, jax_state, _ = qsa_jax.qsa_attention_step(**_jax_arguments(arguments))
     assert np.isnan(f64(out)).all()
     assert_bitwise_equal(jax_out, out, "torch vs JAX out")
@@ -1063,7 +1070,7 @@ def test_decode_step_past_cos_sin_then_retried_equals_a_clean_run(fuse, index_ta
     short = dict(cos_sin=cos_sin[:12], index_cos_sin=index_cos_sin[:12] if index_table == "cut" else index_cos_sin)
 
     def step(state, schedule_meta, inputs, tables):
-        with _step_context(fuse):
+        with _step_tuning(fuse):
             return qsa_torch.qsa_attention_step(**inputs, state=state, metadata=schedule_meta, **tables, **options)
 
     meta = qsa_torch.StepMetadata.from_host(pager.step({"a": 15, "b": 7, "c": 2}), DEVICE)
@@ -1082,7 +1089,7 @@ def test_decode_step_past_cos_sin_then_retried_equals_a_clean_run(fuse, index_ta
     _poison_slots(bad, meta, np.array([True, False, False]))
     poisoned = clone_state(bad)
     jax_arguments = _jax_arguments(dict(inputs, state=bad, metadata=meta, **short, **options))
-    with _step_context(fuse):
+    with _step_tuning(fuse):
         jax_out, jax_bad, _ = qsa_jax.qsa_attention_step(**jax_arguments)
     out, bad, _ = step(bad, meta, inputs, short)
     assert np.isnan(f64(out)[0]).all() and np.isfinite(f64(out)[1:]).all()

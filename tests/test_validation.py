@@ -381,6 +381,8 @@ def test_override_and_tuning_values_are_checked():
                           (lambda: tuning.AttentionTuning(launch_table=((8, 1024, 4, 2, 264),)), "AttentionTuning: launch_table must end with a row whose bound is None"),
                           (lambda: tuning.AttentionTuning(fp8_launch_table=((None, 1024, 4, 2),)), "AttentionTuning: fp8_launch_table rows must be (most programs or None, tile bytes, warps, stages, target programs)"),
                           (lambda: tuning.SelectTuning(fused="yes"), "SelectTuning: fused must be a bool, got 'yes'"),
+                          (lambda: tuning.StepTuning(fuse_stages=1), "StepTuning: fuse_stages must be a bool, got 1"),
+                          (lambda: tuning.StepTuning(fuse_rope="no"), "StepTuning: fuse_rope must be a bool, got 'no'"),
                           (lambda: tuning.SelectTuning(fused_max_rows=0), "SelectTuning: fused_max_rows must be a positive int, got 0"),
                           (lambda: tuning.SelectTuning(fused_score_columns=384), "SelectTuning: fused_score_columns must be a power of two >= 128, got 384"),
                           (lambda: tuning.SelectTuning(fp8_row_columns=64), "SelectTuning: fp8_row_columns must be a power of two >= 128, got 64")):
