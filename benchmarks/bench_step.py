@@ -58,7 +58,8 @@ each way, alternating: separate, fused, separate again, fused again).
 (``StepTuning(fuse_stages=False)``; results in step_unfused.json by default),
 to compare with the fused default.
 Shapes run in order of importance (128K first) and stop at a time budget, with
-a note.  ``benchmarks/plot_step.py`` draws the JSON.
+a note.  Every shape's torch columns come first, with no JAX in the process
+(as a torch user's process has none), then every shape's JAX columns.  ``benchmarks/plot_step.py`` draws the JSON.
 """
 
 from __future__ import annotations
@@ -361,6 +362,7 @@ class Runner:
         return self.torch.cuda.mem_get_info()[0] if self.device.type == "cuda" else float("inf")
 
     def measure(self, g: Geometry, batch: int, context: int) -> dict | None:
+        """The torch columns of one shape (no JAX in the process yet: see :meth:`measure_jax`)."""
         label = f"B={batch} L={_tokens(context)}"
         need = cache_bytes(g, batch, context, 1 if self.fp8 else 2)
         if need + MEMORY_MARGIN > self.free_bytes():
@@ -382,17 +384,30 @@ class Runner:
             if not self.skip_compile:
                 row.update(self.compiled(shape, label))
             row["dense_graph_us"] = common.torch_graph_us(shape.dense_step, calls=LOOP_CALLS, smoke=self.smoke)
+        del shape
+        self._free()
+        return row
+
+    def measure_jax(self, g: Geometry, row: dict) -> None:
+        """Add the JAX columns and the ratios to a shape's row (the same shape and contents again).
+
+        Run after every shape's torch columns, so that those are timed with no
+        JAX in the process (``torch_beside_jax.py`` times the eager step beside
+        each stage of bringing JAX up)."""
         if not self.skip_jax:
-            row.update(self.jax_lowerings(shape, label))
+            shape = Shape(g, row["batch"], row["context"], self.device, fp8=self.fp8)
+            row.update(self.jax_lowerings(shape, f"B={row['batch']} L={_tokens(row['context'])}"))
+            del shape
+            self._free()
         row["jax_over_torch_device"] = _ratio(row.get("jax_device_us") or row.get("jax_loop_us"),
                                               row.get("torch_graph_us"))
         row["jax_wall_over_torch_graph"] = _ratio(row.get("jax_wall_us"), row.get("torch_graph_us"))
         row["compile_graph_over_graph"] = _ratio(row.get("torch_compile_graph_us"), row.get("torch_graph_us"))
         row["dense_over_qsa"] = _ratio(row.get("dense_graph_us"), row.get("torch_graph_us"))
-        del shape
+
+    def _free(self) -> None:
         if self.device.type == "cuda":
             self.torch.cuda.empty_cache()
-        return row
 
     def merge_path_columns(self, shape: Shape) -> dict:
         """``--merge-paths``: launches and CUDA-graph µs of the step with the attention's split-K
@@ -540,10 +555,6 @@ def main():
                         "columns")
     args = p.parse_args()
     fp8 = args.cache_dtype == "fp8"
-    import qsa_jax
-
-    if args.jax_lowerings is None:
-        args.jax_lowerings = [name for name in ("legacy", "ffi") if qsa_jax.triton_lowering_available(name)]
     default = p.get_default("json")
     if fp8 and args.json == default:
         args.json = args.json.replace("step.json", "step_fp8.json")
@@ -567,12 +578,10 @@ def main():
 
 
 def run(args, fp8: bool) -> None:
-    import qsa_jax
-
     started = time.perf_counter()
     g = SMOKE if args.smoke else PRODUCTION
     batches, contexts = (SMOKE_BATCHES, SMOKE_CONTEXTS) if args.smoke else (BATCHES, CONTEXTS)
-    runner = Runner(args.smoke, fp8, tuple(args.jax_lowerings))
+    runner = Runner(args.smoke, fp8, ())  # its JAX lowerings are set before the JAX columns
     runner.skip_compile = args.skip_compile
     runner.skip_jax = args.skip_jax
     runner.merge_paths = args.merge_paths
@@ -599,6 +608,14 @@ def run(args, fp8: bool) -> None:
             if row is not None:
                 rows.append(row)
                 common.print_table([row], list(row))
+    # JAX after every shape's torch columns (Runner.measure_jax says why), with the same shapes.
+    import qsa_jax
+
+    if args.jax_lowerings is None:
+        args.jax_lowerings = [name for name in ("legacy", "ffi") if qsa_jax.triton_lowering_available(name)]
+    runner.lowerings = tuple(args.jax_lowerings)
+    for row in rows:
+        runner.measure_jax(g, row)
 
     columns = ["batch", "context", "cache_gib", "launches", "torch_eager_us", "torch_compile_us", "torch_compile_graph_us",
                "torch_compile_graph_static_us", "torch_graph_wall_us", "torch_eager_wall_us", "torch_compile_wall_us",

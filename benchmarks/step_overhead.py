@@ -117,8 +117,8 @@ def main() -> None:
     real_run, real__run = _eager.run, getattr(_eager, "_run", None)
     stubbed_run = None
     if real__run is not None:
-        prepared = real__run(stage, arguments)  # (Prepared, results, tensors) of one real call
-        stubbed_run = (lambda stage, arguments: prepared,
+        prepared = real__run(stage, arguments, False)  # (Prepared, results, tensors) of one real call
+        stubbed_run = (lambda stage, arguments, keep: prepared,
                        lambda stage, arguments: (prepared[0].program, prepared[1]))
 
     functions = {}  # row -> (function, whether the prepared run is stubbed)
