@@ -2,12 +2,13 @@
 
 ``compress_rotate_store_kernel`` is the composed step's stage 2 and its
 index-query RoPE in one launch (kernels/step.py uses it for steps of at most
-``StepTuning.fused_max_rows`` rows); ``rope_compress_store_kernel`` runs
-stage 1's programs beside it in the same launch (``StepTuning.fuse_rope``).  It is built from the stages' public
+``StepTuning.fused_max_rows`` rows).  It is built from the stages' public
 ``@triton.jit`` helpers (:mod:`.compress`: windows, pooling, cache rows;
-:mod:`.fp8`: the writers' quantisation; :mod:`.rope_cache`: rotation pairs, cos/sin, rotation,
-query heads), so each piece of arithmetic lives in one place and the fused
-launch rounds exactly as the separate ones do.
+:mod:`.fp8`: the writers' quantisation; :mod:`.rope_cache`: rotation pairs,
+cos/sin, rotation, query heads), so each piece of arithmetic lives in one
+place and the fused launch rounds exactly as the separate ones do.
+``rope_compress_store_kernel`` runs stage 1's programs (``rope_cache_program``)
+and those programs in one launch (``StepTuning.fuse_rope``).
 """
 
 from __future__ import annotations
