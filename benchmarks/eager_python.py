@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import operator
 import platform
 import time
 
@@ -69,8 +68,7 @@ def main() -> None:
     def bind(self, env, alignment, process):  # every launch a no-op, bound as Prepared._bind binds
         records = []
         for launch, slot_numbers in self.schedule.launches:
-            positions = [self.positions[i] for i in slot_numbers]
-            take = operator.itemgetter(*positions) if len(positions) > 1 else (lambda p, i=positions[0]: (p[i],))
+            take = _eager._getter(tuple(self.positions[i] for i in slot_numbers))
             records.append((no_op, (0, 0, None, None, None), take, (0,) * (len(launch.scalars) + 2), 1, 1, 1))
         self.bound[alignment] = (process, (), tuple(records))
 

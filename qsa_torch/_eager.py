@@ -75,8 +75,7 @@ _shape, _dtype = operator.attrgetter("shape"), operator.attrgetter("dtype")
 def _spec(stage: Stage) -> tuple:
     arrays = stage.arrays
     options = tuple(p.name for p in stage.parameters if p.name in stage.options)
-    take = operator.itemgetter(*arrays) if len(arrays) > 1 else (lambda arguments, name=arrays[0]: (arguments[name],))
-    spec = _SPECS[stage] = (take, arrays, (None,) * len(arrays), options, (_ABSENT,) * len(options))
+    spec = _SPECS[stage] = (_getter(arrays), arrays, (None,) * len(arrays), options, (_ABSENT,) * len(options))
     return spec
 
 
@@ -286,7 +285,7 @@ class Prepared:
             last = self.last_views[region] = (base, [base + offset for offset in offsets])
         return last[1]
 
-    def _env(self, tensors: list, allocated: list, scratch, zeroed) -> list:
+    def _env(self, tensors: tuple, allocated: list, scratch, zeroed) -> list:
         """Every slot's tensor: the arguments, the allocations, views of the workspaces in the scratch
         and in the zeroed allocation."""
         env = [*tensors, *[None] * (len(allocated) + len(self.scratch_views) + len(self.zeroed_views))]
@@ -316,9 +315,7 @@ class Prepared:
                 records = None  # not every launch can be bound: keep launching this way
             if records is None:
                 continue
-            positions = [self.positions[i] for i in slots]
-            take = operator.itemgetter(*positions) if len(positions) > 1 else \
-                (lambda pointers, i=positions[0]: (pointers[i],))
+            take = _getter(tuple(self.positions[i] for i in slots))
             values = launcher.keyword_values(launch.kernel, len(args), launch.scalars, launch.constexprs)
             gx, gy, gz = (*launch.grid, 1, 1)[:3]
             records.append((binding.launch, (*binding.leading, binding.packed_metadata, None, None, None), take,
@@ -371,11 +368,11 @@ def _workspace(kept: list, region: int, nbytes: int, device: torch.device) -> to
     return tensor
 
 
-def _getter(positions: tuple):
-    """``values -> tuple of values[i] for i in positions`` (one C call: operator.itemgetter)."""
-    if len(positions) == 1:
-        return lambda values, i=positions[0]: (values[i],)
-    return operator.itemgetter(*positions) if positions else (lambda values: ())
+def _getter(keys: tuple):
+    """``values -> tuple(values[k] for k in keys)``, always a tuple (operator.itemgetter: one C call)."""
+    if len(keys) == 1:
+        return lambda values, k=keys[0]: (values[k],)
+    return operator.itemgetter(*keys) if keys else (lambda values: ())
 
 
 def _count(shape) -> int:
