@@ -20,9 +20,10 @@ before it (docs/design.md, "Numerics and determinism").
    candidates overflow its tile, selects from the row (placing directly when
    ``T == L``); then ``-1`` padding, and the row's state back to zero.
 
-What bounds it (the last program's histogram passes over ~1.4k
-candidates: four with fixed digits, about two fitted), from a timeline of
-one call: docs/performance.md.
+What bounds it (the last program's histogram passes over the ~700
+candidates of a 32768-column row, about two fitted ones at ~2.2 µs each, and
+the rounds of loads before them), from a timeline of one call:
+docs/performance.md.
 
 ``TopkTuning.ticketed_select = "fitted"`` keeps that selection in the
 last program but fits its digits to the candidates' span ``[L, T]`` (T the
@@ -130,16 +131,22 @@ def _fitted_select(keys, remaining, lo, hi, done, PASSES: tl.constexpr, BITS: tl
     it is one value or its keys are exactly those left to take (``done``);
     PASSES passes resolve any span (the plan's count).  The threshold is the
     range's lowest value: keys below it are not taken, keys above it are,
-    and of those equal to it the first ``remaining``."""
-    for p in tl.static_range(PASSES):
-        if done == 0:
-            shift = _fitted_shift(hi - lo, BITS)
-            match = (keys >= lo) & (keys <= hi)
-            digits = ((keys - lo) >> shift).to(tl.int32)
-            digit, above, exact = digit_of_kth(tl.histogram(digits, 1 << BITS, mask=match), remaining, BITS)
-            lo, hi = _fitted_range(lo, hi, digit, shift)
-            remaining -= above
-            done = (exact | (lo == hi)).to(tl.int32)
+    and of those equal to it the first ``remaining``.
+
+    A runtime loop, not an unrolled one: one pass's code (a histogram is
+    ~900 PTX instructions) instead of PASSES copies, in a kernel whose
+    text jaxlib copies and hashes on every execution (docs/design.md,
+    "JAX call overhead"), and the same pass's instructions re-run hot."""
+    p = tl.full((), 0, tl.int32)
+    while (done == 0) & (p < PASSES):
+        shift = _fitted_shift(hi - lo, BITS)
+        match = (keys >= lo) & (keys <= hi)
+        digits = ((keys - lo) >> shift).to(tl.int32)
+        digit, above, exact = digit_of_kth(tl.histogram(digits, 1 << BITS, mask=match), remaining, BITS)
+        lo, hi = _fitted_range(lo, hi, digit, shift)
+        remaining -= above
+        done = (exact | (lo == hi)).to(tl.int32)
+        p += 1
     return lo, remaining
 
 
@@ -182,6 +189,28 @@ def _count_candidates(logits_row, histogram, first, width, bound, top, SLICE: tl
 
 
 @triton.jit
+def _candidate_sources(counts_row, CAND_TILE: tl.constexpr, SLICES: tl.constexpr, REGION: tl.constexpr,
+                       UNROLL: tl.constexpr):
+    """(Where entry i of the slices' candidates concatenated lies in the
+    candidate buffers, how many candidates there are in all): entry i lies
+    in the region of the slice whose candidates it reaches, so the unused
+    rest of every region before it is skipped.  The counts are read as
+    scalars, UNROLL a step (their loads do not wait for one another: a
+    round of loads a step); steps past the last slice move only entries >=
+    the total."""
+    idx = tl.arange(0, CAND_TILE)
+    src = idx
+    total = tl.full((), 0, tl.int32)
+    for base in range(0, SLICES, UNROLL):
+        for j in tl.static_range(UNROLL):
+            # (.cg: written by other programs of this launch.)
+            count = tl.load(counts_row + base + j, mask=base + j < SLICES, other=0, cache_modifier=".cg")
+            total += count
+            src = tl.where(idx >= total, src + (REGION - count), src)
+    return src, total
+
+
+@triton.jit
 def _ticketed_finish(logits_row, counts_row, cand_keys, cand_cols, histogram, out_row, width, bound, top,
                      K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr, REGION: tl.constexpr,
                      CAND_TILE: tl.constexpr, COUNTS_TILE: tl.constexpr, BITS: tl.constexpr,
@@ -196,29 +225,22 @@ def _ticketed_finish(logits_row, counts_row, cand_keys, cand_cols, histogram, ou
     top]`` from the first, else ("last") they are the keys' fixed digits
     from the top bit (those that bound and top share skipped)."""
     s = tl.arange(0, COUNTS_TILE)
-    # (.cg: written by other programs of this launch.)
-    at_least = tl.load(counts_row + s, mask=s < SLICES, other=0, cache_modifier=".cg")
-    above = tl.load(counts_row + SLICES + s, mask=s < SLICES, other=0, cache_modifier=".cg")
-    total = tl.sum(at_least, 0)
     zero = tl.full((), 0, tl.int32)
-    UNROLL: tl.constexpr = 8
+    if SHARED_BITS > 0:
+        # (.cg: written by other programs of this launch.)
+        total = tl.sum(tl.load(counts_row + s, mask=s < SLICES, other=0, cache_modifier=".cg"), 0)
+    else:
+        # The sources before the branch: their loads give the total too (one round of loads, not
+        # two, for up to ticketed_max_slices = 16 slices).
+        src, total = _candidate_sources(counts_row, CAND_TILE, SLICES, REGION, 16)
     if total <= CAND_TILE:  # then no slice overflowed its region (REGION >= min(SLICE, CAND_TILE))
+        idx = tl.arange(0, CAND_TILE)
         if SHARED_BITS > 0:
             # Before the gather: the counts' registers are free again for the candidates'.
             # (Meaningless when total <= K, and then unused.)
             lo, hi, remaining, done = _shared_digit(histogram, bound, top, K, SHARED_BITS)
-        # Entry i of the concatenation lies in the region of the slice whose
-        # candidates it reaches: skip the unused rest of every region before.
-        # (UNROLL slices a step, unrolled: their loads do not wait for one another.
-        # Steps past the last slice move only entries >= total, never loaded.)
-        idx = tl.arange(0, CAND_TILE)
-        src = idx
-        first = zero
-        for base in range(0, SLICES, UNROLL):
-            for j in tl.static_range(UNROLL):
-                count = tl.load(counts_row + base + j, mask=base + j < SLICES, other=0, cache_modifier=".cg")
-                first += count
-                src = tl.where(idx >= first, src + (REGION - count), src)
+            # (8 slices a step: registers.)
+            src, total = _candidate_sources(counts_row, CAND_TILE, SLICES, REGION, 8)
         threshold = tl.full((), 0, tl.uint32)
         take_equal = zero + K
         if SHARED_BITS > 0:
@@ -248,14 +270,17 @@ def _ticketed_finish(logits_row, counts_row, cand_keys, cand_cols, histogram, ou
             if total > K:
                 threshold, take_equal = kth_largest_between(keys, valid, K, bound, top, 32 // BITS, BITS)
             place_tile(keys, cols, valid, threshold, take_equal, zero, zero, out_row)
-    elif tl.sum(above, 0) < K:
-        # Too many keys equal the bound, and it is the k-th largest: all keys
-        # above it, then the first K - above equal to it.
-        place(logits_row, logits_row, zero, width, bound, K - tl.sum(above, 0), zero, zero,
-               out_row, out_row, SLICE, True, False)
     else:
-        select_and_place(logits_row, logits_row, width, K, tl.full((), 0, tl.uint32),
-                          tl.full((), 0xFFFFFFFF, tl.uint32), out_row, True, SLICE, BITS, False)
+        # (.cg: written by other programs of this launch.)
+        above = tl.sum(tl.load(counts_row + SLICES + s, mask=s < SLICES, other=0, cache_modifier=".cg"), 0)
+        if above < K:
+            # Too many keys equal the bound, and it is the k-th largest: all keys
+            # above it, then the first K - above equal to it.
+            place(logits_row, logits_row, zero, width, bound, K - above, zero, zero,
+                   out_row, out_row, SLICE, True, False)
+        else:
+            select_and_place(logits_row, logits_row, width, K, tl.full((), 0, tl.uint32),
+                              tl.full((), 0xFFFFFFFF, tl.uint32), out_row, True, SLICE, BITS, False)
 
 
 @triton.jit
