@@ -344,6 +344,19 @@ def test_ticketed_path_branches(ticketed, kind, k, branch):
     check_topk(logits, torch.tensor([200, 150, 77], dtype=torch.int32), k)
 
 
+@pytest.mark.parametrize("select", ["fitted", "last", "shared"])
+@pytest.mark.parametrize("kind", ["random", "sorted", "ties"])
+def test_ticketed_counts_read_in_several_steps(kind, select):
+    """More slices than the last program reads counts a step (16; 8 for "shared"): 40 slices of
+    16 columns, so the candidates' offsets come from three steps of loads (five for "shared"),
+    the last step partly past the row's slices; against the reference."""
+    logits = branch_case(kind, 640)
+    with retuned(path="ticketed", ticketed_slice=16, ticketed_max_slices=64, ticketed_select=select):
+        (launch,) = plan(3, logits.shape[1], 24).launches
+        assert launch.kernel.__name__ == "topk_ticketed_kernel" and launch.constexprs["SLICES"] == 40
+        check_topk(logits, torch.tensor([640, 333, 77], dtype=torch.int32), 24)
+
+
 @pytest.mark.parametrize("kind, branch", [("narrow", "whole row"), ("clustered", "whole row"),
                                           ("random", "candidates in registers")])
 def test_ticketed_fixed_bound(kind, branch):
