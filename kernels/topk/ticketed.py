@@ -271,16 +271,21 @@ def _ticketed_finish(logits_row, counts_row, cand_keys, cand_cols, histogram, ou
                 threshold, take_equal = kth_largest_between(keys, valid, K, bound, top, 32 // BITS, BITS)
             place_tile(keys, cols, valid, threshold, take_equal, zero, zero, out_row)
     else:
+        # The row in tiles of at most 1024 keys: a rare path, whose code (the
+        # streamed select's unrolled histogram passes) was a third of the
+        # kernel's at 2048, in registers and in the text jaxlib hashes on
+        # every execution (docs/design.md, "JAX call overhead").
+        ROW_TILE: tl.constexpr = min(SLICE, 1024)
         # (.cg: written by other programs of this launch.)
         above = tl.sum(tl.load(counts_row + SLICES + s, mask=s < SLICES, other=0, cache_modifier=".cg"), 0)
         if above < K:
             # Too many keys equal the bound, and it is the k-th largest: all keys
             # above it, then the first K - above equal to it.
             place(logits_row, logits_row, zero, width, bound, K - above, zero, zero,
-                   out_row, out_row, SLICE, True, False)
+                   out_row, out_row, ROW_TILE, True, False)
         else:
             select_and_place(logits_row, logits_row, width, K, tl.full((), 0, tl.uint32),
-                              tl.full((), 0xFFFFFFFF, tl.uint32), out_row, True, SLICE, BITS, False)
+                              tl.full((), 0xFFFFFFFF, tl.uint32), out_row, True, ROW_TILE, BITS, False)
 
 
 @triton.jit
@@ -413,9 +418,13 @@ def ticketed_layout(columns: int, k: int, tuning: TopkTuning, widest_slice: int 
     slices = triton.cdiv(width, slice_columns)
     groups = topk_groups(columns, k, tuning)
     # About 1.4k keys of a long row reach the bound (G = 2k groups: each
-    # has a maximum >= L with probability 1/2, so a key with 1 - 2**(-G/C)):
-    # 4k fit, or 4096 (16 warps, 8 keys a thread: registers) for k > 512.
-    cand_tile = min(4096, max(16, triton.next_power_of_2(4 * k)))
+    # has a maximum >= L with probability 1/2, so a key with 1 - 2**(-G/C),
+    # C (1 - 2**(-G/C)) <= G ln 2 in all), give or take a few times their
+    # square root: from k = 256, 2k hold them by 6 or more of those (k 512:
+    # ~710 of 1024; each fitted pass, the gather and the placement cost per
+    # key of the tile), 4k below; at most 4096 (16 warps, 8 keys a thread:
+    # registers).
+    cand_tile = min(4096, max(16, triton.next_power_of_2(2 * k if k >= 256 else 4 * k)))
     # A slice with more candidates than fit the tile sends the row to the fallback anyway.
     region = min(slice_columns, cand_tile)
     # 16 keys a thread in tiles of 2048 (4 warps), 8 in wider ones (registers).
