@@ -139,19 +139,51 @@ def kth_largest_between(keys, valid, k, lo, hi, PASSES: tl.constexpr, BITS: tl.c
 
 
 @triton.jit
+def _streamed_histogram(key_ptr, col_ptr, n, prefix, shift, FROM_LOGITS: tl.constexpr, TILE: tl.constexpr,
+                        BITS: tl.constexpr, GATHER: tl.constexpr):
+    """Histogram of the digit at ``shift`` (a scalar: ``32 - BITS`` is the
+    first digit) of source entries ``[0, n)`` whose higher digits match
+    ``prefix``'s, a tile at a time."""
+    # No digits above the first: the comparison is then skipped, its shift kept below 32 (defined).
+    high = tl.minimum(shift + BITS, 31)
+    first = shift + BITS == 32
+    histogram = tl.zeros((1 << BITS,), tl.int32)
+    start = tl.full((), 0, tl.int32)
+    while start < n:
+        keys, _cols, valid = source(key_ptr, col_ptr, start + tl.arange(0, TILE), n, FROM_LOGITS, GATHER)
+        match = valid & (first | ((keys >> high) == (prefix >> high)))
+        digits = ((keys >> shift) & ((1 << BITS) - 1)).to(tl.int32)
+        histogram += tl.histogram(digits, 1 << BITS, mask=match)
+        start += TILE
+    return histogram
+
+
+@triton.jit
 def kth_largest_streamed(key_ptr, col_ptr, n, k, FROM_LOGITS: tl.constexpr,
-                          TILE: tl.constexpr, BITS: tl.constexpr, GATHER: tl.constexpr = False):
-    """As :func:`kth_largest_resident` over source entries ``[0, n)``, a tile at a time."""
+                          TILE: tl.constexpr, BITS: tl.constexpr, GATHER: tl.constexpr = False,
+                          UNROLLED: tl.constexpr = False):
+    """As :func:`kth_largest_resident` over source entries ``[0, n)``, a tile
+    at a time.  Its ``32 // BITS`` passes are a runtime loop (the digit's
+    shift a runtime value), one copy of a histogram's code where unrolled
+    passes would make these fallback paths a large part of the kernels that
+    hold them (docs/design.md, "JAX call overhead"); or, with UNROLLED,
+    unrolled (the row path: under Triton 3.7 ptxas spills its kernel with
+    the loop)."""
     prefix = tl.full((), 0, tl.uint32)
     remaining = tl.full((), 0, tl.int32) + k
-    for p in tl.static_range(32 // BITS):
-        histogram = tl.zeros((1 << BITS,), tl.int32)
-        start = tl.full((), 0, tl.int32)
-        while start < n:
-            keys, _cols, valid = source(key_ptr, col_ptr, start + tl.arange(0, TILE), n, FROM_LOGITS, GATHER)
-            histogram += digit_histogram(keys, valid, prefix, p, BITS)
-            start += TILE
-        prefix, remaining = choose_digit(histogram, prefix, remaining, p, BITS)
+    if UNROLLED:
+        for p in tl.static_range(32 // BITS):
+            histogram = _streamed_histogram(key_ptr, col_ptr, n, prefix, tl.full((), 32 - (p + 1) * BITS, tl.int32),
+                                            FROM_LOGITS, TILE, BITS, GATHER)
+            prefix, remaining = choose_digit(histogram, prefix, remaining, p, BITS)
+    else:
+        shift = tl.full((), 32, tl.int32)
+        while shift > 0:
+            shift -= BITS
+            histogram = _streamed_histogram(key_ptr, col_ptr, n, prefix, shift, FROM_LOGITS, TILE, BITS, GATHER)
+            digit, above, _exact = digit_of_kth(histogram, remaining, BITS)
+            prefix = prefix | (digit.to(tl.uint32) << shift)
+            remaining -= above
     return prefix, remaining
 
 
@@ -202,11 +234,13 @@ def place_tile(keys, cols, valid, threshold, take_equal, equal_before, position,
 
 @triton.jit
 def select_and_place(logits_row, candidates, n, k, lo, hi, out_ptr, FROM_LOGITS: tl.constexpr,
-                      TILE: tl.constexpr, BITS: tl.constexpr, RESIDENT: tl.constexpr):
+                      TILE: tl.constexpr, BITS: tl.constexpr, RESIDENT: tl.constexpr,
+                      UNROLLED: tl.constexpr = False):
     """Writes the columns of the k largest of source entries ``[0, n)``
     (the logits row, or the candidate columns of it), whose keys lie in
     ``[lo, hi]``, in source order; in registers when they fit one tile (and
-    RESIDENT), else streamed a tile at a time."""
+    RESIDENT), else streamed a tile at a time (UNROLLED: as
+    :func:`kth_largest_streamed`'s)."""
     zero = tl.full((), 0, tl.int32)
     GATHER: tl.constexpr = not FROM_LOGITS
     if RESIDENT and n <= TILE:
@@ -214,7 +248,8 @@ def select_and_place(logits_row, candidates, n, k, lo, hi, out_ptr, FROM_LOGITS:
         threshold, take_equal = kth_largest_between(keys, valid, k, lo, hi, 32 // BITS, BITS)
         place_tile(keys, cols, valid, threshold, take_equal, zero, zero, out_ptr)
     else:
-        threshold, take_equal = kth_largest_streamed(logits_row, candidates, n, k, FROM_LOGITS, TILE, BITS, GATHER)
+        threshold, take_equal = kth_largest_streamed(logits_row, candidates, n, k, FROM_LOGITS, TILE, BITS, GATHER,
+                                                      UNROLLED)
         position = zero
         equal_before = zero
         start = zero

@@ -134,7 +134,7 @@ def topk_row_kernel(
         # Every thread reads candidates that others wrote.
         tl.debug_barrier()
         if count <= capacity:
-            select_and_place(logits_row, candidates, count, K, bound, top, out_row, False, CAND_TILE, BITS, True)
+            select_and_place(logits_row, candidates, count, K, bound, top, out_row, False, CAND_TILE, BITS, True, True)
         elif above < K:
             # Too many keys equal the bound, and it is the k-th largest: all
             # keys above it, then the first K - above equal to it.
@@ -142,7 +142,7 @@ def topk_row_kernel(
             place(logits_row, logits_row, zero, width, bound, K - above, zero, zero,
                    out_row, out_row, TILE, True, False)
         else:
-            select_and_place(logits_row, logits_row, width, K, lowest, highest, out_row, True, TILE, BITS, False)
+            select_and_place(logits_row, logits_row, width, K, lowest, highest, out_row, True, TILE, BITS, False, True)
     else:
         # TILE covers the row: one load, masked by the row's columns so that
         # it need not wait for visible_blocks.
