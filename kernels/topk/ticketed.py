@@ -13,17 +13,17 @@ before it (docs/design.md, "Numerics and determinism").
    to the maxima's span, :func:`_scaled_lower_bound`, or the row path's
    truncated radix where there are fewer than k maxima or
    ``TopkTuning.ticketed_bound`` says so), and compacts its slice's keys
-   >= ``L`` (~1.4k a row) into its own region of the candidate buffers, in
+   >= ``L`` (~1.4 x k a row) into its own region of the candidate buffers, in
    column order;
 3. the last of those to finish (an acq_rel ticket) gathers the regions in
    slice order (so column order) into registers and selects, or, when the
    candidates overflow its tile, selects from the row (placing directly when
    ``T == L``); then ``-1`` padding, and the row's state back to zero.
 
-What bounds it (the last program's histogram passes over the ~700
-candidates of a 32768-column row, about two fitted ones at ~2.2 µs each, and
-the rounds of loads before them), from a timeline of one call:
-docs/performance.md.
+What bounds it (the steps one after another: the maxima, the bound's pass,
+the compaction, then the last program's gather and its histogram passes over
+the ~700 candidates of a 32768-column row, about two fitted ones, each over
+the whole candidate tile), from a timeline of one call: docs/performance.md.
 
 ``TopkTuning.ticketed_select = "fitted"`` keeps that selection in the
 last program but fits its digits to the candidates' span ``[L, T]`` (T the
@@ -417,7 +417,7 @@ def ticketed_layout(columns: int, k: int, tuning: TopkTuning, widest_slice: int 
     slice_columns = min(slice_columns, max(16, triton.next_power_of_2(width)))
     slices = triton.cdiv(width, slice_columns)
     groups = topk_groups(columns, k, tuning)
-    # About 1.4k keys of a long row reach the bound (G = 2k groups: each
+    # About 1.4 x k keys of a long row reach the bound (G = 2k groups: each
     # has a maximum >= L with probability 1/2, so a key with 1 - 2**(-G/C),
     # C (1 - 2**(-G/C)) <= G ln 2 in all), give or take a few times their
     # square root: from k = 256, 2k hold them by 6 or more of those (k 512:
