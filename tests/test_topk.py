@@ -327,6 +327,24 @@ def ticketed():
         yield
 
 
+@pytest.mark.parametrize("columns, k, tile", [(32768, 512, 1024), (8192, 512, 1024), (131072, 512, 1024),
+                                             (65536, 2048, 4096), (32768, 256, 512), (32768, 128, 512)])
+def test_ticketed_candidate_tile_holds_the_candidates(columns, k, tile):
+    """The ticketed path's candidate tile (2k from k = 256, 4k below) holds
+    the candidates of every one of 40 random rows of |N(0, 1)| logits and of
+    40 of bf16-rounded ones (ties), by the NumPy model of the bound: no row
+    of such data takes the row fallback."""
+    (launch,) = plan(1, columns, k).launches
+    assert launch.kernel.__name__ == "topk_ticketed_kernel" and launch.constexprs["CAND_TILE"] == tile
+    rng = np.random.default_rng(columns + k)
+    for bf16 in (False, True):
+        for _ in range(40):
+            values = np.abs(rng.standard_normal(columns)).astype(np.float32)
+            if bf16:
+                values = torch.from_numpy(values).to(torch.bfloat16).float().numpy()
+            assert ticketed_branch(values, k, launch) == "candidates in registers"
+
+
 @pytest.mark.parametrize("kind, k, branch", [
     ("sorted", 5, "candidates in registers"),   # the top keys all in the last slice
     ("random", 5, "candidates in registers"),

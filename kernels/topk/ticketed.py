@@ -271,10 +271,11 @@ def _ticketed_finish(logits_row, counts_row, cand_keys, cand_cols, histogram, ou
                 threshold, take_equal = kth_largest_between(keys, valid, K, bound, top, 32 // BITS, BITS)
             place_tile(keys, cols, valid, threshold, take_equal, zero, zero, out_row)
     else:
-        # The row in tiles of at most 1024 keys: a rare path, whose code (the
-        # streamed select's unrolled histogram passes) was a third of the
-        # kernel's at 2048, in registers and in the text jaxlib hashes on
-        # every execution (docs/design.md, "JAX call overhead").
+        # The row in tiles of at most 1024 keys: a rare path, whose code (a
+        # histogram's grows with the keys a thread holds) is in the kernel's
+        # registers and in the text jaxlib hashes on every execution
+        # (docs/design.md, "JAX call overhead"); at 2048 its four unrolled
+        # passes were a third of the kernel's instructions.
         ROW_TILE: tl.constexpr = min(SLICE, 1024)
         # (.cg: written by other programs of this launch.)
         above = tl.sum(tl.load(counts_row + SLICES + s, mask=s < SLICES, other=0, cache_modifier=".cg"), 0)
