@@ -14,6 +14,16 @@ what its Program depends on, read straight from the tensors:
 * per option, in the stage's order: its type and value (``3``, ``3.0`` and
   ``True`` never share a key, as in the Stage memo).
 
+Per stage, the last few keys a call matched are kept with a C check of
+their tensors (``torch._C._dynamo.guards.TensorGuards``, where
+``qsa_torch._internals.tensor_guards`` admits it): a call whose tuning,
+absent arrays and options (types and values) equal such a key's, and whose
+tensors pass its check -- type, dispatch keys, dtype, device index, sizes,
+strides, and no requires_grad (a key is kept with a check only when none of
+its tensors required grad) --, has that key without building it.  The check
+holds everything the key holds of a tensor, and more (the neg/conj bits, the
+thread's dispatch-key state): it only ever sends a call to the longer path.
+
 A key the general path has run (validated, planned and built) maps to a
 :class:`Prepared` program: its :class:`~qsa_kernels.launch.Schedule`
 (launches over numbered slots, workspaces carved from one allocation) and,
@@ -48,7 +58,8 @@ from qsa_kernels.launch import Program, Schedule
 from qsa_kernels.stage import Stage
 
 from . import _fast_launch
-from ._internals import any_requires_grad as _any_requires_grad, increment_version as _increment_version
+from ._internals import any_requires_grad as _any_requires_grad, increment_version as _increment_version, \
+    tensor_guards as _tensor_guards
 
 _ABSENT = object()  # an option the arguments do not hold
 __all__ = ["MISS", "Prepared", "call", "clear", "remember", "run"]
@@ -63,6 +74,10 @@ _data_ptr = torch.Tensor.data_ptr
 _inference_mode, _is_inference = torch.is_inference_mode_enabled, torch.Tensor.is_inference
 
 _PREPARED: dict[tuple, "Prepared"] = {}
+# Per stage, the keys its calls matched most recently, newest first: (check of the tensors, tuning or
+# None, absent, option types, options, key, Prepared) each.  Replaced whole (threads read a snapshot).
+_RECENT: dict[Stage, tuple] = {}
+_RECENT_KEPT = 4
 # Per stage: (a getter of its array arguments in declaration order, their names, as many Nones, its
 # option names, as many _ABSENTs).
 _SPECS: dict[Stage, tuple] = {}
@@ -80,8 +95,10 @@ def _spec(stage: Stage) -> tuple:
 
 
 def _key(stage: Stage, arguments) -> tuple | None:
-    """The call key (module docstring) and the array arguments in the stage's order; ``None``: not a
-    plain eager call.  Built with C-level passes (``map``) over the arrays: this is the per-call cost."""
+    """``(key, Prepared or None, tensors, present)``: the call key (module docstring), its prepared
+    program where a recent key matched, and the array arguments in the stage's order (all; the present
+    ones); ``None``: not a plain eager call.  Built with C-level passes (``map``) over the arrays: this
+    is the per-call cost."""
     take, array_names, nones, option_names, absents = _SPECS.get(stage) or _spec(stage)
     try:
         tensors = take(arguments)  # the public functions give every array argument (None where absent)
@@ -89,6 +106,15 @@ def _key(stage: Stage, arguments) -> tuple | None:
         tensors = tuple(map(arguments.get, array_names))
     absent = tuple(map(_is, tensors, nones))
     present = tuple(compress(tensors, map(_is_not, tensors, nones))) if True in absent else tensors
+    options = tuple(map(arguments.get, option_names, absents))
+    current = _current_tuning()
+    tuned = None if current is _DEFAULT_TUNING else current
+    option_types = tuple(map(type, options))
+    for check, recent_tuning, recent_absent, recent_types, recent_options, key, prepared in _RECENT.get(stage, ()):
+        # The types first: options of other types may not compare as plain values.
+        if recent_tuning is tuned and recent_absent == absent and recent_types == option_types and \
+                recent_options == options and check(*present):
+            return key, prepared, tensors, present
     if set(map(type, present)) != _ONLY_TENSORS:
         return None
     devices = tuple(map(_get_device, present))
@@ -96,11 +122,19 @@ def _key(stage: Stage, arguments) -> tuple | None:
         return None
     if -1 in devices and True in map(_is_meta, present):  # CPU and meta tensors both report -1
         return None
-    options = tuple(map(arguments.get, option_names, absents))
-    current = _current_tuning()
-    key = (stage, None if current is _DEFAULT_TUNING else current, absent, tuple(map(_shape, present)),
-           tuple(map(_stride, present)), tuple(map(_dtype, present)), devices, tuple(map(type, options)), options)
-    return key, tensors, present
+    key = (stage, tuned, absent, tuple(map(_shape, present)), tuple(map(_stride, present)),
+           tuple(map(_dtype, present)), devices, option_types, options)
+    return key, None, tensors, present
+
+
+def _keep_recent(stage: Stage, key: tuple, prepared: "Prepared", present: tuple) -> None:
+    """Keep ``key`` (just found in the memo for ``present``) as the stage's newest recent key."""
+    guards = _tensor_guards()
+    if guards is None or _any_requires_grad(*present):
+        return
+    check = guards(*present, dynamic_dims_sizes=None, dynamic_dims_strides=None).check
+    _RECENT[stage] = ((check, key[1], key[2], key[7], key[8], key, prepared),
+                      *_RECENT.get(stage, ())[:_RECENT_KEPT - 1])
 
 
 def run(stage: Stage, arguments) -> tuple:
@@ -126,11 +160,14 @@ def _run(stage: Stage, arguments, keep: bool) -> tuple:
     found = _key(stage, arguments)
     if found is None:
         return MISS, None, None
-    key, tensors, present = found
-    try:
-        prepared = _PREPARED.get(key)
-    except TypeError:  # an unhashable option: the general path rejects it
-        return MISS, None, None
+    key, prepared, tensors, present = found
+    if prepared is None:
+        try:
+            prepared = _PREPARED.get(key)
+        except TypeError:  # an unhashable option: the general path rejects it
+            return MISS, None, None
+        if prepared is not None:
+            _keep_recent(stage, key, prepared, present)
     if prepared is None or _launch_module._observers or runtime.CHECK_SCALES:  # (the general path reads scales)
         return MISS, key, None
     results = prepared.run(tensors, present, keep)
@@ -163,8 +200,9 @@ def remember(key, stage: Stage, program: Program, device: torch.device) -> None:
 
 
 def clear() -> None:
-    """Forget every prepared program and kept workspace (never needed for correctness)."""
+    """Forget every prepared program, recent key and kept workspace (never needed for correctness)."""
     _PREPARED.clear()
+    _RECENT.clear()
     _KEPT.clear()
 
 

@@ -16,6 +16,17 @@ The checks that decide whether a call may skip the dispatcher (no dispatch
 or torch-function mode, no functionalization) read ``torch._C`` too, with
 every torch: where a name is missing, a mode is assumed (the call goes
 through its op, which is always correct).
+
+The eager path's check that a call's tensors match a recent call's
+(``qsa_torch._eager``) uses ``torch._C._dynamo.guards.TensorGuards``, the C
+check ``torch.compile`` guards its graphs with (type, dispatch keys -- so
+device type, layout and the neg/conj bits --, dtype, device index,
+requires_grad, sizes, strides), with the torch minors in
+:data:`GUARDS_VERIFIED`, and only once it has passed a self-test in the
+process (:func:`tensor_guards`); ``QSA_TENSOR_GUARDS`` switches it as
+``QSA_OP_KERNELS`` does.  Without it every call builds its key in Python
+(the same keys, a few µs more per call).  It is part of ``torch._C``: using
+it imports no ``torch._dynamo``.
 """
 
 from __future__ import annotations
@@ -24,7 +35,10 @@ import os
 
 import torch
 
-__all__ = ["VERIFIED", "OWN_OP_KERNELS", "switch", "increment_version", "any_requires_grad"]
+import warnings
+
+__all__ = ["VERIFIED", "GUARDS_VERIFIED", "OWN_OP_KERNELS", "switch", "increment_version", "any_requires_grad",
+           "tensor_guards"]
 
 #: Torch minors the ops' own dispatcher kernels were verified with: minor -> (what, where).
 VERIFIED = {
@@ -86,3 +100,50 @@ def _public_any_requires_grad(*values) -> bool:
 #: ``any_requires_grad(*values)``: whether any of the values is a tensor that requires grad (one C
 #: call where verified).
 any_requires_grad = torch._C._any_requires_grad if OWN_OP_KERNELS else _public_any_requires_grad
+
+
+#: Torch minors whose ``TensorGuards`` was verified as the eager key's check: minor -> (what, where).
+GUARDS_VERIFIED = {
+    "2.13": ("test_eager, test_internals, test_torch_ops, test_reliability; benchmarks/eager_python.py",
+             "CPU only"),
+}
+_GUARDS_ENVIRONMENT = "QSA_TENSOR_GUARDS"  # "0": keys built in Python; "1": TensorGuards on any torch
+_guards: list = []  # [the TensorGuards class or None], once decided
+
+
+def tensor_guards():
+    """``TensorGuards`` (``guards = TensorGuards(*tensors, dynamic_dims_sizes=None,
+    dynamic_dims_strides=None)``; ``guards.check(*tensors)``), or ``None`` where it is not to be used:
+    switched off, an unverified torch (unless forced), or a failed self-test (then with a warning)."""
+    if not _guards:
+        _guards.append(_checked_guards())
+    return _guards[0]
+
+
+def _checked_guards():
+    if not switch(_GUARDS_ENVIRONMENT, torch.__version__, GUARDS_VERIFIED):
+        return None
+    try:
+        guards = torch._C._dynamo.guards.TensorGuards
+        base = torch.empty(2, 3)
+        check = guards(base, base, dynamic_dims_sizes=None, dynamic_dims_strides=None).check
+
+        class Subclass(torch.Tensor):
+            pass
+
+        # Each of these differs from `base` in one property the eager key holds (or the plain-call
+        # rules refuse): the check must refuse every one, and accept a tensor like `base`.
+        others = (torch.empty(2, 4), torch.empty(3, 2).t(), torch.empty(2, 3, dtype=torch.float64),
+                  torch.empty(2, 3, requires_grad=True), torch.empty(2, 3, device="meta"),
+                  torch.empty(2, 3).as_subclass(Subclass), torch.empty(6)[:3].view(1, 3).expand(2, 3), None)
+        passed = check(base, torch.empty(2, 3)) and not any(check(base, other) for other in others)
+    except Exception as error:  # a changed signature: the Python key
+        passed, error_text = False, f"{type(error).__name__}: {error}"
+    else:
+        error_text = "it accepted a tensor it must refuse" if not passed else ""
+    if passed:
+        return guards
+    warnings.warn(f"qsa_torch: torch {torch.__version__}'s TensorGuards failed qsa's self-test ({error_text}); "
+                  f"eager calls build their keys in Python (set {_GUARDS_ENVIRONMENT}=0 to silence this)",
+                  RuntimeWarning, stacklevel=3)
+    return None

@@ -359,3 +359,98 @@ def test_a_captured_call_keeps_no_workspace(general_calls):
             torch.cuda.synchronize()
             assert_bitwise_equal(captured, expected, "replay")
     assert general_calls == ["topk_blocks"]
+
+
+# -- recent keys (a C check of the tensors instead of the key's Python) -----
+
+
+class _CountingMemo(dict):
+    gets = 0
+
+    def get(self, *arguments):
+        type(self).gets += 1
+        return super().get(*arguments)
+
+
+@pytest.mark.skipif(qsa_torch._internals.tensor_guards() is None, reason="no TensorGuards with this torch")
+def test_a_steady_call_matches_its_recent_key_without_the_memo(general_calls, monkeypatch):
+    function, arguments = build("attention")
+    expected = function(**cloned(arguments))
+    memo = _CountingMemo(_eager._PREPARED)
+    monkeypatch.setattr(_eager, "_PREPARED", memo)
+    function(**cloned(arguments))  # the memo's key, kept as recent
+    assert memo.gets == 1
+    for _ in range(3):
+        assert_bitwise_equal(function(**cloned(arguments)), expected, "out")
+    assert memo.gets == 1, "a steady call built its key and looked it up"
+    assert general_calls == [function.__name__]
+
+
+def test_metadata_changed_in_place_after_a_prepared_call_is_keyed_again(general_calls):
+    function, arguments = build("store")
+    cache, slots, rows = (arguments[n].clone() for n in ("cache", "slot_mapping", "rows"))
+    for _ in range(3):  # the same tensor objects every call
+        qsa_torch.store_cache_rows(cache, slots, rows)
+    assert general_calls == ["store_cache_rows"]
+    # Same shape, other strides, in place (the same Python object): another key.
+    wide = torch.zeros((*cache.shape[:-1], 2 * cache.shape[-1]), dtype=cache.dtype, device=DEVICE)
+    cache.set_(wide.untyped_storage(), 0, cache.shape, wide.stride())
+    cache.copy_(arguments["cache"])
+    expected = arguments["cache"].clone()
+    reference = qsa_torch.store_cache_rows(expected, slots, rows)
+    qsa_torch.store_cache_rows(cache, slots, rows)
+    assert_bitwise_equal(cache, reference, "cache with other strides")
+    assert len(general_calls) == 2  # the reference's key (contiguous) was prepared; the strided one was not
+    cache.resize_(*cache.shape[:-1], cache.shape[-1] - 1)  # a shape the plan refuses
+    with pytest.raises(ValueError, match="store_cache_rows"):
+        qsa_torch.store_cache_rows(cache, slots, rows)
+
+
+def test_requires_grad_after_a_no_grad_call_still_raises(general_calls):
+    _, arguments = build("store")
+    cache, slots, rows = arguments["cache"].float(), arguments["slot_mapping"], arguments["rows"].float()
+    rows.requires_grad_()
+    with torch.no_grad():  # allowed under no_grad, and prepared
+        for _ in range(3):
+            qsa_torch.store_cache_rows(cache.clone(), slots, rows)
+    with pytest.raises(NotImplementedError, match="store_cache_rows is not differentiable"):
+        qsa_torch.store_cache_rows(cache.clone(), slots, rows)
+    plain = rows.detach()
+    for _ in range(2):
+        qsa_torch.store_cache_rows(cache.clone(), slots, plain)
+    plain.requires_grad_()  # the same object, now requiring grad
+    with pytest.raises(NotImplementedError, match="store_cache_rows is not differentiable"):
+        qsa_torch.store_cache_rows(cache.clone(), slots, plain)
+
+
+def test_without_tensor_guards_calls_are_prepared_the_same(general_calls, monkeypatch):
+    from qsa_torch import _internals
+
+    function, arguments = build("attention")
+    expected = function(**cloned(arguments))
+    monkeypatch.setattr(_internals, "_guards", [None])
+    for _ in range(3):
+        assert_bitwise_equal(function(**cloned(arguments)), expected, "out")
+    assert not _eager._RECENT
+    assert general_calls == [function.__name__]
+
+
+def test_tensor_guards_that_accept_too_much_fail_the_self_test(monkeypatch):
+    from qsa_torch import _internals
+
+    class Permissive:
+        def __init__(self, *tensors, dynamic_dims_sizes, dynamic_dims_strides):
+            pass
+
+        def check(self, *tensors):
+            return True
+
+    monkeypatch.setenv("QSA_TENSOR_GUARDS", "1")
+    monkeypatch.setattr(torch._C._dynamo.guards, "TensorGuards", Permissive)
+    with pytest.warns(RuntimeWarning, match="TensorGuards failed qsa's self-test"):
+        assert _internals._checked_guards() is None
+    monkeypatch.setenv("QSA_TENSOR_GUARDS", "0")
+    assert _internals._checked_guards() is None
+    monkeypatch.undo()
+    monkeypatch.setenv("QSA_TENSOR_GUARDS", "1")
+    assert _internals._checked_guards() is torch._C._dynamo.guards.TensorGuards
