@@ -32,10 +32,9 @@ it imports no ``torch._dynamo``.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
-
-import warnings
 
 __all__ = ["VERIFIED", "GUARDS_VERIFIED", "OWN_OP_KERNELS", "switch", "increment_version", "any_requires_grad",
            "tensor_guards"]
