@@ -75,7 +75,8 @@ _inference_mode, _is_inference = torch.is_inference_mode_enabled, torch.Tensor.i
 
 _PREPARED: dict[tuple, "Prepared"] = {}
 # Per stage, the keys its calls matched most recently, newest first: (check of the tensors, tuning or
-# None, absent, option types, options, key, Prepared) each.  Replaced whole (threads read a snapshot).
+# None, getter of the present arrays, getter of the absent ones or None, option types, options, key,
+# Prepared) each.  Replaced whole (threads read a snapshot).
 _RECENT: dict[Stage, tuple] = {}
 _RECENT_KEPT = 4
 # Per stage: (a getter of its array arguments in declaration order, their names, as many Nones, its
@@ -104,17 +105,24 @@ def _key(stage: Stage, arguments) -> tuple | None:
         tensors = take(arguments)  # the public functions give every array argument (None where absent)
     except KeyError:
         tensors = tuple(map(arguments.get, array_names))
-    absent = tuple(map(_is, tensors, nones))
-    present = tuple(compress(tensors, map(_is_not, tensors, nones))) if True in absent else tensors
-    options = tuple(map(arguments.get, option_names, absents))
+    if option_names:
+        options = tuple(map(arguments.get, option_names, absents))
+        option_types = tuple(map(type, options))
+    else:
+        options = option_types = ()
     current = _current_tuning()
     tuned = None if current is _DEFAULT_TUNING else current
-    option_types = tuple(map(type, options))
-    for check, recent_tuning, recent_absent, recent_types, recent_options, key, prepared in _RECENT.get(stage, ()):
-        # The types first: options of other types may not compare as plain values.
-        if recent_tuning is tuned and recent_absent == absent and recent_types == option_types and \
-                recent_options == options and check(*present):
-            return key, prepared, tensors, present
+    for check, recent_tuning, take_present, take_absent, recent_types, recent_options, key, prepared in \
+            _RECENT.get(stage, ()):
+        # The types first: options of other types may not compare as plain values.  The check refuses
+        # None, so a present array given as None fails it; the absent ones are checked to be None.
+        if recent_tuning is tuned and recent_types == option_types and recent_options == options and \
+                (take_absent is None or True not in map(_is_not, take_absent(tensors), nones)):
+            present = take_present(tensors)
+            if check(*present):
+                return key, prepared, tensors, present
+    absent = tuple(map(_is, tensors, nones))
+    present = tuple(compress(tensors, map(_is_not, tensors, nones))) if True in absent else tensors
     if set(map(type, present)) != _ONLY_TENSORS:
         return None
     devices = tuple(map(_get_device, present))
@@ -133,7 +141,10 @@ def _keep_recent(stage: Stage, key: tuple, prepared: "Prepared", present: tuple)
     if guards is None or _any_requires_grad(*present):
         return
     check = guards(*present, dynamic_dims_sizes=None, dynamic_dims_strides=None).check
-    _RECENT[stage] = ((check, key[1], key[2], key[7], key[8], key, prepared),
+    absent = key[2]
+    take_present = _getter(tuple(i for i, missing in enumerate(absent) if not missing))
+    take_absent = _getter(tuple(i for i, missing in enumerate(absent) if missing)) if True in absent else None
+    _RECENT[stage] = ((check, key[1], take_present, take_absent, key[7], key[8], key, prepared),
                       *_RECENT.get(stage, ())[:_RECENT_KEPT - 1])
 
 
@@ -216,7 +227,7 @@ class Prepared:
 
     __slots__ = ("program", "schedule", "device", "index", "allocations", "scratch_views", "scratch_offsets",
                  "zeroed_views", "zeroed_offsets", "results", "positions", "kernels", "bound", "updated",
-                 "take_updated", "take_results", "own_pointers", "last_views")
+                 "take_updated", "take_results", "own_pointers", "workspaces", "last_views")
 
     def __init__(self, program: Program, arguments: tuple[str, ...], device: torch.device, absent: tuple[bool, ...]):
         from . import _launch
@@ -255,6 +266,7 @@ class Prepared:
         # The results from (*arguments, *allocations).
         self.take_results = _getter(tuple(i if kind == 0 else len(arguments) + i for kind, i in self.results))
         self.own_pointers = len(present) + len(schedule.allocated)  # pointers before the workspaces' views
+        self.workspaces = bool(self.scratch_offsets or self.zeroed_offsets)
         self.last_views = [(None, None), (None, None)]  # per workspace region: (base, its views' pointers)
         # alignment class -> (process environment, bindings, records: (launch function, leading arguments,
         # pointer getter, keyword values, gx, gy, gz) per launch)
@@ -279,18 +291,20 @@ class Prepared:
                 return MISS  # launches go on the current device: the general path makes the tensors' current
             stream = launcher._get_stream(self.index)
         device = self.device
+        # (The empty cases skipped: a one-launch call's Python is most of its host time.)
         allocated = [torch.empty(shape, dtype=dtype, device=device) if fill is None else
-                     torch.full(shape, fill, dtype=dtype, device=device) for shape, dtype, fill in self.allocations]
-        schedule = self.schedule
+                     torch.full(shape, fill, dtype=dtype, device=device)
+                     for shape, dtype, fill in self.allocations] if self.allocations else []
         scratch = zeroed = None
-        if self.scratch_offsets or self.zeroed_offsets:
+        if self.workspaces:
+            schedule = self.schedule
             kept = _kept_workspaces(self.index, stream, compiled) if keep else [None, None]
             if self.scratch_offsets:
                 scratch = _workspace(kept, 0, schedule.scratch_bytes, device)
             if self.zeroed_offsets:
                 zeroed = _workspace(kept, 1, schedule.zeroed_bytes, device) if schedule.zeroed_refilled else \
                     torch.zeros(schedule.zeroed_bytes, dtype=torch.uint8, device=device)
-        results = self.take_results((*tensors, *allocated))
+        results = self.take_results((*tensors, *allocated) if allocated else tensors)
         if not compiled:
             env = self._env(tensors, allocated, scratch, zeroed)
             with runtime.interpreter_lock:
@@ -298,16 +312,20 @@ class Prepared:
                     launch.kernel[launch.grid](*[env[i] for i in slots], **launch.scalars, **launch.constexprs,
                                                num_warps=launch.num_warps, num_stages=launch.num_stages)
             return results
-        pointers = [*map(_data_ptr, present), *map(_data_ptr, allocated)]
-        # A workspace's views start at multiples of SCRATCH_ALIGNMENT: aligned where its base is.
-        bases = 0
-        for region, workspace, offsets in ((0, scratch, self.scratch_offsets), (1, zeroed, self.zeroed_offsets)):
-            if workspace is not None:
-                base = _data_ptr(workspace)
-                bases |= base
-                pointers += self._views(region, base, offsets)
-        alignment = _ALIGNED if not reduce(operator.or_, pointers[:self.own_pointers], bases) & 15 else \
-            tuple([pointer & 15 == 0 for pointer in pointers])
+        pointers = [*map(_data_ptr, present), *map(_data_ptr, allocated)] if allocated else [*map(_data_ptr, present)]
+        if self.workspaces:
+            # A workspace's views start at multiples of SCRATCH_ALIGNMENT: aligned where its base is.
+            bases = 0
+            for region, workspace, offsets in ((0, scratch, self.scratch_offsets),
+                                               (1, zeroed, self.zeroed_offsets)):
+                if workspace is not None:
+                    base = _data_ptr(workspace)
+                    bases |= base
+                    pointers += self._views(region, base, offsets)
+            misaligned = reduce(operator.or_, pointers[:self.own_pointers], bases) & 15
+        else:
+            misaligned = reduce(operator.or_, pointers, 0) & 15
+        alignment = tuple([pointer & 15 == 0 for pointer in pointers]) if misaligned else _ALIGNED
         bound = self.bound.get(alignment)
         if bound is not None and _fast_launch.environment() == bound[0] and self._kernels_unchanged(bound[1]):
             for function, head, take, values, gx, gy, gz in bound[2]:

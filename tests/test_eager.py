@@ -454,3 +454,25 @@ def test_tensor_guards_that_accept_too_much_fail_the_self_test(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setenv("QSA_TENSOR_GUARDS", "1")
     assert _internals._checked_guards() is torch._C._dynamo.guards.TensorGuards
+
+
+def test_an_absent_array_given_or_a_present_one_omitted_is_keyed_again(general_calls):
+    """A recent key holds which arrays were absent: a call that gives one of them, or omits a present
+    one, takes the general path (here: its errors), never the recent key."""
+    _, arguments = build("store")
+    cache, slots, rows = (arguments[n] for n in ("cache", "slot_mapping", "rows"))
+    for _ in range(3):
+        qsa_torch.store_cache_rows(cache.clone(), slots, rows)
+    assert general_calls == ["store_cache_rows"]
+    scale = torch.ones((), dtype=torch.float32, device=DEVICE)
+    with pytest.raises(ValueError, match="store_cache_rows"):  # a scale with a cache that takes none
+        qsa_torch.store_cache_rows(cache.clone(), slots, rows, scale=scale)
+    with pytest.raises((TypeError, ValueError), match="store_cache_rows"):
+        qsa_torch.store_cache_rows(cache.clone(), slots, None)
+    assert general_calls == ["store_cache_rows"] * 3
+    expected = cache.clone()
+    _eager.clear()
+    qsa_torch.store_cache_rows(expected, slots, rows)  # the general path
+    got = cache.clone()
+    qsa_torch.store_cache_rows(got, slots, rows)  # the recent key again
+    assert_bitwise_equal(got, expected, "cache")
