@@ -103,8 +103,8 @@ any_requires_grad = torch._C._any_requires_grad if OWN_OP_KERNELS else _public_a
 
 #: Torch minors whose ``TensorGuards`` was verified as the eager key's check: minor -> (what, where).
 GUARDS_VERIFIED = {
-    "2.11": ("test_eager and test_torch_ops on the GPU (76 passed); benchmarks/bench_step.py at 1 and 8 "
-             "requests x 128K", "H200 (GPU) only"),
+    "2.11": ("test_eager and test_torch_ops on the GPU (76 passed; 77 with the recent key's getters); "
+             "benchmarks/bench_step.py at 1-256 requests x 128K, every torch path", "H200 (GPU) only"),
     "2.13": ("test_eager, test_internals, test_torch_ops, test_reliability; benchmarks/eager_python.py",
              "CPU only"),
 }
