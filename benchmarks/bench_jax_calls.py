@@ -28,6 +28,12 @@ file).
   ``"full"``, Triton's PTX, and ``"minified"``, the default), per lowering and batch.
 
     python benchmarks/bench_jax_calls.py --payload --batches 1 8 --json benchmarks/results/jax_payload.json
+
+``--arguments`` measures what a launch's argument count costs, in one process:
+the same chain with each launch given N more input buffers (distinct arrays,
+each read once by the kernel) or N more int scalars (``--extra``), wall µs per
+kernel against N, per lowering, with a least-squares slope per argument.  The
+step's launches take 20-60 arguments each.
 """
 
 from __future__ import annotations
@@ -67,6 +73,39 @@ def chain_kernel():
     return add_one_kernel
 
 
+_WIDE_KERNELS: dict = {}
+
+
+def wide_kernel(buffers: int, scalars: int):
+    """The chain's kernel with ``buffers`` more input pointers and ``scalars`` more int arguments, each
+    read once and added times zero (the output is unchanged).  Written to a file and imported:
+    ``triton.jit`` reads its function's source."""
+    import importlib.util
+    import tempfile
+
+    if not buffers and not scalars:
+        return chain_kernel()
+    if (buffers, scalars) in _WIDE_KERNELS:
+        return _WIDE_KERNELS[buffers, scalars]
+    pointers = "".join(f"    e{i}_ptr,  # [1] float32\n" for i in range(buffers))
+    ints = "".join(f"    s{i},\n" for i in range(scalars))
+    reads = " + ".join([f"tl.load(e{i}_ptr)" for i in range(buffers)] + [f"s{i}" for i in range(scalars)])
+    source = (f"import triton\nimport triton.language as tl\n\n\n@triton.jit\ndef wide_add_one_kernel(\n"
+              f"    x_ptr,  # [N] float32\n{pointers}    o_ptr,  # [N] float32\n{ints}"
+              f"    N: tl.constexpr, BLOCK: tl.constexpr,\n):\n"
+              f"    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)\n    mask = offsets < N\n"
+              f"    extra = ({reads}) * 0.0\n"
+              f"    tl.store(o_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) + 1.0 + extra, mask=mask)\n")
+    path = os.path.join(tempfile.mkdtemp(prefix="qsa_wide_"), f"wide_{buffers}_{scalars}.py")
+    with open(path, "w") as file:
+        file.write(source)
+    spec = importlib.util.spec_from_file_location(f"qsa_wide_{buffers}_{scalars}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    kernel = _WIDE_KERNELS[buffers, scalars] = module.wide_add_one_kernel
+    return kernel
+
+
 @contextlib.contextmanager
 def padded_ptx(extra: int):
     """Launches lowered inside the block carry their minified PTX followed by ``extra`` bytes of
@@ -96,9 +135,10 @@ def payload_bytes(lowered) -> tuple[int, int]:
     return len(sizes), sum(sizes)
 
 
-def chain_us(lowering: str, pad: int | None = None) -> dict:
-    """The chain; ``pad``: bytes of comment appended to each launch's PTX (:func:`padded_ptx`; the
-    sweep's rows: wall only, no trace)."""
+def chain_us(lowering: str, pad: int | None = None, buffers: int = 0, scalars: int = 0) -> dict:
+    """The chain; ``pad``: bytes of comment appended to each launch's PTX (:func:`padded_ptx`);
+    ``buffers``, ``scalars``: more arguments per launch (:func:`wide_kernel`).  The sweeps' rows
+    (``pad`` given): wall only, no trace."""
     import jax
     import jax.numpy as jnp
 
@@ -106,34 +146,38 @@ def chain_us(lowering: str, pad: int | None = None) -> dict:
     from qsa_jax import _triton_call
     from qsa_kernels.launch import Buffer, Launch, Program
 
-    kernel, n = chain_kernel(), 1024
+    kernel, n = wide_kernel(buffers, scalars), 1024
+    extras = tuple(f"e{i}" for i in range(buffers))
     program = Program("chain", (Buffer("y", (n,), "float32"),),
-                      (Launch(kernel, (1,), ("x",), ("y",), constexprs=dict(N=n, BLOCK=n), num_warps=1),),
+                      (Launch(kernel, (1,), ("x", *extras), ("y",), scalars={f"s{i}": 3 for i in range(scalars)},
+                              constexprs=dict(N=n, BLOCK=n), num_warps=1),),
                       ("y",))
 
-    def chain(x):
+    def chain(x, *others):
         for _ in range(CHAIN):
-            (x,) = _triton_call.run(program, {"x": x})
+            (x,) = _triton_call.run(program, {"x": x, **dict(zip(extras, others))})
         return x
 
     with qsa_jax.use_triton_lowering(lowering), padded_ptx(pad or 0):
-        looped = jax.jit(lambda x: jax.lax.fori_loop(0, LOOP, lambda i, x: chain(x), x, unroll=True))
+        looped = jax.jit(lambda x, *others: jax.lax.fori_loop(0, LOOP, lambda i, x: chain(x, *others), x,
+                                                              unroll=True))
         x = jnp.zeros((n,), jnp.float32)
-        lowered = looped.lower(x)
+        others = [jnp.zeros((1,), jnp.float32) + i for i in range(buffers)]  # distinct buffers
+        lowered = looped.lower(x, *others)
         launches, payload = payload_bytes(lowered)
         hlo = lowered.compile().as_text() if pad is None else ""
-        out = jax.block_until_ready(looped(x))  # traced and compiled here, in the block: cached for the calls
+        out = jax.block_until_ready(looped(x, *others))  # traced and compiled here, in the block: cached
     assert float(out[0]) == CHAIN * LOOP, out[0]
     times = []
     for _ in range(20):
         start = time.perf_counter()
-        jax.block_until_ready(looped(x))
+        jax.block_until_ready(looped(x, *others))
         times.append((time.perf_counter() - start) * 1e6)
     per_loop = statistics.median(times)
     row = dict(lowering=lowering, us_per_kernel=per_loop / (CHAIN * LOOP), us_per_chain=per_loop / LOOP,
                payload_bytes_per_launch=payload / max(launches, 1))
     if pad is not None:
-        return dict(row, pad_bytes=pad)
+        return dict(row, pad_bytes=pad, extra_buffers=buffers, extra_scalars=scalars)
     trace = common.gpu_trace(lambda: jax.block_until_ready(looped(x)), CHAIN * LOOP) or {}
     return dict(row, gpu_busy_us_per_kernel=trace.get("busy_us"), gpu_span_us_per_kernel=trace.get("device_us"),
                 **hlo_counts(hlo))
@@ -207,6 +251,9 @@ def main():
     p.add_argument("--payload", action="store_true", help="the payload sweep and the step per PTX form")
     p.add_argument("--pad-kb", type=int, nargs="*", default=[0, 8, 32, 128, 256],
                    help="--payload: KB of comment appended to each chain launch's PTX")
+    p.add_argument("--arguments", action="store_true", help="the per-argument sweep (buffers, then scalars)")
+    p.add_argument("--extra", type=int, nargs="*", default=[0, 8, 24, 48],
+                   help="--arguments: more buffers (and, separately, more scalars) per launch")
     p.add_argument("--budget-s", type=float, default=110.0,
                    help="--payload: start no step measurement past this many seconds of them")
     args = p.parse_args()
@@ -216,6 +263,8 @@ def main():
     flags = os.environ.get("XLA_FLAGS", "")
     if args.payload:
         return payload_main(args, lowerings, flags)
+    if args.arguments:
+        return arguments_main(args, lowerings, flags)
     rows = []
     for lowering in lowerings:
         row = dict(kind="chain", xla_flags=flags, **chain_us(lowering))
@@ -271,6 +320,30 @@ def payload_main(args, lowerings: list[str], flags: str) -> None:
     ] + ([f"not run (past --budget-s {args.budget_s:g} s of steps): {', '.join(skipped)}"] if skipped else []))
     if skipped:
         print("not run, past the time budget:", ", ".join(skipped))
+
+
+def arguments_main(args, lowerings: list[str], flags: str) -> None:
+    import jaxlib
+
+    rows = []
+    for lowering in lowerings:
+        for kind in ("buffers", "scalars"):
+            sweep = [dict(kind=kind, xla_flags=flags, **chain_us(lowering, 0, **{kind: extra})) for extra in args.extra]
+            xs, ys = [r[f"extra_{kind}"] for r in sweep], [r["us_per_kernel"] for r in sweep]
+            slope = statistics.linear_regression(xs, ys).slope if len(set(xs)) > 1 else None
+            for row in sweep:
+                row["fit_us_per_argument"] = slope
+                print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
+            print(f"{lowering}: {slope and round(slope, 4)} us per launch per extra {kind[:-1]} "
+                  f"(least squares, jaxlib {jaxlib.__version__})")
+            rows += sweep
+    common.write_json(args.json, "jax dispatch: per-launch host cost against the launch's argument count", rows, [
+        f"{CHAIN} chained 1024-element Triton kernels per jitted chain, unrolled fori_loop of {LOOP}; each launch "
+        "given extra_buffers more input buffers (distinct [1] float32 arrays, jit arguments) or extra_scalars more "
+        "int scalars, each read once by the kernel; us_per_kernel = wall / (chains x kernels); "
+        "fit_us_per_argument: the least-squares slope over the row's sweep",
+        f"XLA_FLAGS={flags!r}",
+    ])
 
 
 if __name__ == "__main__":
