@@ -23,7 +23,10 @@ file).
 * ``sweep``: the same chain with each launch's PTX padded by N bytes of comment
   lines of random letters (``--pad-kb``; the kernel is unchanged, its payload
   grows by about 3/4 of N after compression): wall µs per kernel against
-  payload bytes per launch, per lowering;
+  payload bytes per launch, per lowering; then (``sweep_repeated``) the same
+  with one comment line repeated, which compresses ~100-fold: where the cost
+  follows the PTX's own size rather than the compressed payload's, these rows
+  grow as the first ones do for the same N;
 * ``step``: the step as above with each PTX form (``qsa_jax._triton_call.ptx_form``:
   ``"full"``, Triton's PTX, and ``"minified"``, the default), per lowering and batch.
 
@@ -107,16 +110,19 @@ def wide_kernel(buffers: int, scalars: int):
 
 
 @contextlib.contextmanager
-def padded_ptx(extra: int):
+def padded_ptx(extra: int, repeated: bool = False):
     """Launches lowered inside the block carry their minified PTX followed by ``extra`` bytes of
-    comment lines of random letters: ptxas skips them (the kernel is the same), only the payload grows."""
+    comment lines of random letters (``repeated``: one such line again and again): ptxas skips them
+    (the kernel is the same), only the payload grows."""
     from qsa_jax import _triton_call
 
     if not extra:
         yield
         return
     rng = random.Random(extra)
-    lines = ["//" + "".join(rng.choices(string.ascii_letters + string.digits, k=98)) for _ in range(-(-extra // 101))]
+    count = -(-extra // 101)
+    lines = ["//" + "".join(rng.choices(string.ascii_letters + string.digits, k=98)) for _ in range(1 if repeated else count)]
+    lines *= count if repeated else 1
     pad, real = "\n".join(lines) + "\n", _triton_call.minify_ptx
     _triton_call.minify_ptx = lambda ptx: real(ptx) + pad
     try:
@@ -135,8 +141,10 @@ def payload_bytes(lowered) -> tuple[int, int]:
     return len(sizes), sum(sizes)
 
 
-def chain_us(lowering: str, pad: int | None = None, buffers: int = 0, scalars: int = 0) -> dict:
-    """The chain; ``pad``: bytes of comment appended to each launch's PTX (:func:`padded_ptx`);
+def chain_us(lowering: str, pad: int | None = None, buffers: int = 0, scalars: int = 0,
+             repeated: bool = False) -> dict:
+    """The chain; ``pad``: bytes of comment appended to each launch's PTX (:func:`padded_ptx`, with
+    ``repeated``);
     ``buffers``, ``scalars``: more arguments per launch (:func:`wide_kernel`).  The sweeps' rows
     (``pad`` given): wall only, no trace."""
     import jax
@@ -158,7 +166,7 @@ def chain_us(lowering: str, pad: int | None = None, buffers: int = 0, scalars: i
             (x,) = _triton_call.run(program, {"x": x, **dict(zip(extras, others))})
         return x
 
-    with qsa_jax.use_triton_lowering(lowering), padded_ptx(pad or 0):
+    with qsa_jax.use_triton_lowering(lowering), padded_ptx(pad or 0, repeated):
         looped = jax.jit(lambda x, *others: jax.lax.fori_loop(0, LOOP, lambda i, x: chain(x, *others), x,
                                                               unroll=True))
         x = jnp.zeros((n,), jnp.float32)
@@ -177,7 +185,7 @@ def chain_us(lowering: str, pad: int | None = None, buffers: int = 0, scalars: i
     row = dict(lowering=lowering, us_per_kernel=per_loop / (CHAIN * LOOP), us_per_chain=per_loop / LOOP,
                payload_bytes_per_launch=payload / max(launches, 1))
     if pad is not None:
-        return dict(row, pad_bytes=pad, extra_buffers=buffers, extra_scalars=scalars)
+        return dict(row, pad_bytes=pad, pad_repeated=repeated, extra_buffers=buffers, extra_scalars=scalars)
     trace = common.gpu_trace(lambda: jax.block_until_ready(looped(x)), CHAIN * LOOP) or {}
     return dict(row, gpu_busy_us_per_kernel=trace.get("busy_us"), gpu_span_us_per_kernel=trace.get("device_us"),
                 **hlo_counts(hlo))
@@ -289,16 +297,19 @@ def payload_main(args, lowerings: list[str], flags: str) -> None:
 
     rows = []
     for lowering in lowerings:
-        sweep = [dict(kind="sweep", xla_flags=flags, **chain_us(lowering, kb << 10)) for kb in args.pad_kb]
-        for row in sweep:
-            print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()})
-        xs, ys = [r["payload_bytes_per_launch"] for r in sweep], [r["us_per_kernel"] for r in sweep]
-        slope = statistics.linear_regression(xs, ys).slope * 1e5 if len(set(xs)) > 1 else None
-        for row in sweep:
-            row["fit_us_per_100kb"] = slope
-        print(f"{lowering}: {slope and round(slope, 3)} us per launch per 100 KB of payload "
-              f"(least squares over the pads, jaxlib {jaxlib.__version__})")
-        rows += sweep
+        for kind, repeated in (("sweep", False), ("sweep_repeated", True)):
+            sweep = [dict(kind=kind, xla_flags=flags, **chain_us(lowering, kb << 10, repeated=repeated))
+                     for kb in args.pad_kb]
+            for row in sweep:
+                print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()})
+            for x, unit in (("payload_bytes_per_launch", "of payload"), ("pad_bytes", "of PTX")):
+                xs, ys = [r[x] for r in sweep], [r["us_per_kernel"] for r in sweep]
+                slope = statistics.linear_regression(xs, ys).slope * 1e5 if len(set(xs)) > 1 else None
+                for row in sweep:
+                    row["fit_us_per_100kb" + ("" if x == "payload_bytes_per_launch" else "_of_ptx")] = slope
+                print(f"{lowering} {kind}: {slope and round(slope, 3)} us per launch per 100 KB {unit} "
+                      f"(least squares over the pads, jaxlib {jaxlib.__version__})")
+            rows += sweep
     began, skipped = time.perf_counter(), []
     for batch in args.batches or [1, 8]:
         for lowering in lowerings:
@@ -313,7 +324,9 @@ def payload_main(args, lowerings: list[str], flags: str) -> None:
     common.write_json(args.json, "jax dispatch: per-launch host cost against the call proto's size", rows, [
         f"sweep: {CHAIN} chained 1024-element Triton kernels per jitted chain, unrolled fori_loop of {LOOP}; "
         "each launch's PTX padded by pad_bytes of comment lines of random letters (the same kernel); "
-        "us_per_kernel = wall / (chains x kernels); payload_bytes_per_launch = the compressed call proto",
+        "us_per_kernel = wall / (chains x kernels); payload_bytes_per_launch = the compressed call proto; "
+        "sweep_repeated: the same with one comment line repeated (compresses ~100-fold); fit_us_per_100kb: "
+        "slope against the payload, fit_us_per_100kb_of_ptx: against the PTX bytes added",
         f"step: the composed decode step, unrolled fori_loop of {LOOP}, per PTX form (ptx_form: full = "
         "Triton's PTX, minified = without comments and blanks; the same SASS)",
         f"XLA_FLAGS={flags!r}",
