@@ -36,7 +36,7 @@ file).
 the same chain with each launch given N more input buffers (distinct arrays,
 each read once by the kernel) or N more int scalars (``--extra``), wall µs per
 kernel against N, per lowering, with a least-squares slope per argument.  The
-step's launches take 20-60 arguments each.
+step's launches take 5-32 buffers and up to ~50 scalars each.
 """
 
 from __future__ import annotations
