@@ -56,6 +56,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import common  # noqa: E402
 
 CHAIN = 12
+CHAIN_ELEMENTS = 1024
 LOOP = 10
 
 
@@ -141,6 +142,28 @@ def payload_bytes(lowered) -> tuple[int, int]:
     return len(sizes), sum(sizes)
 
 
+def chain_function(buffers: int = 0, scalars: int = 0):
+    """``chain(x, *others)``: ``CHAIN`` launches of :func:`wide_kernel`, each adding one to the
+    previous one's output (``others``: the ``buffers`` extra inputs)."""
+    from qsa_jax import _triton_call
+    from qsa_kernels.launch import Buffer, Launch, Program
+
+    n = CHAIN_ELEMENTS
+    extras = tuple(f"e{i}" for i in range(buffers))
+    program = Program("chain", (Buffer("y", (n,), "float32"),),
+                      (Launch(wide_kernel(buffers, scalars), (1,), ("x", *extras), ("y",),
+                              scalars={f"s{i}": 3 for i in range(scalars)},
+                              constexprs=dict(N=n, BLOCK=n), num_warps=1),),
+                      ("y",))
+
+    def chain(x, *others):
+        for _ in range(CHAIN):
+            (x,) = _triton_call.run(program, {"x": x, **dict(zip(extras, others))})
+        return x
+
+    return chain
+
+
 def chain_us(lowering: str, pad: int | None = None, buffers: int = 0, scalars: int = 0,
              repeated: bool = False) -> dict:
     """The chain; ``pad``: bytes of comment appended to each launch's PTX (:func:`padded_ptx`, with
@@ -151,21 +174,9 @@ def chain_us(lowering: str, pad: int | None = None, buffers: int = 0, scalars: i
     import jax.numpy as jnp
 
     import qsa_jax
-    from qsa_jax import _triton_call
-    from qsa_kernels.launch import Buffer, Launch, Program
 
-    kernel, n = wide_kernel(buffers, scalars), 1024
-    extras = tuple(f"e{i}" for i in range(buffers))
-    program = Program("chain", (Buffer("y", (n,), "float32"),),
-                      (Launch(kernel, (1,), ("x", *extras), ("y",), scalars={f"s{i}": 3 for i in range(scalars)},
-                              constexprs=dict(N=n, BLOCK=n), num_warps=1),),
-                      ("y",))
-
-    def chain(x, *others):
-        for _ in range(CHAIN):
-            (x,) = _triton_call.run(program, {"x": x, **dict(zip(extras, others))})
-        return x
-
+    n = CHAIN_ELEMENTS
+    chain = chain_function(buffers, scalars)
     with qsa_jax.use_triton_lowering(lowering), padded_ptx(pad or 0, repeated):
         looped = jax.jit(lambda x, *others: jax.lax.fori_loop(0, LOOP, lambda i, x: chain(x, *others), x,
                                                               unroll=True))
@@ -262,6 +273,8 @@ def main():
     p.add_argument("--arguments", action="store_true", help="the per-argument sweep (buffers, then scalars)")
     p.add_argument("--extra", type=int, nargs="*", default=[0, 8, 24, 48],
                    help="--arguments: more buffers (and, separately, more scalars) per launch")
+    p.add_argument("--host-profile", action="store_true",
+                   help="the chain's and the step's loop under jax.profiler: host events per thread")
     p.add_argument("--budget-s", type=float, default=110.0,
                    help="--payload: start no step measurement past this many seconds of them")
     args = p.parse_args()
@@ -273,6 +286,8 @@ def main():
         return payload_main(args, lowerings, flags)
     if args.arguments:
         return arguments_main(args, lowerings, flags)
+    if args.host_profile:
+        return host_profile_main(args, lowerings, flags)
     rows = []
     for lowering in lowerings:
         row = dict(kind="chain", xla_flags=flags, **chain_us(lowering))
@@ -333,6 +348,130 @@ def payload_main(args, lowerings: list[str], flags: str) -> None:
     ] + ([f"not run (past --budget-s {args.budget_s:g} s of steps): {', '.join(skipped)}"] if skipped else []))
     if skipped:
         print("not run, past the time budget:", ", ".join(skipped))
+
+
+def xspace_summary(path: str, calls: int, first: int = 300) -> dict:
+    """The host planes of the profile at ``path`` (an ``.xplane.pb``) per thread line: for each
+    event name its count, inclusive and self microseconds per call (``calls`` loop executions);
+    and, per host line, its first ``first`` events from the first jitted call's (``PjitFunction``;
+    else the line's first) as ``[start µs from there, duration µs, nesting depth, name]``."""
+    from jax.profiler import ProfileData
+
+    summary = {}
+    for plane in ProfileData.from_file(path).planes:
+        for line in plane.lines:
+            events = sorted(((e.start_ns, e.duration_ns, e.name) for e in line.events),
+                            key=lambda e: (e[0], -e[1]))
+            if not events:
+                continue
+            names: dict = {}
+            stack: list = []  # [end_ns, name, nested_ns] of the open events
+            timeline = []
+            origin = next((e[0] for e in events if e[2].startswith("PjitFunction")), events[0][0])
+            for start, duration, name in events:
+                while stack and stack[-1][0] <= start:
+                    end, done, nested = stack.pop()
+                    names[done][2] += nested
+                if stack:
+                    stack[-1][2] += duration
+                entry = names.setdefault(name, [0, 0, 0])  # count, inclusive ns, nested ns
+                entry[0] += 1
+                entry[1] += duration
+                if start >= origin and len(timeline) < first:
+                    timeline.append([round((start - origin) / 1e3, 2), round(duration / 1e3, 2),
+                                     len(stack), name[:80]])
+                stack.append([start + duration, name, 0])
+            for end, done, nested in stack:
+                names[done][2] += nested
+            rows = sorted(((name[:100], count / calls, total / 1e3 / calls, (total - nested) / 1e3 / calls)
+                           for name, (count, total, nested) in names.items()), key=lambda r: -r[3])
+            span = (events[-1][0] + events[-1][1] - events[0][0]) / 1e3 / calls
+            summary[f"{plane.name} | {line.name}"] = dict(
+                events_per_call=len(events) / calls, span_us_per_call=span,
+                by_self_time=[dict(name=n, count=c, inclusive_us=i, self_us=x) for n, c, i, x in rows[:40]],
+                timeline=timeline if "/host" in plane.name else [])
+    return summary
+
+
+def profiled(fn, calls: int) -> dict:
+    """``fn()`` (which waits for its work) run once under ``jax.profiler.trace``; its summary."""
+    import glob
+    import tempfile
+
+    import jax
+
+    directory = tempfile.mkdtemp(prefix="qsa_host_profile_")
+    with jax.profiler.trace(directory):
+        fn()
+    (path,) = glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)
+    return xspace_summary(path, calls)
+
+
+def host_profile_main(args, lowerings: list[str], flags: str) -> None:
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    import bench_step
+    import qsa_jax
+
+    rows, n, chain = [], CHAIN_ELEMENTS, chain_function()
+    for lowering in lowerings:
+        with qsa_jax.use_triton_lowering(lowering):
+            looped = jax.jit(lambda x: jax.lax.fori_loop(0, LOOP, lambda i, x: chain(x), x, unroll=True))
+            x = jnp.zeros((n,), jnp.float32)
+            for _ in range(5):
+                jax.block_until_ready(looped(x))
+        row = dict(kind="chain", xla_flags=flags, lowering=lowering, launches_per_call=CHAIN * LOOP,
+                   profile=profiled(lambda: jax.block_until_ready(looped(x)), 1))
+        print(row["kind"], lowering, {k: round(v["span_us_per_call"], 1) for k, v in row["profile"].items()})
+        rows.append(row)
+    for batch in args.batches or [1]:
+        shape = bench_step.Shape(bench_step.PRODUCTION, batch, args.context, torch.device("cuda"))
+        inputs, state, meta, tables = bench_step.jax_arrays(shape)
+        for lowering in lowerings:
+            # New functions per lowering: jax's trace cache is keyed on the function, not on the
+            # lowering's context variable.
+            step, loop = bench_step.jax_step_and_loop(shape, LOOP)
+            for kind, function, steps in (("step_loop", loop, LOOP), ("step_call", step, 1)):
+                with qsa_jax.use_triton_lowering(lowering), warnings.catch_warnings(record=True) as seen:
+                    warnings.simplefilter("always")
+                    jitted = jax.jit(function, donate_argnums=1)
+                    for _ in range(6):
+                        out, state = jax.block_until_ready(jitted(inputs, state, meta, *tables))
+                holder = {"state": state, "out": out}
+                for outputs in ("alive", "freed"):  # the previous call's output kept (a caller's loop), or not
+
+                    def once():
+                        if outputs == "freed":
+                            holder.pop("out", None)
+                        holder["out"], holder["state"] = jax.block_until_ready(
+                            jitted(inputs, holder["state"], meta, *tables))
+
+                    walls = []
+                    for _ in range(20):
+                        start = time.perf_counter()
+                        once()
+                        walls.append((time.perf_counter() - start) * 1e6)
+                    row = dict(kind=kind, xla_flags=flags, lowering=lowering, batch=batch, context=args.context,
+                               steps_per_call=steps, previous_output=outputs,
+                               unprofiled_call_us=statistics.median(walls),
+                               warnings=sorted({str(w.message)[:300] for w in seen}),
+                               profile=profiled(once, 1))
+                    print(kind, lowering, batch, outputs, round(row["unprofiled_call_us"], 1),
+                          {k: round(v["span_us_per_call"], 1) for k, v in row["profile"].items()})
+                    rows.append(row)
+                state = holder.pop("state")
+                holder.clear()
+        del shape, inputs, meta, tables
+        torch.cuda.empty_cache()
+    common.write_json(args.json, "jax dispatch: where the host's time goes (jax.profiler)", rows, [
+        f"chain: {CHAIN} chained 1024-element Triton kernels per jitted chain, unrolled fori_loop of {LOOP}; "
+        f"step: the composed decode step, unrolled fori_loop of {LOOP}; each executed once (after warm-up) "
+        "under jax.profiler.trace; per plane and thread line: events by self time (per loop execution) and the "
+        "first events in order [start us, duration us, depth, name]",
+        f"XLA_FLAGS={flags!r}",
+    ])
 
 
 def arguments_main(args, lowerings: list[str], flags: str) -> None:
