@@ -416,7 +416,7 @@ def host_profile_main(args, lowerings: list[str], flags: str) -> None:
     import qsa_jax
 
     rows, n, chain = [], CHAIN_ELEMENTS, chain_function()
-    for lowering in lowerings:
+    for lowering in [] if args.smoke else lowerings:  # the chain calls jax-triton directly: GPU only
         with qsa_jax.use_triton_lowering(lowering):
             looped = jax.jit(lambda x: jax.lax.fori_loop(0, LOOP, lambda i, x: chain(x), x, unroll=True))
             x = jnp.zeros((n,), jnp.float32)
@@ -426,8 +426,10 @@ def host_profile_main(args, lowerings: list[str], flags: str) -> None:
                    profile=profiled(lambda: jax.block_until_ready(looped(x)), 1))
         print(row["kind"], lowering, {k: round(v["span_us_per_call"], 1) for k, v in row["profile"].items()})
         rows.append(row)
+    geometry, device = (bench_step.SMOKE, torch.device("cpu")) if args.smoke else (
+        bench_step.PRODUCTION, torch.device("cuda"))
     for batch in args.batches or [1]:
-        shape = bench_step.Shape(bench_step.PRODUCTION, batch, args.context, torch.device("cuda"))
+        shape = bench_step.Shape(geometry, batch, 64 if args.smoke else args.context, device)
         inputs, state, meta, tables = bench_step.jax_arrays(shape)
         for lowering in lowerings:
             # New functions per lowering: jax's trace cache is keyed on the function, not on the
