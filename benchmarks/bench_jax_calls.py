@@ -428,8 +428,9 @@ def host_profile_main(args, lowerings: list[str], flags: str) -> None:
         rows.append(row)
     geometry, device = (bench_step.SMOKE, torch.device("cpu")) if args.smoke else (
         bench_step.PRODUCTION, torch.device("cuda"))
+    context = 64 if args.smoke else args.context
     for batch in args.batches or [1]:
-        shape = bench_step.Shape(geometry, batch, 64 if args.smoke else args.context, device)
+        shape = bench_step.Shape(geometry, batch, context, device)
         inputs, state, meta, tables = bench_step.jax_arrays(shape)
         for lowering in lowerings:
             # New functions per lowering: jax's trace cache is keyed on the function, not on the
@@ -455,7 +456,7 @@ def host_profile_main(args, lowerings: list[str], flags: str) -> None:
                         start = time.perf_counter()
                         once()
                         walls.append((time.perf_counter() - start) * 1e6)
-                    row = dict(kind=kind, xla_flags=flags, lowering=lowering, batch=batch, context=args.context,
+                    row = dict(kind=kind, xla_flags=flags, lowering=lowering, batch=batch, context=context,
                                steps_per_call=steps, previous_output=outputs,
                                unprofiled_call_us=statistics.median(walls),
                                warnings=sorted({str(w.message)[:300] for w in seen}),
