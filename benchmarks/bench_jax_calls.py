@@ -37,6 +37,16 @@ the same chain with each launch given N more input buffers (distinct arrays,
 each read once by the kernel) or N more int scalars (``--extra``), wall µs per
 kernel against N, per lowering, with a least-squares slope per argument.  The
 step's launches take 5-32 buffers and up to ~50 scalars each.
+
+``--host-profile`` shows where the host's time goes, in one process: the
+chain's loop, then per lowering and batch (``--batches``) the step's 10-step
+loop and its one-step call, with the previous call's output alive and freed
+first, each run once after warm-up under ``jax.profiler.trace`` (XLA's and
+jaxlib's own annotations of their host work and, through CUPTI, the driver
+calls).  Per thread line: every event name's count, inclusive and self time
+(less the events nested in it) per execution, and the first events in order,
+so the gaps between launches can be read.  ``scripts/jax_flag_profiles.sh``
+runs it under each XLA command-buffer setting.
 """
 
 from __future__ import annotations
