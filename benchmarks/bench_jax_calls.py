@@ -228,6 +228,7 @@ def step_trace(lowering: str, batch: int, context: int, ptx: str = "minified") -
     import bench_step
     import qsa_jax
     from qsa_jax import _triton_call
+    from qsa_kernels import tuning
 
     shape = bench_step.Shape(bench_step.PRODUCTION, batch, context, torch.device("cuda"))
     inputs, state, meta, tables = bench_step.jax_arrays(shape)
@@ -263,7 +264,8 @@ def step_trace(lowering: str, batch: int, context: int, ptx: str = "minified") -
         jax.block_until_ready(state)
         wall.append((time.perf_counter() - start) * 1e6 / LOOP)
     trace = common.gpu_trace(lambda: jax.block_until_ready(looped(inputs, state, meta, *tables)), LOOP)
-    row = dict(lowering=lowering, ptx=ptx, batch=batch, context=context, opaque_text_kb_per_step=opaque / 1e3,
+    row = dict(lowering=lowering, ptx=ptx, batch=batch, context=context,
+               fused_merge=tuning.current().attention.fused_merge, opaque_text_kb_per_step=opaque / 1e3,
                payload_bytes_per_step=payload / LOOP, launches_per_step=launches / LOOP,
                loop_us_per_step=statistics.median(times), loop_us_outputs_freed=statistics.median(dropped),
                wall_us_per_call=statistics.median(wall),
@@ -287,7 +289,22 @@ def main():
                    help="the chain's and the step's loop under jax.profiler: host events per thread")
     p.add_argument("--budget-s", type=float, default=110.0,
                    help="--payload: start no step measurement past this many seconds of them")
+    p.add_argument("--fused-merge", choices=("default", "on", "off"), default="default",
+                   help="the step's attention merged in its launch (AttentionTuning.fused_merge forced on), "
+                        "by a merge launch (off), or as the plans choose")
     args = p.parse_args()
+    if args.fused_merge == "default":
+        return dispatch(args)
+    import dataclasses
+
+    from qsa_kernels import tuning
+
+    forced = dataclasses.replace(tuning.current().attention, fused_merge=args.fused_merge == "on")
+    with tuning.override(attention=forced):
+        return dispatch(args)
+
+
+def dispatch(args) -> None:
     import qsa_jax
 
     lowerings = ["legacy"] + (["ffi"] if qsa_jax.triton_lowering_available("ffi") else [])
