@@ -46,8 +46,9 @@ where it has the shape, with the goal: at 128K, the fp8 QSA layer at least
 (``SelectTuning(fused=False)``).
 ``--merge-paths``: also the step's launches and CUDA-graph µs with the
 attention's split-K merged in its launch and by a merge launch
-(``AttentionTuning.fused_merge`` forced each way; the default merges in the
-launch at up to ``fused_merge_max_programs`` programs: 1-8 requests).
+(``AttentionTuning.fused_merge`` forced each way; the default, ``False``,
+takes the merge launch; ``None`` would merge in the launch at up to
+``fused_merge_max_programs`` programs: 1-8 requests).
 ``--pdl-paths``: also the step's CUDA-graph µs and eager wall with
 programmatic dependent launch on and off (``qsa_kernels.pdl.ENABLED``
 forced each way; on by default on sm_90).
@@ -559,6 +560,9 @@ def main():
                    help="also time the step with the attention's split-K merged in its launch and by a merge "
                         "launch (AttentionTuning.fused_merge forced each way): fused_merge_* and merge_launch_* "
                         "columns")
+    p.add_argument("--fused-merge", choices=("default", "on", "off"), default="default",
+                   help="run every column with the attention's split-K merged in its launch (on) or by a merge "
+                        "launch (off): AttentionTuning.fused_merge forced (results in step_fused-merge-<on|off>.json)")
     args = p.parse_args()
     fp8 = args.cache_dtype == "fp8"
     default = p.get_default("json")
@@ -571,6 +575,8 @@ def main():
         args.json = args.json.replace(".json", "_unfused-selection.json")
     if args.topk_path != "auto" and args.json in defaults:
         args.json = args.json.replace(".json", f"_topk-{args.topk_path}.json")
+    if args.fused_merge != "default" and args.json in defaults:
+        args.json = args.json.replace(".json", f"_fused-merge-{args.fused_merge}.json")
     from qsa_kernels import tuning
 
     # Plans (JAX's at trace time too) are made inside: every column runs the chosen launches.
@@ -579,6 +585,8 @@ def main():
         stages["topk"] = tuning.TopkTuning(path=args.topk_path)
     if args.unfused_selection:
         stages["select"] = tuning.SelectTuning(fused=False)
+    if args.fused_merge != "default":
+        stages["attention"] = dataclasses.replace(tuning.current().attention, fused_merge=args.fused_merge == "on")
     with tuning.override(**stages):
         run(args, fp8)
 
@@ -662,7 +670,8 @@ def run(args, fp8: bool) -> None:
         + ("; the selection as three launches (--unfused-selection)" if args.unfused_selection else
            "; the selection fused where SelectTuning allows")
         + (f"; top-k path forced: {args.topk_path}" if args.topk_path != "auto" else "")
-        + "; the attention's split-K merged in its launch where AttentionTuning allows"
+        + ("; the attention's split-K merged in its launch where AttentionTuning allows" if args.fused_merge == "default"
+           else f"; the attention's split-K merge in its launch forced {args.fused_merge} (--fused-merge)")
         + ("; fused_merge_* / merge_launch_*: the step with AttentionTuning.fused_merge forced on / off "
            "(--merge-paths)" if args.merge_paths else ""),
         f"torch_graph_us: CUDA graph of {LOOP_CALLS} steps, per step; torch_eager_us: do_bench median",
