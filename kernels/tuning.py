@@ -335,7 +335,11 @@ class TopkTuning:
     ticketed_warps: int = 8
     #: Few rows wider than this take the sliced path: ticketed / sliced us
     #: 8 x 131072 32.3 / 34.9, but 8 x 262144 60.1 / 48.6 (benchmarks/results/topk.json).
+    #: One row takes the ticketed path up to ``ticketed_single_row_max_columns``:
+    #: 1 x 262144 (a 1M-token context's blocks) 23.2 / 27.1 us ticketed / sliced,
+    #: with the 1024-key candidate tile (H200, 2026-12-04, docs/performance.md).
     ticketed_max_columns: int = 131072
+    ticketed_single_row_max_columns: int = 262144
     #: The ticketed path's group-maximum bound: "fixed" (``bound_passes``
     #: radix passes from the top bit, truncated, as the row path) or
     #: "scaled" (``ticketed_bound_passes`` passes of digits fitted to the

@@ -258,7 +258,7 @@ CASES = {
     "scores/fp8-decode-256-128k-row-loop-page-128-int64": _scores(256, 256, 1 << 17, k=FP8, page=128, index=I64,
                                                                   tuning=dict(fp8_row_tiles=8)),
     # Stage 3: top-k (a top-k set takes ~20 s of compiling: few shapes).
-    "topk/decode-1-1m-k512": _topk(1, 1 << 18, 512),  # the sliced path past ticketed_max_columns
+    "topk/decode-1-1m-k512": _topk(1, 1 << 18, 512),  # the ticketed path at ticketed_single_row_max_columns
     "topk/decode-256-128k-k512": _topk(256, 1 << 15, 512),
     "topk/prefill-2048-128k-k2048-bf16": _topk(2048, 1 << 15, 2048, dtype=BF16),
     "topk/short-rows-k-past-row-end-fp16-int64": _topk(8, 100, 128, dtype=FP16, index=I64),

@@ -272,7 +272,8 @@ GPU_CALLS = {
     "compress_prefill_2048": lambda: compress_call(11, lengths=(2048, 1, 7), D=128, ratio=4),
     "store_4096_rows": lambda: store_call(12, R=4096, pages=256, P=64, W=128),
     "scores_prefill_512_rows": lambda: scores_call(14, 512, 2, 32768, 4, 128, 4, 64, prefill=True),
-    "topk_long_row": lambda: topk_call(15, rows=1, columns=262144, k=2048),
+    "topk_long_row": lambda: topk_call(15, rows=1, columns=262144, k=2048),  # ticketed
+    "topk_long_rows": lambda: topk_call(16, rows=2, columns=262144, k=2048),  # sliced
     "expand_256_rows": lambda: expand_call(17, rows=256, requests=8, ratio=4, token_topk=2048),
     "select_64_rows_32k": lambda: select_call(18, 64, 8, 32768, 4, 128, 4, 64, token_topk=2048),
     # Decode rows over 2559 / 2051 tokens: the plan splits them across many programs (split-K, merged in the launch).

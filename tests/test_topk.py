@@ -74,9 +74,17 @@ def test_path_thresholds():
     assert kernels(plan(few - 1, wide + 1, 512)) == ["topk_ticketed_kernel"]
     assert kernels(plan(few, wide + 1, 512)) == ["topk_row_kernel"]
     assert kernels(plan(2048, 2048, 512)) == ["topk_register_kernel"]
-    assert kernels(plan(1, TopkTuning().ticketed_max_columns, 512)) == ["topk_ticketed_kernel"]
-    assert kernels(plan(1, TopkTuning().ticketed_max_columns + 1, 512))[0] == "topk_group_max_kernel"
-    assert kernels(plan(1, 1 << 18, 512))[0] == "topk_group_max_kernel"
+    widest, widest_one = TopkTuning().ticketed_max_columns, TopkTuning().ticketed_single_row_max_columns
+    assert widest < widest_one == 1 << 18
+    assert kernels(plan(2, widest, 512)) == ["topk_ticketed_kernel"]
+    assert kernels(plan(2, widest + 1, 512))[0] == "topk_group_max_kernel"
+    assert kernels(plan(7, 1 << 18, 512))[0] == "topk_group_max_kernel"
+    # One row stays on the ticketed path to its own bound (a 1M-token context's blocks).
+    assert kernels(plan(1, widest + 1, 512)) == ["topk_ticketed_kernel"]
+    assert kernels(plan(1, widest_one, 512)) == ["topk_ticketed_kernel"]
+    assert kernels(plan(1, widest_one + 1, 512))[0] == "topk_group_max_kernel"
+    # A single-row bound below the general one does not narrow it.
+    assert kernels(plan(1, widest, 512, TopkTuning(ticketed_single_row_max_columns=1024))) == ["topk_ticketed_kernel"]
     # Forced paths, as the benchmark compares them.
     assert len(plan(1, 32768, 512, TopkTuning(path="sliced")).launches) == 4
     assert kernels(plan(1, 1 << 18, 512, TopkTuning(path="row"))) == ["topk_row_kernel"]
@@ -87,7 +95,9 @@ def test_path_thresholds():
     assert kernels(plan(2048, 2048, 512, TopkTuning(path="ticketed"))) == ["topk_ticketed_kernel"]
     # A raised threshold stops at the widest row registers hold.
     assert kernels(plan(1, 1 << 15, 512, TopkTuning(register_max_columns=1 << 15))) == ["topk_ticketed_kernel"]
-    assert kernels(plan(1, 1 << 18, 512, TopkTuning(ticketed_max_columns=1 << 18))) == ["topk_ticketed_kernel"]
+    assert kernels(plan(2, 1 << 18, 512, TopkTuning(ticketed_max_columns=1 << 18))) == ["topk_ticketed_kernel"]
+    assert kernels(plan(1, 1 << 19, 512, TopkTuning(ticketed_single_row_max_columns=1 << 19))) == [
+        "topk_ticketed_kernel"]
 
 
 def test_register_path_holds_at_most_its_tile():
@@ -802,7 +812,8 @@ def test_sorted_reference_is_the_reference():
     (1, 32768, 512),      # row path, bounded, 16 warps
     (1, 65536, 2048),     # ticketed path, k = 2048 (16 warps)
     (8, 131072, 512),     # ticketed path (few long rows)
-    (1, 1 << 18, 512),    # sliced path past TopkTuning.ticketed_max_columns
+    (1, 1 << 18, 512),    # ticketed path, one row at TopkTuning.ticketed_single_row_max_columns
+    (2, 1 << 18, 512),    # sliced path past TopkTuning.ticketed_max_columns
     (64, 262144, 512),    # row path for long rows once rows fill the GPU
     (300, 16384, 2048),   # many rows, k = 2048
 ])

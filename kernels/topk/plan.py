@@ -46,7 +46,8 @@ def topk_path(rows: int, columns: int, k: int, tuning: TopkTuning) -> str:
         return "register"
     if columns <= tuning.row_max_columns or rows >= tuning.row_min_rows:
         return "row"
-    return "ticketed" if columns <= tuning.ticketed_max_columns else "sliced"
+    widest = tuning.ticketed_single_row_max_columns if rows == 1 else tuning.ticketed_max_columns
+    return "ticketed" if columns <= max(widest, tuning.ticketed_max_columns) else "sliced"
 
 
 def topk_parts(rows: int, columns: int, k: int, logits_stride: int, row_counts,

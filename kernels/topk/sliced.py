@@ -1,7 +1,8 @@
 """Top-k sliced path: four launches over ``(row, slice)`` programs.
 
-Past ``TopkTuning.ticketed_max_columns``, so that one long row still spreads
-over many SMs:
+Past ``TopkTuning.ticketed_max_columns`` (one row: past
+``ticketed_single_row_max_columns``), so that long rows still spread over
+many SMs:
 
 1. group maxima: every slice reduces its columns to the maxima of G strided
    groups (column ``c`` is in group ``c % G``);

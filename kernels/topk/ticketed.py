@@ -1,7 +1,8 @@
 """Top-k ticketed path: one launch of 2 x S programs a row, roles by ticket.
 
 For a few rows wider than the row path takes, up to
-``TopkTuning.ticketed_max_columns``.  A program's role is its start ticket
+``TopkTuning.ticketed_max_columns`` (one row: ``ticketed_single_row_max_columns``).
+A program's role is its start ticket
 (:mod:`..tickets`), so a program waits only for programs that started
 before it (docs/design.md, "Numerics and determinism").
 
