@@ -31,6 +31,10 @@ the achieved bandwidth).  The summary gives median speedups over the grid.
     python benchmarks/bench_topk.py [--json PATH] [--smoke] [--sweep | --register-sweep | --ticketed-sweep |
                                                              --ticketed-select]
 
+``--shapes decode:R:C,...`` times only those rows x columns, in
+``topk_shapes.json`` unless ``--json`` names another (the grid's JSON holds
+whole grids).
+
 ``--sweep`` instead times the row path's tuning (``TopkTuning.row_warps`` x
 ``row_keys_per_thread`` x ``bound_passes``) on a few shapes;
 ``--register-sweep`` the register path's (``register_keys_per_thread`` x
@@ -149,6 +153,8 @@ def main():
     parser.add_argument("--ticketed-select", action="store_true",
                         help="time the ticketed path's selections (last program, shared histogram, fitted) instead")
     args = parser.parse_args()
+    if args.shapes and args.json == parser.get_default("json"):
+        args.json = args.json.replace("topk.json", "topk_shapes.json")
     if args.ticketed_select:
         return sweep(args, "ticketed", TICKETED_SELECTS, TICKETED_SELECT_SHAPES, "topk_ticketed_select.json")
     if args.ticketed_sweep:
@@ -189,42 +195,46 @@ def main():
         f"skipped: logits above {g['MAX_LOGITS_BYTES'] >> 20} MiB; lax.top_k above {g['MAX_LAX_BYTES'] >> 20} MiB"
         + ("" if jax_gpu else " and everywhere (no JAX GPU in this process)"),
     ]
+    # --shapes decode:R:C,...: only those (rows, columns), in their own JSON (not the grid's).
+    grid = ([(rows, columns) for _, rows, columns in args.shapes] if args.shapes and not args.smoke else
+            [(rows, columns) for rows in g["ROWS"] for columns in g["COLUMNS"]])
+    if args.shapes and not args.smoke:
+        notes.append("shapes: " + ", ".join(f"{rows} x {columns}" for rows, columns in grid) + " (--shapes)")
     results = []
-    for rows in g["ROWS"]:
-        for columns in g["COLUMNS"]:
-            nbytes = rows * columns * 4
-            if nbytes > g["MAX_LOGITS_BYTES"]:
+    for rows, columns in grid:
+        nbytes = rows * columns * 4
+        if nbytes > g["MAX_LOGITS_BYTES"]:
+            continue
+        if time.perf_counter() - started > HARD_STOP_S:
+            notes.append(f"stopped after {HARD_STOP_S:.0f} s: ({rows}, {columns}) and later shapes skipped")
+            break
+        logits = torch.randn(rows, columns, device=device, generator=generator).abs_()
+        visible = torch.full((rows,), columns, device=device, dtype=torch.int32)
+        row = dict(rows=rows, columns=columns, k=k, bytes_one_pass=nbytes,
+                   path=topk_plans.topk_path(rows, columns, k, auto))
+        row["ours_us"], expected = ours_us(qsa_torch, auto, logits, visible, k, args.smoke)
+        for path in ("register", "row", "ticketed", "sliced"):
+            if path == "register" and columns > topk_plans.REGISTER_MAX_TILE:
                 continue
-            if time.perf_counter() - started > HARD_STOP_S:
-                notes.append(f"stopped after {HARD_STOP_S:.0f} s: ({rows}, {columns}) and later shapes skipped")
-                break
-            logits = torch.randn(rows, columns, device=device, generator=generator).abs_()
-            visible = torch.full((rows,), columns, device=device, dtype=torch.int32)
-            row = dict(rows=rows, columns=columns, k=k, bytes_one_pass=nbytes,
-                       path=topk_plans.topk_path(rows, columns, k, auto))
-            row["ours_us"], expected = ours_us(qsa_torch, auto, logits, visible, k, args.smoke)
-            for path in ("register", "row", "ticketed", "sliced"):
-                if path == "register" and columns > topk_plans.REGISTER_MAX_TILE:
-                    continue
-                forced = dataclasses.replace(auto, path=path)
-                row[f"{path}_us"], out = ours_us(qsa_torch, forced, logits, visible, k, args.smoke)
-                row[f"{path}_matches"] = bool(torch.equal(out, expected))
-            shared = dataclasses.replace(auto, path="ticketed", ticketed_select="shared")
-            row["ticketed_shared_us"], out = ours_us(qsa_torch, shared, logits, visible, k, args.smoke)
-            row["ticketed_shared_matches"] = bool(torch.equal(out, expected))
-            row["torch_topk_us"] = timed_us(lambda: torch.topk(logits, k, dim=1, sorted=False), args.smoke)
-            if jax_gpu and nbytes <= g["MAX_LAX_BYTES"]:
-                torch.cuda.synchronize()
-                row["lax_topk_us"] = lax_topk_us(jax, common.to_jax(logits), k, args.smoke)
-            for name in ("ours", "register", "row", "ticketed", "ticketed_shared", "sliced", "torch_topk",
-                         "lax_topk"):
-                row[f"{name}_gbps"] = common.gbps(nbytes, row.get(f"{name}_us"))
-            for name in ("torch_topk", "sliced", "lax_topk"):
-                if row.get(f"{name}_us") and row["ours_us"]:
-                    row[f"speedup_vs_{name}"] = row[f"{name}_us"] / row["ours_us"]
-            results.append(row)
-            common.print_table([row], list(row))
-            del logits, visible
+            forced = dataclasses.replace(auto, path=path)
+            row[f"{path}_us"], out = ours_us(qsa_torch, forced, logits, visible, k, args.smoke)
+            row[f"{path}_matches"] = bool(torch.equal(out, expected))
+        shared = dataclasses.replace(auto, path="ticketed", ticketed_select="shared")
+        row["ticketed_shared_us"], out = ours_us(qsa_torch, shared, logits, visible, k, args.smoke)
+        row["ticketed_shared_matches"] = bool(torch.equal(out, expected))
+        row["torch_topk_us"] = timed_us(lambda: torch.topk(logits, k, dim=1, sorted=False), args.smoke)
+        if jax_gpu and nbytes <= g["MAX_LAX_BYTES"]:
+            torch.cuda.synchronize()
+            row["lax_topk_us"] = lax_topk_us(jax, common.to_jax(logits), k, args.smoke)
+        for name in ("ours", "register", "row", "ticketed", "ticketed_shared", "sliced", "torch_topk",
+                     "lax_topk"):
+            row[f"{name}_gbps"] = common.gbps(nbytes, row.get(f"{name}_us"))
+        for name in ("torch_topk", "sliced", "lax_topk"):
+            if row.get(f"{name}_us") and row["ours_us"]:
+                row[f"speedup_vs_{name}"] = row[f"{name}_us"] / row["ours_us"]
+        results.append(row)
+        common.print_table([row], list(row))
+        del logits, visible
     summary = {}
     for name in ("torch_topk", "sliced", "lax_topk"):
         speedups = [r[f"speedup_vs_{name}"] for r in results if f"speedup_vs_{name}" in r]
