@@ -47,6 +47,10 @@ calls).  Per thread line: every event name's count, inclusive and self time
 (less the events nested in it) per execution, and the first events in order,
 so the gaps between launches can be read.  ``scripts/jax_flag_profiles.sh``
 runs it under each XLA command-buffer setting.
+
+``--fused-merge on|off`` forces the attention's split-K merge into its launch
+(three launches a 1-8 request step) or into a merge launch
+(``AttentionTuning.fused_merge``), and records it on every row.
 """
 
 from __future__ import annotations
@@ -295,12 +299,9 @@ def main():
     args = p.parse_args()
     if args.fused_merge == "default":
         return dispatch(args)
-    import dataclasses
-
     from qsa_kernels import tuning
 
-    forced = dataclasses.replace(tuning.current().attention, fused_merge=args.fused_merge == "on")
-    with tuning.override(attention=forced):
+    with tuning.override(attention=common.fused_merge_attention(args.fused_merge == "on")):
         return dispatch(args)
 
 

@@ -417,8 +417,7 @@ class Runner:
 
         columns = {}
         for fused, name in ((True, "fused_merge"), (False, "merge_launch")):
-            forced = dataclasses.replace(tuning.current().attention, fused_merge=fused)
-            with tuning.override(attention=forced):
+            with tuning.override(attention=common.fused_merge_attention(fused)):
                 columns[f"{name}_launches"] = launches(shape)
                 columns[f"{name}_graph_us"] = common.torch_graph_us(shape.torch_step, calls=LOOP_CALLS,
                                                                     smoke=self.smoke)
@@ -586,7 +585,7 @@ def main():
     if args.unfused_selection:
         stages["select"] = tuning.SelectTuning(fused=False)
     if args.fused_merge != "default":
-        stages["attention"] = dataclasses.replace(tuning.current().attention, fused_merge=args.fused_merge == "on")
+        stages["attention"] = common.fused_merge_attention(args.fused_merge == "on")
     with tuning.override(**stages):
         run(args, fp8)
 

@@ -40,7 +40,9 @@ whole grids).
 ``--register-sweep`` the register path's (``register_keys_per_thread`` x
 ``register_radix_bits``); ``--ticketed-sweep``
 the ticketed path's (``ticketed_slice`` x ``ticketed_warps`` x ``ticketed_bound``);
-``--ticketed-select`` the ticketed path's selections (``ticketed_select``
+``--wide-sweep`` the sliced path's programs a row (``target_programs`` x
+``tile``) beside the row path (and its warps) on many wide rows, with
+``torch.topk``; ``--ticketed-select`` the ticketed path's selections (``ticketed_select``
 "last", "shared" with 11- and 12-bit histograms, and "fitted") on the shapes where the
 plan takes the ticketed path or forced beside it (results/topk_ticketed_select.json).
 """
@@ -100,6 +102,14 @@ REGISTER_SWEEP_SHAPES = [(1, 2048), (1, 8192), (1, 16384), (256, 8192), (2048, 2
 REGISTER_SWEEP = dict(register_keys_per_thread=[8, 16], register_radix_bits=[4, 8])
 TICKETED_SWEEP_SHAPES = [(1, 8192), (1, 32768), (8, 32768), (8, 131072)]
 TICKETED_SWEEP = dict(ticketed_slice=[2048, 4096], ticketed_warps=[4, 8], ticketed_bound=["scaled", "fixed"])
+#: --wide-sweep: the sliced path's programs a row, and the row path's warps, where
+#: the plan takes the row path for many wide rows (one program a row: 64 of an
+#: H200's 132 SMs at 64 rows); path "row" first, the plan's choice there.
+WIDE_SWEEP_SHAPES = [(64, 32768), (64, 131072), (64, 262144), (256, 32768), (256, 131072), (256, 262144),
+                     (2048, 32768), (2048, 131072)]
+WIDE_SWEEP = ([dict(path="row"), dict(path="row", row_warps=32), dict(path="row", row_group_keys_per_thread=64)]
+              + [dict(path="sliced", target_programs=programs, tile=tile)
+                 for tile in (2048, 4096) for programs in (256, 1024, 2048, 4096)])
 TICKETED_SELECT_SHAPES = [(1, 8192), (1, 32768), (8, 32768), (64, 32768), (1, 131072), (8, 131072)]
 #: The variants of --ticketed-select (TopkTuning fields), the first the default.
 TICKETED_SELECTS = [dict(ticketed_select="fitted"), dict(ticketed_select="last"),
@@ -107,10 +117,11 @@ TICKETED_SELECTS = [dict(ticketed_select="fitted"), dict(ticketed_select="last")
                     dict(ticketed_select="shared", ticketed_shared_bits=12)]
 
 
-def sweep(args, path="row", grid=SWEEP, sweep_shapes=SWEEP_SHAPES, name=None):
+def sweep(args, path="row", grid=SWEEP, sweep_shapes=SWEEP_SHAPES, name=None, with_torch=False):
     """A path's µs per tuning, on ``sweep_shapes`` (results checked against the default's).
 
-    ``grid``: field -> values (every combination), or a list of field dicts (those variants)."""
+    ``grid``: field -> values (every combination), or a list of field dicts (those variants,
+    which may force another path).  ``with_torch``: ``torch.topk`` timed on each shape too."""
     import itertools
 
     import torch
@@ -131,9 +142,13 @@ def sweep(args, path="row", grid=SWEEP, sweep_shapes=SWEEP_SHAPES, name=None):
         logits = torch.randn(rows, columns, device=device, generator=generator).abs_()
         visible = torch.full((rows,), columns, device=device, dtype=torch.int32)
         _, expected = ours_us(qsa_torch, row, logits, visible, k, args.smoke)
+        if with_torch:
+            torch_us = timed_us(lambda: torch.topk(logits, k, dim=1, sorted=False), args.smoke)
+            results.append(dict(rows=rows, columns=columns, k=k, torch_topk_us=torch_us))
+            common.print_table([results[-1]], list(results[-1]))
         for fields in variants:
             us, out = ours_us(qsa_torch, dataclasses.replace(row, **fields), logits, visible, k, args.smoke)
-            result = dict(rows=rows, columns=columns, k=k, **fields, **{f"{path}_us": us},
+            result = dict(rows=rows, columns=columns, k=k, **fields, **{f"{fields.get('path', path)}_us": us},
                           matches=bool(torch.equal(out, expected)))
             results.append(result)
             common.print_table([result], list(result))
@@ -150,6 +165,8 @@ def main():
                         help="time the register path's tuning instead of the grid")
     parser.add_argument("--ticketed-sweep", action="store_true",
                         help="time the ticketed path's tuning instead of the grid")
+    parser.add_argument("--wide-sweep", action="store_true",
+                        help="time the sliced path's programs a row and the row path's warps on many wide rows")
     parser.add_argument("--ticketed-select", action="store_true",
                         help="time the ticketed path's selections (last program, shared histogram, fitted) instead")
     args = parser.parse_args()
@@ -157,6 +174,8 @@ def main():
         args.json = args.json.replace("topk.json", "topk_shapes.json")
     if args.ticketed_select:
         return sweep(args, "ticketed", TICKETED_SELECTS, TICKETED_SELECT_SHAPES, "topk_ticketed_select.json")
+    if args.wide_sweep:
+        return sweep(args, "row", WIDE_SWEEP, WIDE_SWEEP_SHAPES, "topk_wide_sweep.json", with_torch=True)
     if args.ticketed_sweep:
         return sweep(args, "ticketed", TICKETED_SWEEP, TICKETED_SWEEP_SHAPES)
     if args.sweep:

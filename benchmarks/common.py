@@ -23,6 +23,16 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
+def fused_merge_attention(on: bool):
+    """The current ``AttentionTuning`` with its split-K merge forced into the
+    attention's launch (``on``) or into a merge launch (``fused_merge``)."""
+    import dataclasses
+
+    from qsa_kernels import tuning
+
+    return dataclasses.replace(tuning.current().attention, fused_merge=on)
+
+
 def parser(description: str, default_json: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", default_json),

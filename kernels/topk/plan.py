@@ -46,8 +46,9 @@ def topk_path(rows: int, columns: int, k: int, tuning: TopkTuning) -> str:
         return "register"
     if columns <= tuning.row_max_columns or rows >= tuning.row_min_rows:
         return "row"
-    widest = tuning.ticketed_single_row_max_columns if rows == 1 else tuning.ticketed_max_columns
-    return "ticketed" if columns <= max(widest, tuning.ticketed_max_columns) else "sliced"
+    # One row may take the ticketed path further (its own bound), never less far.
+    widest = max(tuning.ticketed_max_columns, tuning.ticketed_single_row_max_columns if rows == 1 else 0)
+    return "ticketed" if columns <= widest else "sliced"
 
 
 def topk_parts(rows: int, columns: int, k: int, logits_stride: int, row_counts,
