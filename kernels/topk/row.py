@@ -54,7 +54,7 @@ def _group_max_bound(logits_row, width, num_columns, k, GROUPS: tl.constexpr, TI
         # Two tiles in flight: the next one is loaded before this one is reduced.
         idx = start + offsets
         keys = tl.where(idx < width, order_key(raw.to(tl.float32)), 0)
-        raw = tl.load(logits_row + TILE + idx, mask=TILE + idx < width, other=0.0)
+        raw = _prefetch(logits_row, start + TILE, offsets, width, num_columns)
         maxima = tl.maximum(maxima, tl.max(keys, 0))
         start += TILE
     groups = tl.arange(0, GROUPS)
@@ -65,14 +65,19 @@ def _group_max_bound(logits_row, width, num_columns, k, GROUPS: tl.constexpr, TI
 
 
 @triton.jit
-def _prefetch(logits_row, start, width, TILE: tl.constexpr):
-    """Raw logits of columns ``[start, start + TILE)`` below ``width``."""
-    cols = start + tl.arange(0, TILE)
-    return tl.load(logits_row + cols, mask=cols < width, other=0.0)
+def _prefetch(logits_row, start, offsets, width, num_columns):
+    """Raw logits of columns ``start + offsets`` if the tile starts below
+    ``width`` (the caller masks the columns past it).  Masked by the row's
+    columns, not its width: a mask that changes only at a multiple of 16
+    (the columns, as torch specialises them or JAX's constant) keeps the
+    loads vectorised, where one changing at any column made them scalar
+    (four times the load instructions)."""
+    cols = start + offsets
+    return tl.load(logits_row + cols, mask=(cols < num_columns) & (start < width), other=0.0)
 
 
 @triton.jit
-def _compact_at_least(logits_row, width, bound, cand_ptr, capacity, TILE: tl.constexpr):
+def _compact_at_least(logits_row, width, num_columns, bound, cand_ptr, capacity, TILE: tl.constexpr):
     """Writes the columns of the keys >= bound, in column order, to the
     candidates (the first ``capacity`` of them; their keys are loaded again
     from the row, which is cheaper in registers than storing them).
@@ -82,12 +87,12 @@ def _compact_at_least(logits_row, width, bound, cand_ptr, capacity, TILE: tl.con
     start = tl.full((), 0, tl.int32)
     # The next tile is loaded while this one is counted (its latency hides
     # behind the prefix sum): the loop carries the raw values.
-    raw = _prefetch(logits_row, start, width, TILE)
+    raw = _prefetch(logits_row, start, tl.arange(0, TILE), width, num_columns)
     while start < width:
         cols = start + tl.arange(0, TILE)
         valid = cols < width
         keys = tl.where(valid, order_key(raw.to(tl.float32)), 0)
-        raw = _prefetch(logits_row, start + TILE, width, TILE)
+        raw = _prefetch(logits_row, start + TILE, tl.arange(0, TILE), width, num_columns)
         at_least = (valid & (keys >= bound)).to(tl.int32)
         beyond = (valid & (keys > bound)).to(tl.int32)
         slot = count + tl.cumsum(at_least, 0) - at_least
@@ -130,7 +135,7 @@ def topk_row_kernel(
     if BOUNDED:
         bound, top = _group_max_bound(logits_row, width, num_columns, K, GROUPS, GROUP_TILE, BOUND_PASSES, BITS)
         candidates = cand_ptr + row * capacity
-        count, above = _compact_at_least(logits_row, width, bound, candidates, capacity, TILE)
+        count, above = _compact_at_least(logits_row, width, num_columns, bound, candidates, capacity, TILE)
         # Every thread reads candidates that others wrote.
         tl.debug_barrier()
         if count <= capacity:
