@@ -311,18 +311,26 @@ class TopkTuning:
     row_min_rows: int = 32
     #: A row program's warps, and the keys each of its threads handles per
     #: step: of the group maxima (a load and a max), and of the other passes
-    #: (prefix sums and scattered stores: ~7 registers a key on sm_90).  From
-    #: ``row_many_rows`` rows on, warps and the other passes' keys are halved,
-    #: so that several programs share an SM.  (Powers of two: they make tiles.)
+    #: (prefix sums and scattered stores).  From ``row_many_rows`` rows on,
+    #: warps are halved, so that several programs share an SM.  (Powers of
+    #: two: they make tiles.)  8 keys a compaction step: with its prefix sums
+    #: by chunks (``row_chunk``) 16 spill 2 registers at 16 warps on Triton
+    #: 3.6, 4 at 8 warps spill 4 at k = 2048, and neither was faster (an
+    #: H100, 2026-12-06, docs/performance.md).
     row_warps: int = 16
     row_many_rows: int = 264
     row_group_keys_per_thread: int = 32
-    row_keys_per_thread: int = 16
+    row_keys_per_thread: int = 8
     #: The row path's other-pass tile (keys a thread x threads) at most this
     #: many columns (at most 16384: its prefix sums pack two 16-bit counts).
     #: With Triton 3.6 the keys and warps above decide (16 x 512 = 8192 columns
     #: at 16 warps); newer series cap it where 8192 spills (:data:`NEWER_TRITON`).
     row_max_tile: int = _versioned("TopkTuning.row_max_tile", 16384)
+    #: The row path's compaction takes its prefix sums within chunks of this
+    #: many consecutive columns, then over the chunks' counts (a power of
+    #: two; :func:`.topk.common.exclusive_cumsum_2d`): 16 beat 64 at every
+    #: shape timed.
+    row_chunk: int = 16
     #: Radix passes (of ``radix_bits``) of the row and ticketed paths' group-maximum bound.
     bound_passes: int = 2
     #: The ticketed path's columns per slice program (held in registers), and
@@ -387,7 +395,7 @@ class TopkTuning:
             if not isinstance(value, str) or value not in choices:
                 raise ValueError(f"TopkTuning: {name} must be one of {', '.join(map(repr, choices))}, "
                                  f"got {value!r}")
-        for name in ("row_warps", "row_group_keys_per_thread", "row_keys_per_thread",
+        for name in ("row_warps", "row_group_keys_per_thread", "row_keys_per_thread", "row_chunk",
                      "register_keys_per_thread", "register_max_warps", "ticketed_slice", "ticketed_warps"):
             value = getattr(self, name)
             if value & (value - 1):

@@ -378,6 +378,9 @@ SPILLS_ALLOWED: dict[str, tuple[tuple[str, ...], str]] = {
     "attention/decode-16-fused-merge-forced": (("3.7",), _CANDIDATE_SPILL.format(
         "the attention's split-K merged in its launch, forced at 16 rows (AttentionTuning.fused_merge, off "
         "by default: slower on the H200; 128 registers and 2 spills on Triton 3.7.1, none on 3.6, 3.8, 3.9)")),
+    "topk/row-8-warps-8-keys-1-bound-pass-2048-8k": (("3.9",), _CANDIDATE_SPILL.format(
+        "the row path's sweep candidate of 8 warps (4 from 264 rows) x 8 keys and one bound pass, at 2048 rows "
+        "(bench_topk.py --sweep; 72 registers and 2 spills on Triton 3.9.0, none on 3.6, 3.7.1, 3.8)")),
     "topk/forced-register-decode-1-64k-k512": (("3.8", "3.9"), _CANDIDATE_SPILL.format(
         "the register top-k forced at its widest row (REGISTER_MAX_TILE columns on 32 warps: at most 64 "
         "registers a thread; the plan takes it up to 2048 columns, TopkTuning.register_max_columns)")),

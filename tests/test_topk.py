@@ -201,14 +201,20 @@ def branch_case(kind, columns=200):
     ("narrow", 5, "whole row"),
     ("ties", 5, "ties at the bound"),
 ])
-def test_row_path_branches(small_tiles, kind, k, branch):
+@pytest.mark.parametrize("chunk", [4, 16, 32])
+def test_row_path_branches(small_tiles, kind, k, branch, chunk):
+    """Each branch of the bounded row select; the compaction's prefix sums
+    over chunks of 4 or 16 columns of a 32-column tile, or over the whole
+    tile (one chunk)."""
     logits = branch_case(kind)
-    (launch,) = plan(3, logits.shape[1], k).launches
-    assert launch.kernel.__name__ == "topk_row_kernel" and launch.constexprs["BOUNDED"]
-    assert launch.constexprs["TILE"] < logits.shape[1]  # several tiles a pass
-    assert row_branch(host(logits[0]), k, launch) == branch
-    visible = torch.tensor([200, 150, 77], dtype=torch.int32)
-    check_topk(logits, visible, k)
+    with retuned(row_chunk=chunk):
+        (launch,) = plan(3, logits.shape[1], k).launches
+        assert launch.kernel.__name__ == "topk_row_kernel" and launch.constexprs["BOUNDED"]
+        assert launch.constexprs["TILE"] == 32 < logits.shape[1]  # several tiles a pass
+        assert launch.constexprs["CHUNK"] == chunk
+        assert row_branch(host(logits[0]), k, launch) == branch
+        visible = torch.tensor([200, 150, 77], dtype=torch.int32)
+        check_topk(logits, visible, k)
 
 
 @pytest.fixture(params=["row", "register"])
@@ -648,8 +654,9 @@ def test_row_max_tile_caps_the_row_tile():
     """TopkTuning.row_max_tile caps the row path's other-pass tile (a newer Triton's
     spill-free default, tuning.NEWER_TRITON) and nothing else; exact either way."""
     assert tuning.defaults("3.6").topk.row_max_tile == 16384 and tuning.defaults("3.9").topk.row_max_tile == 4096
-    (uncapped,) = plan(32, 16384, 64, TopkTuning(row_max_tile=16384)).launches
-    (capped,) = plan(32, 16384, 64, TopkTuning(row_max_tile=4096)).launches
+    # 16 warps x 16 keys: above the cap (the defaults' 8 keys make 4096-column tiles).
+    (uncapped,) = plan(32, 16384, 64, TopkTuning(row_keys_per_thread=16, row_max_tile=16384)).launches
+    (capped,) = plan(32, 16384, 64, TopkTuning(row_keys_per_thread=16, row_max_tile=4096)).launches
     assert uncapped.constexprs["TILE"] == 8192 and capped.constexprs["TILE"] == 4096
     assert {k: v for k, v in capped.constexprs.items() if k != "TILE"} == \
         {k: v for k, v in uncapped.constexprs.items() if k != "TILE"}
@@ -670,14 +677,14 @@ def test_tuning_reaches_the_row_plan():
     default = plan(32, 16384, 64)
     (launch,) = plan(32, 16384, 64, tuning.defaults(tuning.TIMED_TRITON).topk).launches  # the values timed on the H200
     assert launch.num_warps == 16 and launch.constexprs["BOUND_PASSES"] == 2 and launch.constexprs["BITS"] == 8
-    assert launch.constexprs["TILE"] == 16 * 32 * 16 and launch.constexprs["GROUP_TILE"] == 16384
+    assert launch.constexprs["TILE"] == 16 * 32 * 8 and launch.constexprs["GROUP_TILE"] == 16384
     (launch,) = plan(32, 16384, 64, TopkTuning(row_warps=4, row_keys_per_thread=2, row_group_keys_per_thread=4,
                                                bound_passes=3, radix_bits=4, min_candidates=300)).launches
     assert launch.num_warps == 4 and launch.constexprs["TILE"] == 2 * 32 * 4
     assert launch.constexprs["GROUP_TILE"] == 4 * 32 * 4 and launch.constexprs["BOUND_PASSES"] == 3
     assert launch.constexprs["BITS"] == 4 and launch.scalars["capacity"] == 300
     (launch,) = plan(300, 16384, 64, TopkTuning(row_many_rows=300)).launches
-    assert launch.num_warps == 8 and launch.constexprs["TILE"] == 8 * 32 * 8
+    assert launch.num_warps == 8 and launch.constexprs["TILE"] == 8 * 32 * 8  # warps halved, keys not
     # Few rows: the ticketed path past row_max_columns.
     assert kernels(plan(4, 16384, 64)) == ["topk_ticketed_kernel"]
     assert kernels(plan(4, 16384, 64, TopkTuning(row_max_columns=16384))) == ["topk_row_kernel"]
@@ -749,6 +756,7 @@ def test_topk_tuning_is_checked():
                             (dict(row_warps=12), "TopkTuning: row_warps must be a power of two, got 12"),
                             (dict(row_warps=64), "TopkTuning: row_warps must be at most 32, got 64"),
                             (dict(row_keys_per_thread=3), "TopkTuning: row_keys_per_thread must be a power of two"),
+                            (dict(row_chunk=12), "TopkTuning: row_chunk must be a power of two, got 12"),
                             (dict(row_min_rows=0), "TopkTuning: row_min_rows must be a positive int, got 0"),
                             (dict(row_max_tile=3000), "TopkTuning: row_max_tile must be a power of two, got 3000"),
                             (dict(row_max_tile=32768), "TopkTuning: row_max_tile must be at most 16384, got 32768"),

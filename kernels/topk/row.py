@@ -9,8 +9,10 @@ its row in tiles (L2-resident after the first pass):
    to its top ``radix_bits * bound_passes`` bits (still a lower bound, and
    cheaper than the exact maximum);
 2. one pass compacts the columns of the keys >= ``L`` (typically ~1.4k of
-   them) into a per-row candidate buffer in column order; a block barrier
-   makes them visible to the whole program;
+   them) into a per-row candidate buffer in column order (their slots from
+   prefix sums within chunks of ``TopkTuning.row_chunk`` columns, then over
+   the chunks' counts); a block barrier makes them visible to the whole
+   program;
 3. a radix select over the candidates (keys re-read from the row, held in
    registers when they fit one tile) finds the k-th largest key ``T`` and
    writes the selection, then ``-1`` padding.  Every candidate lies between
@@ -32,7 +34,7 @@ import triton.language as tl
 from ..launch import Buffer, Launch
 from ..pdl import dependent, wait_for_previous_kernel
 from ..tuning import TopkTuning
-from .common import (kth_largest_between, order_key, pad, place, place_tile, row_width, select_and_place,
+from .common import (exclusive_cumsum_2d, kth_largest_between, order_key, pad, place, place_tile, row_width, select_and_place,
                      topk_groups)
 
 
@@ -77,7 +79,8 @@ def _prefetch(logits_row, start, offsets, width, num_columns):
 
 
 @triton.jit
-def _compact_at_least(logits_row, width, num_columns, bound, cand_ptr, capacity, TILE: tl.constexpr):
+def _compact_at_least(logits_row, width, num_columns, bound, cand_ptr, capacity, TILE: tl.constexpr,
+                      CHUNK: tl.constexpr):
     """Writes the columns of the keys >= bound, in column order, to the
     candidates (the first ``capacity`` of them; their keys are loaded again
     from the row, which is cheaper in registers than storing them).
@@ -85,20 +88,23 @@ def _compact_at_least(logits_row, width, num_columns, bound, cand_ptr, capacity,
     count = tl.full((), 0, tl.int32)
     above = tl.full((), 0, tl.int32)
     start = tl.full((), 0, tl.int32)
+    # A tile viewed as [TILE // CHUNK, CHUNK] consecutive columns: its prefix
+    # sum is one within chunks and one over the chunks' counts.
+    offsets = tl.arange(0, TILE // CHUNK)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
     # The next tile is loaded while this one is counted (its latency hides
     # behind the prefix sum): the loop carries the raw values.
-    raw = _prefetch(logits_row, start, tl.arange(0, TILE), width, num_columns)
+    raw = _prefetch(logits_row, start, offsets, width, num_columns)
     while start < width:
-        cols = start + tl.arange(0, TILE)
+        cols = start + offsets
         valid = cols < width
         keys = tl.where(valid, order_key(raw.to(tl.float32)), 0)
-        raw = _prefetch(logits_row, start + TILE, tl.arange(0, TILE), width, num_columns)
+        raw = _prefetch(logits_row, start + TILE, offsets, width, num_columns)
         at_least = (valid & (keys >= bound)).to(tl.int32)
-        beyond = (valid & (keys > bound)).to(tl.int32)
-        slot = count + tl.cumsum(at_least, 0) - at_least
-        keep = (at_least != 0) & (slot < capacity)
-        tl.store(cand_ptr + slot, cols, mask=keep)
-        totals = tl.sum(at_least + (beyond << 16), 0)
+        # Keys >= and > the bound counted together, in the 16-bit halves (TILE <= 16384).
+        packed = at_least + ((valid & (keys > bound)).to(tl.int32) << 16)
+        before, totals = exclusive_cumsum_2d(packed)
+        slot = count + (before & 0xFFFF)
+        tl.store(cand_ptr + slot, cols, mask=(at_least != 0) & (slot < capacity))
         count += totals & 0xFFFF
         above += totals >> 16
         start += TILE
@@ -115,7 +121,7 @@ def topk_row_kernel(
     num_columns, lg_sr, capacity,
     K: tl.constexpr, GROUPS: tl.constexpr, GROUP_TILE: tl.constexpr, TILE: tl.constexpr,
     CAND_TILE: tl.constexpr, BITS: tl.constexpr, BOUND_PASSES: tl.constexpr, BOUNDED: tl.constexpr,
-    PAD_TILE: tl.constexpr,
+    PAD_TILE: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """The whole top-k of one row (module docstring, row path).
 
@@ -135,7 +141,7 @@ def topk_row_kernel(
     if BOUNDED:
         bound, top = _group_max_bound(logits_row, width, num_columns, K, GROUPS, GROUP_TILE, BOUND_PASSES, BITS)
         candidates = cand_ptr + row * capacity
-        count, above = _compact_at_least(logits_row, width, num_columns, bound, candidates, capacity, TILE)
+        count, above = _compact_at_least(logits_row, width, num_columns, bound, candidates, capacity, TILE, CHUNK)
         # Every thread reads candidates that others wrote.
         tl.debug_barrier()
         if count <= capacity:
@@ -168,7 +174,7 @@ def row_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out,
     groups = topk_groups(columns, k, tuning)
     share = 1 if rows < tuning.row_many_rows else 2
     warps = max(1, tuning.row_warps // share)
-    keys_per_thread = max(1, tuning.row_keys_per_thread // share)
+    keys_per_thread = tuning.row_keys_per_thread
     # Single-column groups: the bound would be the answer itself, so the
     # radix select runs on the row (TILE covers it: width <= G <= 4096).
     bounded = groups < triton.next_power_of_2(width)
@@ -195,7 +201,7 @@ def row_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out,
                dict(num_columns=columns, lg_sr=logits_stride, capacity=capacity),
                dict(K=k, GROUPS=groups, GROUP_TILE=group_tile, TILE=tile, CAND_TILE=cand_tile,
                     BITS=tuning.radix_bits, BOUND_PASSES=tuning.bound_passes, BOUNDED=bounded,
-                    PAD_TILE=min(1024, triton.next_power_of_2(k))),
+                    PAD_TILE=min(1024, triton.next_power_of_2(k)), CHUNK=min(tile, tuning.row_chunk)),
                num_warps=warps, num_stages=1)
         for count in row_counts)
     return buffers, launches
