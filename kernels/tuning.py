@@ -313,18 +313,20 @@ class TopkTuning:
     #: step: of the group maxima (a load and a max), and of the other passes
     #: (prefix sums and scattered stores).  From ``row_many_rows`` rows on,
     #: warps are halved, so that several programs share an SM.  (Powers of
-    #: two: they make tiles.)  8 keys a compaction step: with its prefix sums
-    #: by chunks (``row_chunk``) 16 spill 2 registers at 16 warps on Triton
-    #: 3.6, 4 at 8 warps spill 4 at k = 2048, and neither was faster (an
-    #: H100, 2026-12-06, docs/performance.md).
+    #: two: they make tiles.)  8 keys a compaction step at any row count:
+    #: with its prefix sums by chunks (``row_chunk``) 16 spill 2 registers at
+    #: 16 warps on Triton 3.6, 4 (halved, as before, at 8 warps) spill 4 at
+    #: k = 2048, and neither was faster (an H100, 2026-12-06,
+    #: docs/performance.md).
     row_warps: int = 16
     row_many_rows: int = 264
     row_group_keys_per_thread: int = 32
     row_keys_per_thread: int = 8
     #: The row path's other-pass tile (keys a thread x threads) at most this
     #: many columns (at most 16384: its prefix sums pack two 16-bit counts).
-    #: With Triton 3.6 the keys and warps above decide (16 x 512 = 8192 columns
-    #: at 16 warps); newer series cap it where 8192 spills (:data:`NEWER_TRITON`).
+    #: The keys and warps above decide (8 x 512 = 4096 columns at 16 warps);
+    #: newer series cap it at 4096 (:data:`NEWER_TRITON`), where 8192 (16 keys,
+    #: the default before 2026-12-06) spilled.
     row_max_tile: int = _versioned("TopkTuning.row_max_tile", 16384)
     #: The row path's compaction takes its prefix sums within chunks of this
     #: many consecutive columns, then over the chunks' counts (a power of

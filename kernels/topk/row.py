@@ -34,8 +34,8 @@ import triton.language as tl
 from ..launch import Buffer, Launch
 from ..pdl import dependent, wait_for_previous_kernel
 from ..tuning import TopkTuning
-from .common import (exclusive_cumsum_2d, kth_largest_between, order_key, pad, place, place_tile, row_width, select_and_place,
-                     topk_groups)
+from .common import (exclusive_cumsum_2d, kth_largest_between, order_key, pad, place, place_tile, row_width,
+                     select_and_place, topk_groups)
 
 
 @triton.jit
