@@ -34,7 +34,8 @@ from .rows import count_visible_blocks, row_request
 from .score import (SCALE_DOC, SCORES_DOC_ARGS, SCORING_OPTIONS, check_key_scale, check_scoring, exact_dot,
                     score_launches, score_row_tile, score_tiling, scorer_arguments)
 from .tickets import publish as ticketed_publish, wait_for
-from .topk import order_key, ticketed_buffers, ticketed_compact_and_select, ticketed_layout, topk_parts, topk_path
+from .topk import (order_key, slice_column_view, ticketed_buffers, ticketed_compact_and_select, ticketed_layout,
+                   topk_parts, topk_path)
 from .tuning import SelectTuning, TopkTuning
 from .validate import Checker
 
@@ -99,7 +100,7 @@ def select_fused_kernel(
     K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr, GROUPS: tl.constexpr,
     REGION: tl.constexpr, CAND_TILE: tl.constexpr, COUNTS_TILE: tl.constexpr,
     BITS: tl.constexpr, BOUND_PASSES: tl.constexpr, SCALED: tl.constexpr, PAD_TILE: tl.constexpr,
-    STATE: tl.constexpr, SHARED_BITS: tl.constexpr, FITTED_PASSES: tl.constexpr,
+    STATE: tl.constexpr, SHARED_BITS: tl.constexpr, FITTED_PASSES: tl.constexpr, CHUNK: tl.constexpr,
     WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     """Score, select and expand row ``row_begin + program_id(0)`` by its
@@ -135,7 +136,7 @@ def select_fused_kernel(
         width = _visible_width(token_to_req_ptr, query_positions_ptr, sequence_lengths_ptr, row, num_columns,
                                num_requests, RATIO)
         slice_id = role - SCORERS
-        cols = slice_id * SLICE + tl.arange(0, SLICE)
+        cols = slice_column_view(slice_id, SLICE, CHUNK)
         wait_for(tickets + 1, SCORERS)
         # (.cg: written by the scorer programs of this launch.)
         raw = tl.load(logits_row + cols, mask=cols < num_columns, other=0.0, cache_modifier=".cg")

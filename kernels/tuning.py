@@ -67,6 +67,9 @@ NEWER_TRITON: dict[str, dict[str, object]] = {
                                          5: (None, 32 * 1024, 4, 2, 264)},
         # The row top-k at 16 warps: 8192-column tiles spill 10 (128 registers); 4096: 107-119.
         "TopkTuning.row_max_tile": 4096,
+        # The ticketed top-k's compaction by 16-column chunks: ptxas holds it to 64 registers and
+        # spills 4-6 (1 x 8192, 1 x 32768 "last"); 128 columns spill 2; 256: 63-78, no spill.
+        "TopkTuning.ticketed_chunk": 256,
     },
 }
 
@@ -307,8 +310,12 @@ class TopkTuning:
     #: slicing); else the ticketed path.  Row / ticketed us on the H200
     #: (benchmarks/results/topk.json): 1 x 8192 19.4 / 16.0, 1 x 32768 39.6 /
     #: 16.2, but 64 x 32768 41.5 / 45.7; 4096 (unmeasured) stays with the row path.
+    #: On an H100 (2026-12-06, docs/performance.md), row / ticketed / sliced:
+    #: 32 x 32768 31.6 / 25.2 / 33.2, 32 x 65536 51.2 / 33.6 / 47.1, 32 x 262144
+    #: 162.0 / - / 136.5, but 48 x 32768 31.6 / 34.1 and 48 x 131072 88.7 / 111.8
+    #: / 103.4: 40, between the two (33-47 rows unmeasured), not 32.
     row_max_columns: int = 4096
-    row_min_rows: int = 32
+    row_min_rows: int = 40
     #: A row program's warps, and the keys each of its threads handles per
     #: step: of the group maxima (a load and a max), and of the other passes
     #: (prefix sums and scattered stores).  From ``row_many_rows`` rows on,
@@ -343,6 +350,13 @@ class TopkTuning:
     ticketed_slice: int = 2048
     ticketed_max_slices: int = 16
     ticketed_warps: int = 8
+    #: The ticketed path's compaction (and the fused selection's) takes its
+    #: prefix sums within chunks of this many consecutive columns of its
+    #: slice, then over the chunks' counts, as the row path's (``row_chunk``):
+    #: 1 x 131072 17.5-17.9 us against 19.1-19.5 as one scan of the slice, and
+    #: the fused selection spill-free on Triton 3.6 (an H100, 2026-12-06,
+    #: docs/performance.md).
+    ticketed_chunk: int = _versioned("TopkTuning.ticketed_chunk", 16)
     #: Few rows wider than this take the sliced path: ticketed / sliced us
     #: 8 x 131072 32.3 / 34.9, but 8 x 262144 60.1 / 48.6 (benchmarks/results/topk.json).
     #: One row takes the ticketed path up to ``ticketed_single_row_max_columns``:
@@ -398,7 +412,8 @@ class TopkTuning:
                 raise ValueError(f"TopkTuning: {name} must be one of {', '.join(map(repr, choices))}, "
                                  f"got {value!r}")
         for name in ("row_warps", "row_group_keys_per_thread", "row_keys_per_thread", "row_chunk",
-                     "register_keys_per_thread", "register_max_warps", "ticketed_slice", "ticketed_warps"):
+                     "register_keys_per_thread", "register_max_warps", "ticketed_slice", "ticketed_warps",
+                     "ticketed_chunk"):
             value = getattr(self, name)
             if value & (value - 1):
                 raise ValueError(f"TopkTuning: {name} must be a power of two, got {value!r}")

@@ -360,18 +360,9 @@ CASES = {
 #: every admitted Triton: the defaults of each series are spill-free
 #: (qsa_kernels.tuning.NEWER_TRITON replaces the Triton 3.6 values that spill
 #: under a newer one), and CI runs this check on every admitted series.
-_FUSED_SPILL = ("the fused selection at 8 warps: ptxas holds the scorer's and the ticketed top-k's code to 128 "
-                "registers and spills a few; measured faster than 16 warps (103 registers, no spill) at every "
-                "shape on Triton 3.6 (SelectTuning.fused_warps)")
 _CANDIDATE_SPILL = ("a forced candidate, not a default (the plans never choose it): {}; its spills under this "
                     "Triton are part of what a sweep of it would measure")
 SPILLS_ALLOWED: dict[str, tuple[tuple[str, ...], str]] = {
-    **{label: (("3.6", "3.7"), _FUSED_SPILL) for label in (
-        "select/fused-decode-1-128k", "select/fused-fp8-decode-1-128k",
-        "select/fused-fp16-16-heads-decode-3-32k-topk1024",
-        # With the top-k's shared selection (not a default): 14 on Triton 3.6 ("last"'s 18), 10 on 3.7
-        # (the default's 8), none on 3.8 and 3.9.
-        "select/fused-shared-decode-1-128k", "select/fused-shared-fp8-decode-8-128k")},
     "attention/fp8-decode-256-64-token-tiles": (("3.8", "3.9"), _CANDIDATE_SPILL.format(
         "64-token fp8 tiles on 2 warps (bench_sparse_attention.py --sweep --fp8; 306-309 us against the "
         "table's 279 on Triton 3.6)")),

@@ -369,13 +369,18 @@ def test_ticketed_candidate_tile_holds_the_candidates(columns, k, tile):
     ("clustered", 5, "whole row"),
     ("ties", 5, "ties at the bound"),
 ])
-def test_ticketed_path_branches(ticketed, kind, k, branch):
+@pytest.mark.parametrize("chunk", [4, 16])
+def test_ticketed_path_branches(ticketed, kind, k, branch, chunk):
+    """Each branch of the ticketed selection; the compaction's prefix sums
+    over chunks of 4 columns of a 16-column slice, or over the whole slice."""
     logits = branch_case(kind)
-    (launch,) = plan(3, logits.shape[1], k).launches
-    assert launch.kernel.__name__ == "topk_ticketed_kernel" and launch.grid == (3, 2 * 13)
-    assert launch.constexprs["CAND_TILE"] == 32 and launch.constexprs["REGION"] == 16
-    assert ticketed_branch(host(logits[0]), k, launch) == branch
-    check_topk(logits, torch.tensor([200, 150, 77], dtype=torch.int32), k)
+    with retuned(ticketed_chunk=chunk):
+        (launch,) = plan(3, logits.shape[1], k).launches
+        assert launch.kernel.__name__ == "topk_ticketed_kernel" and launch.grid == (3, 2 * 13)
+        assert launch.constexprs["CAND_TILE"] == 32 and launch.constexprs["REGION"] == 16
+        assert launch.constexprs["CHUNK"] == chunk
+        assert ticketed_branch(host(logits[0]), k, launch) == branch
+        check_topk(logits, torch.tensor([200, 150, 77], dtype=torch.int32), k)
 
 
 @pytest.mark.parametrize("select", ["fitted", "last", "shared"])
@@ -655,8 +660,8 @@ def test_row_max_tile_caps_the_row_tile():
     spill-free default, tuning.NEWER_TRITON) and nothing else; exact either way."""
     assert tuning.defaults("3.6").topk.row_max_tile == 16384 and tuning.defaults("3.9").topk.row_max_tile == 4096
     # 16 warps x 16 keys: above the cap (the defaults' 8 keys make 4096-column tiles).
-    (uncapped,) = plan(32, 16384, 64, TopkTuning(row_keys_per_thread=16, row_max_tile=16384)).launches
-    (capped,) = plan(32, 16384, 64, TopkTuning(row_keys_per_thread=16, row_max_tile=4096)).launches
+    (uncapped,) = plan(64, 16384, 64, TopkTuning(row_keys_per_thread=16, row_max_tile=16384)).launches
+    (capped,) = plan(64, 16384, 64, TopkTuning(row_keys_per_thread=16, row_max_tile=4096)).launches
     assert uncapped.constexprs["TILE"] == 8192 and capped.constexprs["TILE"] == 4096
     assert {k: v for k, v in capped.constexprs.items() if k != "TILE"} == \
         {k: v for k, v in uncapped.constexprs.items() if k != "TILE"}
@@ -674,11 +679,12 @@ def test_row_max_tile_caps_the_row_tile():
 def test_tuning_reaches_the_row_plan():
     """Every row-path and ticketed-path field is read from the tuning passed
     (or in force), and plans under different tunings are memoised apart."""
-    default = plan(32, 16384, 64)
-    (launch,) = plan(32, 16384, 64, tuning.defaults(tuning.TIMED_TRITON).topk).launches  # the values timed on the H200
+    default = plan(64, 16384, 64)
+    timed = tuning.defaults(tuning.TIMED_TRITON).topk  # the values timed on Triton 3.6
+    (launch,) = plan(64, 16384, 64, timed).launches
     assert launch.num_warps == 16 and launch.constexprs["BOUND_PASSES"] == 2 and launch.constexprs["BITS"] == 8
     assert launch.constexprs["TILE"] == 16 * 32 * 8 and launch.constexprs["GROUP_TILE"] == 16384
-    (launch,) = plan(32, 16384, 64, TopkTuning(row_warps=4, row_keys_per_thread=2, row_group_keys_per_thread=4,
+    (launch,) = plan(64, 16384, 64, TopkTuning(row_warps=4, row_keys_per_thread=2, row_group_keys_per_thread=4,
                                                bound_passes=3, radix_bits=4, min_candidates=300)).launches
     assert launch.num_warps == 4 and launch.constexprs["TILE"] == 2 * 32 * 4
     assert launch.constexprs["GROUP_TILE"] == 4 * 32 * 4 and launch.constexprs["BOUND_PASSES"] == 3
@@ -691,8 +697,12 @@ def test_tuning_reaches_the_row_plan():
     assert kernels(plan(4, 16384, 64, TopkTuning(row_min_rows=4))) == ["topk_row_kernel"]
     (launch,) = plan(4, 16384, 64).launches
     assert launch.grid == (4, 2 * 8) and launch.num_warps == 8 and launch.constexprs["SLICE"] == 2048
-    (launch,) = plan(4, 16384, 64, TopkTuning(ticketed_slice=1024, ticketed_warps=4, ticketed_bound_passes=2)).launches
+    assert plan(4, 16384, 64, timed).launches[0].constexprs["CHUNK"] == 16
+    assert tuning.defaults("3.9").topk.ticketed_chunk == 256  # NEWER_TRITON: 16 spills there
+    (launch,) = plan(4, 16384, 64, TopkTuning(ticketed_slice=1024, ticketed_warps=4, ticketed_bound_passes=2,
+                                              ticketed_chunk=64)).launches
     assert launch.grid == (4, 2 * 16) and launch.num_warps == 4 and launch.constexprs["BOUND_PASSES"] == 2
+    assert launch.constexprs["CHUNK"] == 64
     assert launch.constexprs["SCALED"]
     (launch,) = plan(4, 16384, 64, TopkTuning(ticketed_bound="fixed", bound_passes=3)).launches
     assert not launch.constexprs["SCALED"] and launch.constexprs["BOUND_PASSES"] == 3
@@ -714,8 +724,8 @@ def test_tuning_reaches_the_row_plan():
     assert program.launches[0].constexprs["FITTED_PASSES"] == 5  # 20 bits left, 4 a pass
     assert {b.name: b.info.shape for b in program.buffers}["topk_state"] == (4, 4 + 128 + 4096)
     with tuning.override(topk=TopkTuning(path="sliced")):
-        assert kernels(plan(32, 16384, 64))[0] == "topk_group_max_kernel"
-    assert plan(32, 16384, 64) is default
+        assert kernels(plan(64, 16384, 64))[0] == "topk_group_max_kernel"
+    assert plan(64, 16384, 64) is default
 
 
 def test_select_topk_tuning_reaches_the_row_path():
@@ -757,6 +767,7 @@ def test_topk_tuning_is_checked():
                             (dict(row_warps=64), "TopkTuning: row_warps must be at most 32, got 64"),
                             (dict(row_keys_per_thread=3), "TopkTuning: row_keys_per_thread must be a power of two"),
                             (dict(row_chunk=12), "TopkTuning: row_chunk must be a power of two, got 12"),
+                            (dict(ticketed_chunk=24), "TopkTuning: ticketed_chunk must be a power of two, got 24"),
                             (dict(row_min_rows=0), "TopkTuning: row_min_rows must be a positive int, got 0"),
                             (dict(row_max_tile=3000), "TopkTuning: row_max_tile must be a power of two, got 3000"),
                             (dict(row_max_tile=32768), "TopkTuning: row_max_tile must be at most 16384, got 32768"),
@@ -922,7 +933,7 @@ def _production_logits(kind: str, rows: int, columns: int) -> torch.Tensor:
     (1, 32768, 512, "half-normal", 11),   # the decode shape of issue 26
     (1, 32768, 512, "half-normal", 12),
     (8, 32768, 512, "half-normal", 11),
-    (64, 32768, 512, "half-normal", 11),  # forced: the plan takes the row path from 32 rows
+    (64, 32768, 512, "half-normal", 11),  # forced: the plan takes the row path from 40 rows
     (8, 131072, 512, "special", 11),
     (1, 65536, 2048, "special", 11),      # k = 2048: 16 warps
     (1, 32768, 512, "increasing", 11),    # the top keys all in the last slices

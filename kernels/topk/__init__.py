@@ -24,9 +24,10 @@ from .plan import TOPK_DOC, plan_topk_blocks, topk_parts, topk_path
 from .register import REGISTER_MAX_TILE, register_tiling, topk_register_kernel
 from .row import topk_row_kernel
 from .sliced import topk_bound_kernel, topk_finish_kernel, topk_group_max_kernel, topk_place_kernel
-from .ticketed import ticketed_buffers, ticketed_compact_and_select, ticketed_layout, topk_ticketed_kernel
+from .ticketed import (slice_column_view, ticketed_buffers, ticketed_compact_and_select, ticketed_layout,
+                       topk_ticketed_kernel)
 
-__all__ = ["REGISTER_MAX_TILE", "TOPK_DOC", "order_key", "plan_topk_blocks", "register_tiling",
+__all__ = ["REGISTER_MAX_TILE", "TOPK_DOC", "order_key", "plan_topk_blocks", "register_tiling", "slice_column_view",
            "ticketed_buffers", "ticketed_compact_and_select", "ticketed_layout", "topk_bound_kernel",
            "topk_finish_kernel", "topk_group_max_kernel", "topk_groups", "topk_parts", "topk_path",
            "topk_place_kernel", "topk_register_kernel", "topk_row_kernel", "topk_ticketed_kernel"]

@@ -61,8 +61,8 @@ from ..launch import Buffer, Launch
 from ..pdl import dependent, wait_for_previous_kernel
 from ..tickets import finish_ticket, publish, start_ticket, wait_for
 from ..tuning import TopkTuning
-from .common import (digit_of_kth, kth_largest_between, order_key, pad, place, place_tile, row_width,
-                     select_and_place, topk_groups)
+from .common import (digit_of_kth, exclusive_cumsum_2d, kth_largest_between, order_key, pad, place, place_tile,
+                     row_width, select_and_place, topk_groups)
 
 
 @triton.jit
@@ -291,6 +291,15 @@ def _ticketed_finish(logits_row, counts_row, cand_keys, cand_cols, histogram, ou
 
 
 @triton.jit
+def slice_column_view(slice_id, SLICE: tl.constexpr, CHUNK: tl.constexpr):
+    """The columns of slice ``slice_id`` viewed as ``[SLICE // CHUNK, CHUNK]``
+    (consecutive columns along a row of the view), as the compaction of
+    :func:`ticketed_compact_and_select` takes them: its prefix sums go
+    within chunks, then over their counts (:func:`.common.exclusive_cumsum_2d`)."""
+    return slice_id * SLICE + tl.arange(0, SLICE // CHUNK)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+
+
+@triton.jit
 def ticketed_compact_and_select(logits_row, raw, cols, tickets, maxima, counts_row, cand_keys, cand_cols, out_row,
                                 width, slice_id,
                                 K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr, GROUPS: tl.constexpr,
@@ -300,6 +309,7 @@ def ticketed_compact_and_select(logits_row, raw, cols, tickets, maxima, counts_r
                                 FITTED_PASSES: tl.constexpr):
     """Steps 2 and 3 of the ticketed path for slice ``slice_id`` (its keys
     ``raw`` at columns ``cols``), once the group maxima are all folded.
+    ``cols`` is :func:`slice_column_view`, ``raw`` the keys in its shape.
     Returns whether this program was the row's last: it selected into
     ``out_row``, padded it, and put the row's state back to zero.  The
     row's state (``tickets``): 4 tickets, the GROUPS maxima (``maxima``),
@@ -319,13 +329,13 @@ def ticketed_compact_and_select(logits_row, raw, cols, tickets, maxima, counts_r
     valid = cols < width
     keys = tl.where(valid, order_key(raw.to(tl.float32)), 0)
     at_least = (valid & (keys >= bound)).to(tl.int32)
-    slot = tl.cumsum(at_least, 0) - at_least
+    # Keys >= and > the bound counted together, in the 16-bit halves (SLICE <= 16384).
+    before, totals = exclusive_cumsum_2d(at_least + ((valid & (keys > bound)).to(tl.int32) << 16))
+    slot = before & 0xFFFF
     keep = (at_least != 0) & (slot < REGION)
     region = slice_id * REGION
     tl.store(cand_keys + region + slot, keys.to(tl.int32, bitcast=True), mask=keep)
     tl.store(cand_cols + region + slot, cols, mask=keep)
-    # SLICE <= 16384: both counts fit the 16-bit halves of one sum.
-    totals = tl.sum(at_least + ((valid & (keys > bound)).to(tl.int32) << 16), 0)
     tl.store(counts_row + slice_id, totals & 0xFFFF)
     tl.store(counts_row + SLICES + slice_id, totals >> 16)
     histogram = tickets + 4 + GROUPS
@@ -372,7 +382,7 @@ def topk_ticketed_kernel(
     K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr, GROUPS: tl.constexpr,
     REGION: tl.constexpr, CAND_TILE: tl.constexpr, COUNTS_TILE: tl.constexpr,
     BITS: tl.constexpr, BOUND_PASSES: tl.constexpr, SCALED: tl.constexpr, PAD_TILE: tl.constexpr,
-    STATE: tl.constexpr, SHARED_BITS: tl.constexpr, FITTED_PASSES: tl.constexpr,
+    STATE: tl.constexpr, SHARED_BITS: tl.constexpr, FITTED_PASSES: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """The whole top-k of one row by its 2 x SLICES programs (module
     docstring, ticketed path).
@@ -397,7 +407,7 @@ def topk_ticketed_kernel(
         publish(tickets + 1)
     else:
         slice_id = role - SLICES
-        cols = slice_id * SLICE + tl.arange(0, SLICE)
+        cols = slice_column_view(slice_id, SLICE, CHUNK)
         # Loaded before the wait: the row does not depend on the other programs.
         raw = tl.load(logits_row + cols, mask=cols < num_columns, other=0.0)
         wait_for(tickets + 1, SLICES)
@@ -446,7 +456,7 @@ def ticketed_layout(columns: int, k: int, tuning: TopkTuning, widest_slice: int 
                       BOUND_PASSES=tuning.ticketed_bound_passes if scaled else tuning.bound_passes, SCALED=scaled,
                       PAD_TILE=min(1024, triton.next_power_of_2(k)),
                       STATE=4 + groups + ((1 << shared_bits) if shared_bits else 0), SHARED_BITS=shared_bits,
-                      FITTED_PASSES=fitted_passes)
+                      FITTED_PASSES=fitted_passes, CHUNK=min(slice_columns, tuning.ticketed_chunk))
     return constexprs, least_warps
 
 
