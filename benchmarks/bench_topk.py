@@ -33,13 +33,16 @@ the achieved bandwidth).  The summary gives median speedups over the grid.
 
 ``--shapes decode:R:C,...`` times only those rows x columns, in
 ``topk_shapes.json`` unless ``--json`` names another (the grid's JSON holds
-whole grids).
+whole grids); with a sweep, its shapes instead of the sweep's own.
 
 ``--sweep`` instead times the row path's tuning (``TopkTuning.row_warps`` x
 ``row_keys_per_thread`` x ``bound_passes``) on a few shapes;
 ``--register-sweep`` the register path's (``register_keys_per_thread`` x
 ``register_radix_bits``); ``--ticketed-sweep``
 the ticketed path's (``ticketed_slice`` x ``ticketed_warps`` x ``ticketed_bound``);
+``--stream-sweep`` the ticketed path's slice programs' warps a launch
+(``ticketed_stream_warps``: wider slices streamed past it) beside the row and sliced paths, with ``torch.topk``,
+from 1 to 256 rows (results/topk_stream_sweep.json);
 ``--wide-sweep`` the sliced path's programs a row (``target_programs`` x
 ``tile``) beside the row path (and its warps) on many wide rows, with
 ``torch.topk``; ``--ticketed-select`` the ticketed path's selections (``ticketed_select``
@@ -110,6 +113,14 @@ WIDE_SWEEP_SHAPES = [(64, 32768), (64, 131072), (64, 262144), (256, 32768), (256
 WIDE_SWEEP = ([dict(path="row"), dict(path="row", row_warps=32), dict(path="row", row_group_keys_per_thread=64)]
               + [dict(path="sliced", target_programs=programs, tile=tile)
                  for tile in (2048, 4096) for programs in (256, 1024, 2048, 4096)])
+#: --stream-sweep: the ticketed path's slice programs' warps a launch (past
+#: ``ticketed_stream_warps``, wider slices streamed in tiles; 1 << 20: held slices only, as
+#: before) beside the row and sliced paths, from few to many rows.
+STREAM_SWEEP_SHAPES = [(1, 262144), (8, 131072), (8, 262144), (16, 32768), (32, 32768), (48, 32768), (64, 32768),
+                       (128, 32768), (256, 32768), (32, 131072), (64, 131072), (128, 131072), (64, 262144),
+                       (256, 8192)]
+STREAM_SWEEP = ([dict(path="row"), dict(path="sliced")]
+                + [dict(path="ticketed", ticketed_stream_warps=n) for n in (1 << 20, 4096, 2048, 1024, 512, 256)])
 TICKETED_SELECT_SHAPES = [(1, 8192), (1, 32768), (8, 32768), (64, 32768), (1, 131072), (8, 131072)]
 #: The variants of --ticketed-select (TopkTuning fields), the first the default.
 TICKETED_SELECTS = [dict(ticketed_select="fitted"), dict(ticketed_select="last"),
@@ -130,7 +141,8 @@ def sweep(args, path="row", grid=SWEEP, sweep_shapes=SWEEP_SHAPES, name=None, wi
     from qsa_kernels.tuning import TopkTuning
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    shapes = [(1, 64), (3, 300)] if args.smoke else sweep_shapes
+    shapes = [(1, 64), (3, 300)] if args.smoke else ([(rows, columns) for _, rows, columns in args.shapes]
+                                                     if args.shapes else sweep_shapes)
     k = SMOKE["K"] if args.smoke else K
     generator = torch.Generator(device=device).manual_seed(0)
     row = TopkTuning(path=path)
@@ -167,11 +179,15 @@ def main():
                         help="time the ticketed path's tuning instead of the grid")
     parser.add_argument("--wide-sweep", action="store_true",
                         help="time the sliced path's programs a row and the row path's warps on many wide rows")
+    parser.add_argument("--stream-sweep", action="store_true",
+                        help="time the ticketed path's streamed slices beside the row and sliced paths instead")
     parser.add_argument("--ticketed-select", action="store_true",
                         help="time the ticketed path's selections (last program, shared histogram, fitted) instead")
     args = parser.parse_args()
     if args.shapes and args.json == parser.get_default("json"):
         args.json = args.json.replace("topk.json", "topk_shapes.json")
+    if args.stream_sweep:
+        return sweep(args, "ticketed", STREAM_SWEEP, STREAM_SWEEP_SHAPES, "topk_stream_sweep.json", with_torch=True)
     if args.ticketed_select:
         return sweep(args, "ticketed", TICKETED_SELECTS, TICKETED_SELECT_SHAPES, "topk_ticketed_select.json")
     if args.wide_sweep:

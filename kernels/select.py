@@ -97,7 +97,7 @@ def select_fused_kernel(
     HEADS: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, RATIO: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
     FP8_KEYS: tl.constexpr, BIT_TRICK: tl.constexpr, IN_REGISTERS: tl.constexpr, SCORERS: tl.constexpr,
-    K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr, GROUPS: tl.constexpr,
+    K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr, TILE: tl.constexpr, GROUPS: tl.constexpr,
     REGION: tl.constexpr, CAND_TILE: tl.constexpr, COUNTS_TILE: tl.constexpr,
     BITS: tl.constexpr, BOUND_PASSES: tl.constexpr, SCALED: tl.constexpr, PAD_TILE: tl.constexpr,
     STATE: tl.constexpr, SHARED_BITS: tl.constexpr, FITTED_PASSES: tl.constexpr, CHUNK: tl.constexpr,
@@ -136,15 +136,16 @@ def select_fused_kernel(
         width = _visible_width(token_to_req_ptr, query_positions_ptr, sequence_lengths_ptr, row, num_columns,
                                num_requests, RATIO)
         slice_id = role - SCORERS
-        cols = slice_column_view(slice_id, SLICE, CHUNK)
+        cols = slice_column_view(slice_id, SLICE, TILE, CHUNK)  # TILE = SLICE: held
         wait_for(tickets + 1, SCORERS)
         # (.cg: written by the scorer programs of this launch.)
         raw = tl.load(logits_row + cols, mask=cols < num_columns, other=0.0, cache_modifier=".cg")
         blocks_row = blocks_ptr + local * K
         if ticketed_compact_and_select(logits_row, raw, cols, tickets, maxima, counts_ptr + local * (2 * SLICES),
                                        cand_key_ptr + local * (SLICES * REGION),
-                                       cand_col_ptr + local * (SLICES * REGION), blocks_row, width, slice_id,
-                                       K, SLICES, SLICE, GROUPS, REGION, CAND_TILE, COUNTS_TILE, BITS,
+                                       cand_col_ptr + local * (SLICES * REGION), blocks_row, width,
+                                       num_columns, slice_id, K, SLICES, SLICE, TILE, GROUPS, REGION, CAND_TILE,
+                                       COUNTS_TILE, BITS,
                                        BOUND_PASSES, SCALED, PAD_TILE, STATE, SHARED_BITS, FITTED_PASSES):
             tl.debug_barrier()  # the blocks every thread wrote, visible to every thread
             # (Loaded again here: not held in registers through the selection.)

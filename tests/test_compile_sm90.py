@@ -274,7 +274,7 @@ CASES = {
     # for many rows, and the direct select of single-column groups.
     "topk/row-decode-1-32k-k512": _topk(1, 1 << 14, 512, path="row"),
     "topk/row-prefill-2048-8k-k512": _topk(2048, 1 << 11, 512, path="row"),
-    "topk/row-decode-64-1m-k512": _topk(64, 1 << 18, 512),
+    "topk/row-decode-128-1m-k512": _topk(128, 1 << 18, 512),
     "topk/row-direct-k2048-4096": _topk(16, 4096, 2048, path="row"),
     "topk/row-decode-1-256k-k2048": _topk(1, 1 << 16, 2048, path="row"),
     "topk/row-prefill-2048-8k-k1": _topk(2048, 1 << 13, 1, dtype=FP16, path="row"),
@@ -285,6 +285,12 @@ CASES = {
     "topk/ticketed-decode-1-256k-k2048": _topk(1, 1 << 16, 2048),
     "topk/ticketed-4096-slices-1-1m-k512": _topk(1, 1 << 18, 512, path="ticketed", ticketed_slice=4096),
     "topk/ticketed-fixed-bound-1-128k-k512": _topk(1, 1 << 15, 512, ticketed_bound="fixed"),
+    # Slices streamed in tiles past TopkTuning.ticketed_max_row_slices: 8192 columns a slice at
+    # 64 x 32768; 65536 at 64 x 262144; k = 2048's 4096-column maxima tiles over 2048-column ones.
+    "topk/ticketed-streamed-decode-64-128k-k512": _topk(64, 1 << 15, 512),
+    "topk/ticketed-streamed-decode-64-1m-k512-bf16": _topk(64, 1 << 18, 512, dtype=BF16),
+    "topk/ticketed-streamed-decode-32-256k-k2048": _topk(32, 1 << 16, 2048),
+    "topk/ticketed-streamed-shared-decode-64-128k-k512": _topk(64, 1 << 15, 512, ticketed_select="shared"),
     # The last program's fixed-digit passes (the default fits them to the candidates' span).
     "topk/ticketed-last-decode-1-128k-k512": _topk(1, 1 << 15, 512, ticketed_select="last"),
     "topk/ticketed-last-decode-1-256k-k2048": _topk(1, 1 << 16, 2048, ticketed_select="last"),
@@ -301,7 +307,7 @@ CASES = {
     # times them all), and the --sweep's smallest row-path configuration.
     "topk/forced-sliced-decode-256-128k-k512": _topk(256, 1 << 15, 512, path="sliced"),
     "topk/forced-sliced-decode-8-512k-k512": _topk(8, 1 << 17, 512, path="sliced"),
-    "topk/sliced-decode-8-1m-k512": _topk(8, 1 << 18, 512),
+    "topk/sliced-decode-8-2m-k512": _topk(8, 1 << 19, 512),
     "topk/forced-ticketed-decode-256-128k-k512": _topk(256, 1 << 15, 512, path="ticketed"),
     "topk/forced-row-decode-1-1m-k512": _topk(1, 1 << 18, 512, path="row"),
     "topk/row-8-warps-8-keys-1-bound-pass-2048-8k": _topk(2048, 1 << 13, 512, path="row", row_warps=8,

@@ -75,15 +75,15 @@ def test_path_thresholds():
     assert kernels(plan(few, wide + 1, 512)) == ["topk_row_kernel"]
     assert kernels(plan(2048, 2048, 512)) == ["topk_register_kernel"]
     widest, widest_one = TopkTuning().ticketed_max_columns, TopkTuning().ticketed_single_row_max_columns
-    assert widest < widest_one == 1 << 18
+    assert widest == widest_one == 1 << 18  # a 1M-token context's blocks
     assert kernels(plan(2, widest, 512)) == ["topk_ticketed_kernel"]
+    assert kernels(plan(few - 1, widest, 512)) == ["topk_ticketed_kernel"]
     assert kernels(plan(2, widest + 1, 512))[0] == "topk_group_max_kernel"
-    assert kernels(plan(7, 1 << 18, 512))[0] == "topk_group_max_kernel"
-    # One row stays on the ticketed path to its own bound (a 1M-token context's blocks).
-    assert kernels(plan(1, widest + 1, 512)) == ["topk_ticketed_kernel"]
-    assert kernels(plan(1, widest_one, 512)) == ["topk_ticketed_kernel"]
     assert kernels(plan(1, widest_one + 1, 512))[0] == "topk_group_max_kernel"
-    # A single-row bound below the general one does not narrow it.
+    # One row may take the ticketed path further than the others, never less far.
+    narrower = TopkTuning(ticketed_max_columns=1 << 17)
+    assert kernels(plan(2, (1 << 17) + 1, 512, narrower))[0] == "topk_group_max_kernel"
+    assert kernels(plan(1, (1 << 17) + 1, 512, narrower)) == ["topk_ticketed_kernel"]
     assert kernels(plan(1, widest, 512, TopkTuning(ticketed_single_row_max_columns=1024))) == ["topk_ticketed_kernel"]
     # Forced paths, as the benchmark compares them.
     assert len(plan(1, 32768, 512, TopkTuning(path="sliced")).launches) == 4
@@ -396,6 +396,67 @@ def test_ticketed_counts_read_in_several_steps(kind, select):
         check_topk(logits, torch.tensor([640, 333, 77], dtype=torch.int32), 24)
 
 
+@pytest.mark.parametrize("kind, k, branch", [
+    ("sorted", 5, "candidates in registers"),
+    ("sorted", 24, "candidates in registers"),  # 24-48 candidates, all in the last slice
+    ("random", 24, "candidates in registers"),
+    ("periodic", 5, "candidates in registers"),
+    ("clustered", 5, "whole row"),
+    ("ties", 5, "ties at the bound"),
+])
+def test_ticketed_streamed_slices(kind, k, branch):
+    """Past ``ticketed_stream_warps`` (48 here: 6 slices of 8 warps) a
+    launch, slices widen to 128 columns, each streamed by its programs in 16-column tiles
+    (8 compaction tiles, with the candidates' slots carried from tile to
+    tile; 8 maxima tiles at G = 16, 2 of 64 columns at G = 64); rows cut
+    inside a slice and inside a tile; every branch of the selection."""
+    logits = branch_case(kind)
+    with retuned(path="ticketed", ticketed_slice=16, ticketed_warps=8, ticketed_stream_warps=48):
+        (launch,) = plan(3, logits.shape[1], k).launches
+        c = launch.constexprs
+        assert launch.grid == (3, 2 * 2) and (c["SLICES"], c["SLICE"], c["TILE"]) == (2, 128, 16)
+        # A region a streamed slice holds every candidate the tile does.
+        assert c["REGION"] == c["CAND_TILE"] == (32 if k == 5 else 128)
+        assert c["GROUP_TILE"] == max(16, c["GROUPS"]) and c["GROUPS"] == (16 if k == 5 else 64)
+        assert ticketed_branch(host(logits[0]), k, launch) == branch
+        check_topk(logits, torch.tensor([200, 150, 77], dtype=torch.int32), k)
+
+
+@pytest.mark.parametrize("columns, k", [(300, 20), (300, 64)])
+def test_ticketed_streamed_slices_match_reference(columns, k):
+    """Streamed slices (2 of 256 columns a row, in the 32-column tiles held
+    past 16 slices a row) on ties, -0.0, -inf and NaN; visible widths below
+    k, zero, negative and past the row; k past the candidate tile."""
+    logits = topk_logits(30 + columns, 6, columns, special=True)
+    visible = torch.tensor([columns, k - 1, 0, -5, columns + 3, columns // 2], dtype=torch.int32)
+    with retuned(path="ticketed", ticketed_slice=16, ticketed_warps=8, ticketed_stream_warps=96):
+        (launch,) = plan(6, columns, k).launches
+        assert (launch.constexprs["SLICES"], launch.constexprs["SLICE"], launch.constexprs["TILE"]) == (2, 256, 32)
+        check_topk(logits, visible, k)
+
+
+@pytest.mark.parametrize("rows, columns, slices, width, tile, warps", [
+    (1, 32768, 16, 2048, 2048, 8),     # 128 warps: held
+    (16, 32768, 16, 2048, 2048, 8),    # 2048 warps: held
+    (64, 32768, 4, 8192, 2048, 8),     # 256 slices of 8 warps
+    (48, 32768, 4, 8192, 2048, 8),     # 2048 // 384 = 5 a row: 4 of a power of two
+    (1, 262144, 64, 4096, 4096, 16),   # 1024 warps: held
+    (8, 131072, 16, 8192, 4096, 16),   # 128 slices of 16 warps
+    (64, 262144, 2, 131072, 4096, 16),
+])
+def test_ticketed_slices_widen_with_rows(rows, columns, slices, width, tile, warps):
+    """The default plan: slices held while the launch's slice programs stay
+    within ``ticketed_stream_warps`` (2048) warps, else widened to about that
+    many, streamed in tiles of the held width (the maxima's too: G = 1024)."""
+    with retuned(path="ticketed"):
+        (launch,) = plan(rows, columns, 512).launches
+    c = launch.constexprs
+    assert (c["SLICES"], c["SLICE"], c["TILE"], c["GROUP_TILE"], launch.num_warps) == (
+        slices, width, tile, tile, warps)
+    assert launch.grid == (rows, 2 * slices)
+    assert TopkTuning().ticketed_stream_warps == 2048
+
+
 @pytest.mark.parametrize("kind, branch", [("narrow", "whole row"), ("clustered", "whole row"),
                                           ("random", "candidates in registers")])
 def test_ticketed_fixed_bound(kind, branch):
@@ -660,8 +721,8 @@ def test_row_max_tile_caps_the_row_tile():
     spill-free default, tuning.NEWER_TRITON) and nothing else; exact either way."""
     assert tuning.defaults("3.6").topk.row_max_tile == 16384 and tuning.defaults("3.9").topk.row_max_tile == 4096
     # 16 warps x 16 keys: above the cap (the defaults' 8 keys make 4096-column tiles).
-    (uncapped,) = plan(64, 16384, 64, TopkTuning(row_keys_per_thread=16, row_max_tile=16384)).launches
-    (capped,) = plan(64, 16384, 64, TopkTuning(row_keys_per_thread=16, row_max_tile=4096)).launches
+    (uncapped,) = plan(128, 16384, 64, TopkTuning(row_keys_per_thread=16, row_max_tile=16384)).launches
+    (capped,) = plan(128, 16384, 64, TopkTuning(row_keys_per_thread=16, row_max_tile=4096)).launches
     assert uncapped.constexprs["TILE"] == 8192 and capped.constexprs["TILE"] == 4096
     assert {k: v for k, v in capped.constexprs.items() if k != "TILE"} == \
         {k: v for k, v in uncapped.constexprs.items() if k != "TILE"}
@@ -678,13 +739,14 @@ def test_row_max_tile_caps_the_row_tile():
 
 def test_tuning_reaches_the_row_plan():
     """Every row-path and ticketed-path field is read from the tuning passed
-    (or in force), and plans under different tunings are memoised apart."""
-    default = plan(64, 16384, 64)
+    (or in force), and plans under different tunings are memoised apart
+    (the row path at 128 rows: from ``row_min_rows``)."""
+    default = plan(128, 16384, 64)
     timed = tuning.defaults(tuning.TIMED_TRITON).topk  # the values timed on Triton 3.6
-    (launch,) = plan(64, 16384, 64, timed).launches
+    (launch,) = plan(128, 16384, 64, timed).launches
     assert launch.num_warps == 16 and launch.constexprs["BOUND_PASSES"] == 2 and launch.constexprs["BITS"] == 8
     assert launch.constexprs["TILE"] == 16 * 32 * 8 and launch.constexprs["GROUP_TILE"] == 16384
-    (launch,) = plan(64, 16384, 64, TopkTuning(row_warps=4, row_keys_per_thread=2, row_group_keys_per_thread=4,
+    (launch,) = plan(128, 16384, 64, TopkTuning(row_warps=4, row_keys_per_thread=2, row_group_keys_per_thread=4,
                                                bound_passes=3, radix_bits=4, min_candidates=300)).launches
     assert launch.num_warps == 4 and launch.constexprs["TILE"] == 2 * 32 * 4
     assert launch.constexprs["GROUP_TILE"] == 4 * 32 * 4 and launch.constexprs["BOUND_PASSES"] == 3
@@ -698,7 +760,7 @@ def test_tuning_reaches_the_row_plan():
     (launch,) = plan(4, 16384, 64).launches
     assert launch.grid == (4, 2 * 8) and launch.num_warps == 8 and launch.constexprs["SLICE"] == 2048
     assert plan(4, 16384, 64, timed).launches[0].constexprs["CHUNK"] == 16
-    assert tuning.defaults("3.9").topk.ticketed_chunk == 256  # NEWER_TRITON: 16 spills there
+    assert tuning.defaults("3.9").topk.ticketed_chunk == 2048  # NEWER_TRITON: 16 spills there
     (launch,) = plan(4, 16384, 64, TopkTuning(ticketed_slice=1024, ticketed_warps=4, ticketed_bound_passes=2,
                                               ticketed_chunk=64)).launches
     assert launch.grid == (4, 2 * 16) and launch.num_warps == 4 and launch.constexprs["BOUND_PASSES"] == 2
@@ -724,8 +786,8 @@ def test_tuning_reaches_the_row_plan():
     assert program.launches[0].constexprs["FITTED_PASSES"] == 5  # 20 bits left, 4 a pass
     assert {b.name: b.info.shape for b in program.buffers}["topk_state"] == (4, 4 + 128 + 4096)
     with tuning.override(topk=TopkTuning(path="sliced")):
-        assert kernels(plan(64, 16384, 64))[0] == "topk_group_max_kernel"
-    assert plan(64, 16384, 64) is default
+        assert kernels(plan(128, 16384, 64))[0] == "topk_group_max_kernel"
+    assert plan(128, 16384, 64) is default
 
 
 def test_select_topk_tuning_reaches_the_row_path():
@@ -832,8 +894,11 @@ def test_sorted_reference_is_the_reference():
     (1, 65536, 2048),     # ticketed path, k = 2048 (16 warps)
     (8, 131072, 512),     # ticketed path (few long rows)
     (1, 1 << 18, 512),    # ticketed path, one row at TopkTuning.ticketed_single_row_max_columns
-    (2, 1 << 18, 512),    # sliced path past TopkTuning.ticketed_max_columns
-    (64, 262144, 512),    # row path for long rows once rows fill the GPU
+    (2, 1 << 18, 512),    # ticketed path, at TopkTuning.ticketed_max_columns
+    (2, 1 << 19, 512),    # sliced path past it
+    (32, 32768, 512),     # ticketed path, slices streamed (TopkTuning.ticketed_stream_warps)
+    (64, 262144, 512),    # ticketed path, 4 slices of 65536 columns a row, streamed
+    (128, 131072, 512),   # row path for long rows once rows fill the GPU
     (300, 16384, 2048),   # many rows, k = 2048
 ])
 def test_topk_paths_production(rows, columns, k):

@@ -222,6 +222,28 @@ def exclusive_cumsum_2d(x):
 
 
 @triton.jit
+def chunked_columns(TILE: tl.constexpr, CHUNK: tl.constexpr):
+    """Offsets ``0 .. TILE - 1`` viewed as ``[TILE // CHUNK, CHUNK]``
+    (consecutive columns along a row of the view): the shape of a
+    compaction's tile, whose prefix sums go within chunks, then over their
+    counts (:func:`exclusive_cumsum_2d`)."""
+    return tl.arange(0, TILE // CHUNK)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+
+
+@triton.jit
+def load_tile_before(logits_row, start, offsets, end, num_columns):
+    """Raw logits of columns ``start + offsets`` if the tile starts below
+    ``end`` (the caller masks the columns past it), for a loop that loads
+    the next tile while it reduces this one.  Masked by the row's columns,
+    not by ``end``: a mask that changes only at a multiple of 16 (the
+    columns, as torch specialises them or JAX's constant) keeps the loads
+    vectorised, where one changing at any column made them scalar (four
+    times the load instructions)."""
+    cols = start + offsets
+    return tl.load(logits_row + cols, mask=(cols < num_columns) & (start < end), other=0.0)
+
+
+@triton.jit
 def place_tile(keys, cols, valid, threshold, take_equal, equal_before, position, out_ptr):
     """:func:`place` of one register tile: writes, from ``position`` on in
     tile order, the columns with key > threshold and those equal to it whose

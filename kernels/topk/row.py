@@ -34,8 +34,8 @@ import triton.language as tl
 from ..launch import Buffer, Launch
 from ..pdl import dependent, wait_for_previous_kernel
 from ..tuning import TopkTuning
-from .common import (exclusive_cumsum_2d, kth_largest_between, order_key, pad, place, place_tile, row_width,
-                     select_and_place, topk_groups)
+from .common import (chunked_columns, exclusive_cumsum_2d, kth_largest_between, load_tile_before, order_key, pad,
+                     place, place_tile, row_width, select_and_place, topk_groups)
 
 
 @triton.jit
@@ -56,7 +56,7 @@ def _group_max_bound(logits_row, width, num_columns, k, GROUPS: tl.constexpr, TI
         # Two tiles in flight: the next one is loaded before this one is reduced.
         idx = start + offsets
         keys = tl.where(idx < width, order_key(raw.to(tl.float32)), 0)
-        raw = _prefetch(logits_row, start + TILE, offsets, width, num_columns)
+        raw = load_tile_before(logits_row, start + TILE, offsets, width, num_columns)
         maxima = tl.maximum(maxima, tl.max(keys, 0))
         start += TILE
     groups = tl.arange(0, GROUPS)
@@ -64,18 +64,6 @@ def _group_max_bound(logits_row, width, num_columns, k, GROUPS: tl.constexpr, TI
     # Empty groups (maximum 0, the lowest key) can only lower the bound.
     bound, _remaining = kth_largest_between(maxima, groups < GROUPS, k, tl.min(maxima, 0), top, PASSES, BITS)
     return bound, top
-
-
-@triton.jit
-def _prefetch(logits_row, start, offsets, width, num_columns):
-    """Raw logits of columns ``start + offsets`` if the tile starts below
-    ``width`` (the caller masks the columns past it).  Masked by the row's
-    columns, not its width: a mask that changes only at a multiple of 16
-    (the columns, as torch specialises them or JAX's constant) keeps the
-    loads vectorised, where one changing at any column made them scalar
-    (four times the load instructions)."""
-    cols = start + offsets
-    return tl.load(logits_row + cols, mask=(cols < num_columns) & (start < width), other=0.0)
 
 
 @triton.jit
@@ -88,17 +76,15 @@ def _compact_at_least(logits_row, width, num_columns, bound, cand_ptr, capacity,
     count = tl.full((), 0, tl.int32)
     above = tl.full((), 0, tl.int32)
     start = tl.full((), 0, tl.int32)
-    # A tile viewed as [TILE // CHUNK, CHUNK] consecutive columns: its prefix
-    # sum is one within chunks and one over the chunks' counts.
-    offsets = tl.arange(0, TILE // CHUNK)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+    offsets = chunked_columns(TILE, CHUNK)
     # The next tile is loaded while this one is counted (its latency hides
     # behind the prefix sum): the loop carries the raw values.
-    raw = _prefetch(logits_row, start, offsets, width, num_columns)
+    raw = load_tile_before(logits_row, start, offsets, width, num_columns)
     while start < width:
         cols = start + offsets
         valid = cols < width
         keys = tl.where(valid, order_key(raw.to(tl.float32)), 0)
-        raw = _prefetch(logits_row, start + TILE, offsets, width, num_columns)
+        raw = load_tile_before(logits_row, start + TILE, offsets, width, num_columns)
         at_least = (valid & (keys >= bound)).to(tl.int32)
         # Keys >= and > the bound counted together, in the 16-bit halves (TILE <= 16384).
         packed = at_least + ((valid & (keys > bound)).to(tl.int32) << 16)

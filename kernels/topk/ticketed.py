@@ -1,7 +1,12 @@
 """Top-k ticketed path: one launch of 2 x S programs a row, roles by ticket.
 
-For a few rows wider than the row path takes, up to
-``TopkTuning.ticketed_max_columns`` (one row: ``ticketed_single_row_max_columns``).
+For fewer than ``TopkTuning.row_min_rows`` rows wider than the row path
+takes, up to ``TopkTuning.ticketed_max_columns`` (one row:
+``ticketed_single_row_max_columns``).  A slice is held in registers while
+the launch's slice programs stay within ``ticketed_stream_warps`` warps;
+past it, slices widen and their programs stream them in tiles of the held
+width (TILE; GROUP_TILE for the maxima), with the same slots, so the same
+bits.
 A program's role is its start ticket
 (:mod:`..tickets`), so a program waits only for programs that started
 before it (docs/design.md, "Numerics and determinism").
@@ -61,8 +66,8 @@ from ..launch import Buffer, Launch
 from ..pdl import dependent, wait_for_previous_kernel
 from ..tickets import finish_ticket, publish, start_ticket, wait_for
 from ..tuning import TopkTuning
-from .common import (digit_of_kth, exclusive_cumsum_2d, kth_largest_between, order_key, pad, place, place_tile,
-                     row_width, select_and_place, topk_groups)
+from .common import (chunked_columns, digit_of_kth, exclusive_cumsum_2d, kth_largest_between, load_tile_before,
+                     order_key, pad, place, place_tile, row_width, select_and_place, topk_groups)
 
 
 @triton.jit
@@ -153,18 +158,29 @@ def _fitted_select(keys, remaining, lo, hi, done, PASSES: tl.constexpr, BITS: tl
 
 @triton.jit
 def _ticketed_group_maxima(logits_row, maxima, slice_id, width, num_columns,
-                           SLICE: tl.constexpr, GROUPS: tl.constexpr):
+                           SLICE: tl.constexpr, GROUP_TILE: tl.constexpr, GROUPS: tl.constexpr):
     """Folds the slice's keys into the row's G strided group maxima (column
-    ``c`` in group ``c % G``; invisible columns key 0): atomic maxima, so
-    the result is every slice's, whatever their order."""
-    SPAN: tl.constexpr = min(SLICE, GROUPS)  # groups one slice row covers
-    # The slice viewed as [SLICE // SPAN, SPAN]: a column of the view is one group.
+    ``c`` in group ``c % G``; invisible columns key 0), GROUP_TILE columns
+    at a time (the next tile loaded while this one is reduced): atomic
+    maxima, so the result is every slice's, whatever their order."""
+    SPAN: tl.constexpr = min(GROUP_TILE, GROUPS)  # groups one tile row covers
+    # A tile viewed as [GROUP_TILE // SPAN, SPAN]: a column of the view is one group
+    # (of every tile: a slice of several tiles has tiles of a multiple of G columns).
     first = slice_id * SLICE
     span = tl.arange(0, SPAN)
-    offsets = first + tl.arange(0, SLICE // SPAN)[:, None] * SPAN + span[None, :]
-    raw = tl.load(logits_row + offsets, mask=offsets < num_columns, other=0.0)
-    keys = tl.where(offsets < width, order_key(raw.to(tl.float32)), 0)
-    tl.atomic_max(maxima + (first + span) % GROUPS, tl.max(keys, 0), sem="relaxed", scope="gpu")
+    offsets = tl.arange(0, GROUP_TILE // SPAN)[:, None] * SPAN + span[None, :]
+    raw = tl.load(logits_row + first + offsets, mask=first + offsets < num_columns, other=0.0)
+    if GROUP_TILE == SLICE:  # held: no loop (a loop of one step costs Triton 3.9 registers)
+        slice_maxima = tl.max(tl.where(first + offsets < width, order_key(raw.to(tl.float32)), 0), 0)
+    else:
+        end = tl.minimum(first + SLICE, width)
+        slice_maxima = tl.zeros((SPAN,), tl.uint32)
+        for t in range(SLICE // GROUP_TILE):
+            cols = first + t * GROUP_TILE + offsets
+            keys = tl.where(cols < width, order_key(raw.to(tl.float32)), 0)
+            raw = load_tile_before(logits_row, first + (t + 1) * GROUP_TILE, offsets, end, num_columns)
+            slice_maxima = tl.maximum(slice_maxima, tl.max(keys, 0))
+    tl.atomic_max(maxima + (first + span) % GROUPS, slice_maxima, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -291,25 +307,45 @@ def _ticketed_finish(logits_row, counts_row, cand_keys, cand_cols, histogram, ou
 
 
 @triton.jit
-def slice_column_view(slice_id, SLICE: tl.constexpr, CHUNK: tl.constexpr):
-    """The columns of slice ``slice_id`` viewed as ``[SLICE // CHUNK, CHUNK]``
-    (consecutive columns along a row of the view), as the compaction of
-    :func:`ticketed_compact_and_select` takes them: its prefix sums go
-    within chunks, then over their counts (:func:`.common.exclusive_cumsum_2d`)."""
-    return slice_id * SLICE + tl.arange(0, SLICE // CHUNK)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+def _compact_tile(raw, cols, width, bound, key_region, col_region, count, above, REGION: tl.constexpr):
+    """Writes the tile's keys >= bound and their columns (``raw`` at
+    ``cols``, :func:`slice_column_view`'s shape) to the slice's regions of
+    the candidate keys and columns from slot ``count`` on, in column order,
+    the first REGION of them; returns the counts of keys >= and > bound
+    with the tile's added."""
+    valid = cols < width
+    keys = tl.where(valid, order_key(raw.to(tl.float32)), 0)
+    at_least = (valid & (keys >= bound)).to(tl.int32)
+    # Keys >= and > the bound counted together, in the 16-bit halves (TILE <= 16384).
+    before, totals = exclusive_cumsum_2d(at_least + ((valid & (keys > bound)).to(tl.int32) << 16))
+    slot = count + (before & 0xFFFF)
+    keep = (at_least != 0) & (slot < REGION)
+    tl.store(key_region + slot, keys.to(tl.int32, bitcast=True), mask=keep)
+    tl.store(col_region + slot, cols, mask=keep)
+    return count + (totals & 0xFFFF), above + (totals >> 16)
+
+
+@triton.jit
+def slice_column_view(slice_id, SLICE: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr):
+    """The columns of the first TILE of slice ``slice_id``, viewed as
+    ``[TILE // CHUNK, CHUNK]`` (:func:`.common.chunked_columns`), as the
+    compaction of :func:`ticketed_compact_and_select` takes them."""
+    return slice_id * SLICE + chunked_columns(TILE, CHUNK)
 
 
 @triton.jit
 def ticketed_compact_and_select(logits_row, raw, cols, tickets, maxima, counts_row, cand_keys, cand_cols, out_row,
-                                width, slice_id,
-                                K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr, GROUPS: tl.constexpr,
+                                width, num_columns, slice_id,
+                                K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr, TILE: tl.constexpr,
+                                GROUPS: tl.constexpr,
                                 REGION: tl.constexpr, CAND_TILE: tl.constexpr, COUNTS_TILE: tl.constexpr,
                                 BITS: tl.constexpr, BOUND_PASSES: tl.constexpr, SCALED: tl.constexpr,
                                 PAD_TILE: tl.constexpr, STATE: tl.constexpr, SHARED_BITS: tl.constexpr,
                                 FITTED_PASSES: tl.constexpr):
-    """Steps 2 and 3 of the ticketed path for slice ``slice_id`` (its keys
-    ``raw`` at columns ``cols``), once the group maxima are all folded.
-    ``cols`` is :func:`slice_column_view`, ``raw`` the keys in its shape.
+    """Steps 2 and 3 of the ticketed path for slice ``slice_id``, once the
+    group maxima are all folded.  ``cols`` is :func:`slice_column_view`,
+    its first TILE columns, ``raw`` their logits; a slice of several tiles
+    loads the others itself (a held slice, TILE = SLICE, loads none).
     Returns whether this program was the row's last: it selected into
     ``out_row``, padded it, and put the row's state back to zero.  The
     row's state (``tickets``): 4 tickets, the GROUPS maxima (``maxima``),
@@ -325,19 +361,25 @@ def ticketed_compact_and_select(logits_row, raw, cols, tickets, maxima, counts_r
     else:
         bound, _remaining = kth_largest_between(group_maxima, groups < GROUPS, K, tl.min(group_maxima, 0),
                                                  top, BOUND_PASSES, BITS)
-    # The slice's keys >= L, in column order, into its region.
-    valid = cols < width
-    keys = tl.where(valid, order_key(raw.to(tl.float32)), 0)
-    at_least = (valid & (keys >= bound)).to(tl.int32)
-    # Keys >= and > the bound counted together, in the 16-bit halves (SLICE <= 16384).
-    before, totals = exclusive_cumsum_2d(at_least + ((valid & (keys > bound)).to(tl.int32) << 16))
-    slot = before & 0xFFFF
-    keep = (at_least != 0) & (slot < REGION)
-    region = slice_id * REGION
-    tl.store(cand_keys + region + slot, keys.to(tl.int32, bitcast=True), mask=keep)
-    tl.store(cand_cols + region + slot, cols, mask=keep)
-    tl.store(counts_row + slice_id, totals & 0xFFFF)
-    tl.store(counts_row + SLICES + slice_id, totals >> 16)
+    # The slice's keys >= L, in column order, into its region, a TILE at a
+    # time (the next one loaded while this one is compacted).
+    key_region = cand_keys + slice_id * REGION
+    col_region = cand_cols + slice_id * REGION
+    zero = tl.full((), 0, tl.int32)
+    if TILE == SLICE:  # held: no loop (a loop of one step costs Triton 3.9 registers)
+        count, above = _compact_tile(raw, cols, width, bound, key_region, col_region, zero, zero, REGION)
+    else:
+        count, above = zero, zero
+        end = tl.minimum((slice_id + 1) * SLICE, width)
+        offsets = cols - slice_id * SLICE
+        for step in range(SLICE // TILE):
+            tile_raw = raw
+            raw = load_tile_before(logits_row, slice_id * SLICE + (step + 1) * TILE, offsets, end, num_columns)
+            count, above = _compact_tile(tile_raw, cols, width, bound, key_region, col_region, count, above,
+                                         REGION)
+            cols += TILE
+    tl.store(counts_row + slice_id, count)
+    tl.store(counts_row + SLICES + slice_id, above)
     histogram = tickets + 4 + GROUPS
     if SHARED_BITS > 0:
         # (After a barrier: its loads not hoisted among the slice's registers.)
@@ -379,13 +421,16 @@ def topk_ticketed_kernel(
                 # the group maxima (order keys), then the shared histogram (SHARED_BITS > 0);
                 # zero again when the row is done
     num_columns, lg_sr,
-    K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr, GROUPS: tl.constexpr,
+    K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr, TILE: tl.constexpr, GROUPS: tl.constexpr,
     REGION: tl.constexpr, CAND_TILE: tl.constexpr, COUNTS_TILE: tl.constexpr,
     BITS: tl.constexpr, BOUND_PASSES: tl.constexpr, SCALED: tl.constexpr, PAD_TILE: tl.constexpr,
     STATE: tl.constexpr, SHARED_BITS: tl.constexpr, FITTED_PASSES: tl.constexpr, CHUNK: tl.constexpr,
+    GROUP_TILE: tl.constexpr,
 ):
     """The whole top-k of one row by its 2 x SLICES programs (module
-    docstring, ticketed path).
+    docstring, ticketed path).  A program holds TILE columns of its slice
+    at a time (GROUP_TILE while it folds maxima); a slice of one tile is
+    loaded once.
 
     A program's role is its start ticket, not its program id: the first
     SLICES to start fold their slice into the group maxima; the others wait
@@ -403,32 +448,36 @@ def topk_ticketed_kernel(
     width = row_width(visible_ptr, row, num_columns)
     logits_row = logits_ptr + row * lg_sr
     if role < SLICES:
-        _ticketed_group_maxima(logits_row, maxima, role, width, num_columns, SLICE, GROUPS)
+        _ticketed_group_maxima(logits_row, maxima, role, width, num_columns, SLICE, GROUP_TILE, GROUPS)
         publish(tickets + 1)
     else:
         slice_id = role - SLICES
-        cols = slice_column_view(slice_id, SLICE, CHUNK)
+        cols = slice_column_view(slice_id, SLICE, TILE, CHUNK)
         # Loaded before the wait: the row does not depend on the other programs.
         raw = tl.load(logits_row + cols, mask=cols < num_columns, other=0.0)
         wait_for(tickets + 1, SLICES)
         ticketed_compact_and_select(logits_row, raw, cols, tickets, maxima, counts_ptr + row * (2 * SLICES),
                                     cand_key_ptr + row * (SLICES * REGION), cand_col_ptr + row * (SLICES * REGION),
-                                    out_ptr + row * K, width, slice_id, K, SLICES, SLICE, GROUPS, REGION,
+                                    out_ptr + row * K, width, num_columns, slice_id, K, SLICES, SLICE, TILE,
+                                    GROUPS, REGION,
                                     CAND_TILE, COUNTS_TILE, BITS, BOUND_PASSES, SCALED, PAD_TILE, STATE,
                                     SHARED_BITS, FITTED_PASSES)
 
 
-def ticketed_layout(columns: int, k: int, tuning: TopkTuning, widest_slice: int = 4096) -> tuple[dict, int]:
-    """(constexprs, least warps its registers need) of the ticketed path's
-    selection of a row of ``columns`` (the fused selection's too, with
-    slices to ``widest_slice`` columns)."""
+def ticketed_layout(columns: int, k: int, tuning: TopkTuning, widest_slice: int = 4096,
+                    rows: int | None = None) -> tuple[dict, int]:
+    """(constexprs, warps) of the ticketed path's selection of a row of
+    ``columns`` (the fused selection's too, with slices to ``widest_slice``
+    columns, held; its warps are its own: those its registers need at
+    least).  Given ``rows``, slices widen past ``ticketed_stream_warps``
+    warps of slice programs in all, streamed in tiles of the held width."""
     width = max(columns, 1)
     # Wider slices (to widest_slice columns) past ticketed_max_slices a row.
     slice_columns = max(tuning.ticketed_slice,
                         min(widest_slice, triton.next_power_of_2(triton.cdiv(width, tuning.ticketed_max_slices))))
     slice_columns = min(slice_columns, max(16, triton.next_power_of_2(width)))
-    slices = triton.cdiv(width, slice_columns)
     groups = topk_groups(columns, k, tuning)
+    tile = slice_columns
     # About 1.4 x k keys of a long row reach the bound (G = 2k groups: each
     # has a maximum >= L with probability 1/2, so a key with 1 - 2**(-G/C),
     # C (1 - 2**(-G/C)) <= G ln 2 in all), give or take a few times their
@@ -437,11 +486,20 @@ def ticketed_layout(columns: int, k: int, tuning: TopkTuning, widest_slice: int 
     # key of the tile), 4k below; at most 4096 (16 warps, 8 keys a thread:
     # registers).
     cand_tile = min(4096, max(16, triton.next_power_of_2(2 * k if k >= 256 else 4 * k)))
+    # 16 keys a thread in tiles of 2048 (4 warps), 8 in wider ones (registers).
+    widest = max(tile, cand_tile, groups)
+    warps = max(1, widest // (32 * (16 if widest <= 2048 else 8)))
+    if rows is not None:
+        warps = max(warps, tuning.ticketed_warps)
+        if rows * triton.cdiv(width, slice_columns) * warps > tuning.ticketed_stream_warps:
+            # Fewer, wider slices: a program's fixed costs (its G atomic maxima,
+            # its bound, its tickets) over more columns, and about as many
+            # programs of a role as an H100's SMs hold at once.
+            per_row = max(1, tuning.ticketed_stream_warps // (rows * warps))
+            slice_columns = max(slice_columns, triton.next_power_of_2(triton.cdiv(width, per_row)))
+    slices = triton.cdiv(width, slice_columns)
     # A slice with more candidates than fit the tile sends the row to the fallback anyway.
     region = min(slice_columns, cand_tile)
-    # 16 keys a thread in tiles of 2048 (4 warps), 8 in wider ones (registers).
-    widest = max(slice_columns, cand_tile, groups)
-    least_warps = max(1, widest // (32 * (16 if widest <= 2048 else 8)))
     # The scaled bound needs k maxima (fewer: the fixed radix's bound is 0, as it must be).
     scaled = tuning.ticketed_bound == "scaled" and groups >= k
     # The shared histogram's digits (0: the last program's radix passes), and
@@ -451,13 +509,14 @@ def ticketed_layout(columns: int, k: int, tuning: TopkTuning, widest_slice: int 
     # from the whole span; "last": 0, the fixed digits from the top bit).
     shared_bits = tuning.ticketed_shared_bits if tuning.ticketed_select == "shared" else 0
     fitted_passes = 0 if tuning.ticketed_select == "last" else -(-(32 - shared_bits) // tuning.radix_bits)
-    constexprs = dict(K=k, SLICES=slices, SLICE=slice_columns, GROUPS=groups, REGION=region, CAND_TILE=cand_tile,
+    constexprs = dict(K=k, SLICES=slices, SLICE=slice_columns, TILE=tile, GROUPS=groups, REGION=region,
+                      CAND_TILE=cand_tile,
                       COUNTS_TILE=triton.next_power_of_2(slices), BITS=tuning.radix_bits,
                       BOUND_PASSES=tuning.ticketed_bound_passes if scaled else tuning.bound_passes, SCALED=scaled,
                       PAD_TILE=min(1024, triton.next_power_of_2(k)),
                       STATE=4 + groups + ((1 << shared_bits) if shared_bits else 0), SHARED_BITS=shared_bits,
-                      FITTED_PASSES=fitted_passes, CHUNK=min(slice_columns, tuning.ticketed_chunk))
-    return constexprs, least_warps
+                      FITTED_PASSES=fitted_passes, CHUNK=min(tile, tuning.ticketed_chunk))
+    return constexprs, warps
 
 
 def ticketed_buffers(rows: int, layout: dict) -> tuple[Buffer, ...]:
@@ -471,12 +530,16 @@ def ticketed_buffers(rows: int, layout: dict) -> tuple[Buffer, ...]:
 
 def ticketed_parts(rows, columns, k, logits_stride, row_counts, logits, visible, out, tuning: TopkTuning):
     """The ticketed path: one launch of 2 x slices programs per row."""
-    layout, least_warps = ticketed_layout(columns, k, tuning)
+    layout, warps = ticketed_layout(columns, k, tuning, rows=rows)
     buffers = ticketed_buffers(rows, layout)
     state, workspaces = buffers[0].name, tuple(buffer.name for buffer in buffers[1:])
+    # The maxima's tile: a load and a max, so at least G columns (one group a
+    # column of the view), as wide as the compaction's otherwise.
+    group_tile = min(layout["SLICE"], max(layout["TILE"], layout["GROUPS"]))
     launches = tuple(
         Launch(topk_ticketed_kernel, (count, 2 * layout["SLICES"]), (logits, visible, state),
-               (out, *workspaces, state), dict(num_columns=columns, lg_sr=logits_stride), layout,
-               num_warps=max(tuning.ticketed_warps, least_warps), num_stages=1)
+               (out, *workspaces, state), dict(num_columns=columns, lg_sr=logits_stride),
+               dict(layout, GROUP_TILE=group_tile),
+               num_warps=warps, num_stages=1)
         for count in row_counts)
     return buffers, launches
