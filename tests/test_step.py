@@ -879,7 +879,7 @@ def test_decode_step_launch_count():
 #: (AttentionTuning(fused_merge=None): at most 16 programs).  1 and 8 requests: RoPE + KV and the
 #: compression in one launch, the fused selection, the attention and its merge launch (3 with the
 #: merge in the attention's launch).  64: RoPE + KV, the separate compression launches (5: more
-#: than StepTuning.fused_max_rows rows), score + top-k (the row path) + expand (3: past
+#: than StepTuning.fused_max_rows rows), score + top-k (the ticketed path, streamed) + expand (3: past
 #: SelectTuning.fused_max_rows), partial + merge launch (2: 128 programs, past
 #: AttentionTuning.fused_merge_max_programs) = 11.  256: the same with no split to merge = 10.
 DECODE_LAUNCHES = {1: 4, 8: 4, 64: 11, 256: 10}
