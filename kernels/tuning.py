@@ -68,9 +68,7 @@ NEWER_TRITON: dict[str, dict[str, object]] = {
         # The row top-k at 16 warps: 8192-column tiles spill 10 (128 registers); 4096: 107-119.
         "TopkTuning.row_max_tile": 4096,
         # The ticketed top-k's compaction by 16-column chunks: ptxas holds it to 64 registers and
-        # spills 4-6 (1 x 8192, 1 x 32768 "last"); 128 columns spill 2; 256 did not, until the
-        # streamed slices (2-4 at 1 x 8192 / 32768); 512: 2-4; 2048 (one scan a 2048-column
-        # tile): 101-128, no spill.
+        # spills 2-6 (1 x 8192, 1 x 32768); 128-512 columns spill 2-4; 2048: 101-128, no spill.
         "TopkTuning.ticketed_chunk": 2048,
     },
 }
@@ -312,10 +310,9 @@ class TopkTuning:
     #: slicing); else the ticketed path.  Row / ticketed us on the H200
     #: (benchmarks/results/topk.json): 1 x 8192 19.4 / 16.0, 1 x 32768 39.6 /
     #: 16.2, but 64 x 32768 41.5 / 45.7; 4096 (unmeasured) stays with the row path.
-    #: On an H100 (2026-12-06, docs/performance.md), row / ticketed with
-    #: slices streamed past ``ticketed_max_row_slices``: 64 x 32768 31.5 / 24.5,
-    #: 64 x 131072 88.6 / 71.8, but 128 x 32768 31.6 / 34.8 and 128 x 131072
-    #: 93.9 / 126.7 us: 96, between the two.  (Before the streamed slices: 40.)
+    #: On an H100 (2026-12-06, docs/performance.md), row / ticketed, streamed:
+    #: 64 x 32768 31.5 / 24.5, 64 x 131072 88.6 / 66.5, but 128 x 32768 31.6 /
+    #: 34.8, 128 x 131072 93.9 / 120.7 us: 96, between (40 before streaming).
     row_max_columns: int = 4096
     row_min_rows: int = 96
     #: A row program's warps, and the keys each of its threads handles per
@@ -354,15 +351,10 @@ class TopkTuning:
     ticketed_warps: int = 8
     #: Warps of a ticketed launch's slice programs (rows x slices x a
     #: program's warps) at most this many: past it, slices widen (to a power
-    #: of two of columns), each streamed by its two programs in tiles of the
-    #: held width, so that many rows' programs do not each pay a slice's
-    #: fixed costs (G atomic maxima, a bound, tickets), and a role's programs
-    #: about fill an H100's SMs at once.  On an H100 (``bench_topk.py
-    #: --stream-sweep``, 2026-12-06, docs/performance.md): the fastest of 7
-    #: settings at every swept shape of 8-128 rows (256 row-slices of 8 warps
-    #: at 32768 columns, 64 rows: 24.5 us where 512 took 30.2 and 128 34.2;
-    #: 128 of 16 warps at 131072-262144 columns, 64 x 131072: 66.5 where 256
-    #: took 71.8).
+    #: of two of columns), streamed in tiles of the held width, so that fewer
+    #: programs pay a slice's fixed costs (G atomic maxima, a bound, tickets).
+    #: The fastest of 7 settings at every shape swept on an H100 (2026-12-06,
+    #: docs/performance.md; 64 x 32768: 24.5 us, 256 slices of 8 warps).
     ticketed_stream_warps: int = 2048
     #: The ticketed path's compaction (and the fused selection's) takes its
     #: prefix sums within chunks of this many consecutive columns of its
@@ -371,9 +363,8 @@ class TopkTuning:
     #: the fused selection spill-free on Triton 3.6 (an H100, 2026-12-06,
     #: docs/performance.md).
     ticketed_chunk: int = _versioned("TopkTuning.ticketed_chunk", 16)
-    #: Few rows wider than this take the sliced path.  With held slices only,
-    #: 8 x 262144 took 60.1 us ticketed / 48.6 sliced (benchmarks/results/topk.json,
-    #: H200), hence 131072 until 2026-12-06; streamed, 32.8 / 47.8 (an H100).
+    #: Few rows wider than this take the sliced path: 8 x 262144 ticketed /
+    #: sliced 26.5 / 47.8 us streamed (H100; held slices: 60.1 / 48.6 on the H200).
     #: One row takes the ticketed path up to ``ticketed_single_row_max_columns``:
     #: 1 x 262144 (a 1M-token context's blocks) 23.2 / 27.1 us ticketed / sliced,
     #: with the 1024-key candidate tile (H200, 2026-12-04, docs/performance.md).
