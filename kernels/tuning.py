@@ -311,10 +311,10 @@ class TopkTuning:
     #: (benchmarks/results/topk.json): 1 x 8192 19.4 / 16.0, 1 x 32768 39.6 /
     #: 16.2, but 64 x 32768 41.5 / 45.7; 4096 (unmeasured) stays with the row path.
     #: On an H100 (2026-12-06, docs/performance.md), row / ticketed, streamed:
-    #: 64 x 32768 31.5 / 24.5, 64 x 131072 88.6 / 66.5, but 128 x 32768 31.6 /
-    #: 34.8, 128 x 131072 93.9 / 120.7 us: 96, between (40 before streaming).
+    #: 64 x 32768 31.7 / 24.2, 64 x 131072 88.6 / 66.5, but 80 x 32768 31.2 /
+    #: 34.1, 96 x 131072 92.3 / 119.7 us: 65 (40 before streaming).
     row_max_columns: int = 4096
-    row_min_rows: int = 96
+    row_min_rows: int = 65
     #: A row program's warps, and the keys each of its threads handles per
     #: step: of the group maxima (a load and a max), and of the other passes
     #: (prefix sums and scattered stores).  From ``row_many_rows`` rows on,
