@@ -550,6 +550,10 @@ def main():
                         "step_unfused-selection.json)")
     p.add_argument("--topk-path", choices=TOPK_PATHS, default="auto",
                    help="force the selection's top-k path (TopkTuning.path; results in step_topk-<path>.json)")
+    p.add_argument("--topk-tuning", type=lambda text: {name: int(value) for name, value in
+                                                       (field.split("=") for field in text.split(","))},
+                   default={}, help="TopkTuning integer fields for every column, e.g. radix_bits=4,bound_passes=4 "
+                                    "(results in step_topk-tuning.json)")
     p.add_argument("--pdl-paths", action="store_true",
                    help="also the step's graph us and eager wall with programmatic dependent launch off and on")
     p.add_argument("--rope-paths", action="store_true",
@@ -574,14 +578,16 @@ def main():
         args.json = args.json.replace(".json", "_unfused-selection.json")
     if args.topk_path != "auto" and args.json in defaults:
         args.json = args.json.replace(".json", f"_topk-{args.topk_path}.json")
+    if args.topk_tuning and args.json in defaults:
+        args.json = args.json.replace(".json", "_topk-tuning.json")
     if args.fused_merge != "default" and args.json in defaults:
         args.json = args.json.replace(".json", f"_fused-merge-{args.fused_merge}.json")
     from qsa_kernels import tuning
 
     # Plans (JAX's at trace time too) are made inside: every column runs the chosen launches.
     stages = dict(step=tuning.StepTuning(fuse_stages=False)) if args.unfused else {}
-    if args.topk_path != "auto":
-        stages["topk"] = tuning.TopkTuning(path=args.topk_path)
+    if args.topk_path != "auto" or args.topk_tuning:
+        stages["topk"] = tuning.TopkTuning(path=args.topk_path, **args.topk_tuning)
     if args.unfused_selection:
         stages["select"] = tuning.SelectTuning(fused=False)
     if args.fused_merge != "default":
@@ -669,6 +675,7 @@ def run(args, fp8: bool) -> None:
         + ("; the selection as three launches (--unfused-selection)" if args.unfused_selection else
            "; the selection fused where SelectTuning allows")
         + (f"; top-k path forced: {args.topk_path}" if args.topk_path != "auto" else "")
+        + (f"; TopkTuning fields: {args.topk_tuning}" if args.topk_tuning else "")
         + ("; the attention's split-K merged in its launch where AttentionTuning allows" if args.fused_merge == "default"
            else f"; the attention's split-K merge in its launch forced {args.fused_merge} (--fused-merge)")
         + ("; fused_merge_* / merge_launch_*: the step with AttentionTuning.fused_merge forced on / off "

@@ -47,7 +47,9 @@ from 1 to 256 rows (results/topk_stream_sweep.json);
 ``tile``) beside the row path (and its warps) on many wide rows, with
 ``torch.topk``; ``--ticketed-select`` the ticketed path's selections (``ticketed_select``
 "last", "shared" with 11- and 12-bit histograms, and "fitted") on the shapes where the
-plan takes the ticketed path or forced beside it (results/topk_ticketed_select.json).
+plan takes the ticketed path or forced beside it (results/topk_ticketed_select.json);
+``--bits-sweep`` the plan's path with 8-bit and with 4-bit radix digits (``register_radix_bits``,
+``radix_bits``; the bound's passes doubled to keep its bits, or not), from 1 to 2048 rows.
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ def lax_topk_us(jax, logits, k, smoke):
 SWEEP_SHAPES = [(1, 32768), (64, 262144), (2048, 2048), (2048, 32768)]
 SWEEP = dict(row_warps=[8, 16], row_keys_per_thread=[8, 16], bound_passes=[1, 2])  # TopkTuning fields
 REGISTER_SWEEP_SHAPES = [(1, 2048), (1, 8192), (1, 16384), (256, 8192), (2048, 2048), (2048, 8192)]
-REGISTER_SWEEP = dict(register_keys_per_thread=[8, 16], register_radix_bits=[4, 8])
+REGISTER_SWEEP = dict(register_keys_per_thread=[2, 4, 8, 16], register_radix_bits=[4, 8])
 TICKETED_SWEEP_SHAPES = [(1, 8192), (1, 32768), (8, 32768), (8, 131072)]
 TICKETED_SWEEP = dict(ticketed_slice=[2048, 4096], ticketed_warps=[4, 8], ticketed_bound=["scaled", "fixed"])
 #: --wide-sweep: the sliced path's programs a row, and the row path's warps, where
@@ -121,6 +123,13 @@ STREAM_SWEEP_SHAPES = [(1, 262144), (8, 131072), (8, 262144), (16, 32768), (32, 
                        (256, 8192)]
 STREAM_SWEEP = ([dict(path="row"), dict(path="sliced")]
                 + [dict(path="ticketed", ticketed_stream_warps=n) for n in (1 << 20, 4096, 2048, 1024, 512, 256)])
+#: --bits-sweep: the register path's 8-bit digits (16 keys a thread) against its 4-bit default, and the
+#: other paths' 4-bit digits (16-bin histograms) against their 8-bit default; their group-maximum bound
+#: keeps its bits (twice the passes) or its passes (half the bits).
+BITS_SWEEP_SHAPES = [(1, 2048), (64, 2048), (2048, 2048), (1, 8192), (64, 8192), (1, 32768), (8, 32768),
+                     (64, 32768), (1, 131072), (8, 262144), (256, 32768), (2048, 8192), (2048, 32768)]
+BITS_SWEEP = [dict(), dict(register_keys_per_thread=16, register_radix_bits=8),
+              dict(radix_bits=4, bound_passes=4, ticketed_bound_passes=2), dict(radix_bits=4)]
 TICKETED_SELECT_SHAPES = [(1, 8192), (1, 32768), (8, 32768), (64, 32768), (1, 131072), (8, 131072)]
 #: The variants of --ticketed-select (TopkTuning fields), the first the default.
 TICKETED_SELECTS = [dict(ticketed_select="fitted"), dict(ticketed_select="last"),
@@ -183,11 +192,15 @@ def main():
                         help="time the ticketed path's streamed slices beside the row and sliced paths instead")
     parser.add_argument("--ticketed-select", action="store_true",
                         help="time the ticketed path's selections (last program, shared histogram, fitted) instead")
+    parser.add_argument("--bits-sweep", action="store_true",
+                        help="time the plan's path with 4-bit radix digits beside the 8-bit default instead")
     args = parser.parse_args()
     if args.shapes and args.json == parser.get_default("json"):
         args.json = args.json.replace("topk.json", "topk_shapes.json")
     if args.stream_sweep:
         return sweep(args, "ticketed", STREAM_SWEEP, STREAM_SWEEP_SHAPES, "topk_stream_sweep.json", with_torch=True)
+    if args.bits_sweep:
+        return sweep(args, "auto", BITS_SWEEP, BITS_SWEEP_SHAPES, "topk_bits_sweep.json", with_torch=True)
     if args.ticketed_select:
         return sweep(args, "ticketed", TICKETED_SELECTS, TICKETED_SELECT_SHAPES, "topk_ticketed_select.json")
     if args.wide_sweep:
