@@ -299,12 +299,13 @@ class TopkTuning:
     register_max_columns: int = 2048
     #: A register-path program's keys per thread (warps = row tile / 32 /
     #: this, at most ``register_max_warps``; past that the keys per thread grow).
-    register_keys_per_thread: int = 16
+    register_keys_per_thread: int = 8
     register_max_warps: int = 32
-    #: Bits per radix pass of the register path's histograms (a divisor of 32, at most 8;
-    #: ``tl.histogram`` costs about the same per bit at 4 and 8 bits, and 8
-    #: makes half the passes, each with its block-wide reductions).
-    register_radix_bits: int = 8
+    #: Bits per radix pass of the register path's histograms (a divisor of 32,
+    #: at most 8).  16 bins beat 256 though they take twice the passes: with
+    #: 8 keys a thread, 1 / 64 / 2048 x 2048 took 6.8 / 8.6 / 61.9 us against
+    #: 16 keys and 8 bits' 8.6 / 10.8 / 69.8 (an H100, bench_topk.py --register-sweep).
+    register_radix_bits: int = 4
     #: One program per row for rows at most this wide, or for any width once
     #: there are this many rows (enough programs to fill an H200 without
     #: slicing); else the ticketed path.  Row / ticketed us on the H200

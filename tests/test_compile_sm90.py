@@ -262,8 +262,8 @@ CASES = {
     "topk/decode-256-128k-k512": _topk(256, 1 << 15, 512),
     "topk/prefill-2048-128k-k2048-bf16": _topk(2048, 1 << 15, 2048, dtype=BF16),
     "topk/short-rows-k-past-row-end-fp16-int64": _topk(8, 100, 128, dtype=FP16, index=I64),
-    # The register path (the row in registers, 16 keys a thread): 4 warps
-    # at 2048 columns, 16 at 8192, and 32 at its widest (REGISTER_MAX_TILE).
+    # The register path (the row in registers, 8 keys a thread): 8 warps
+    # at 2048 columns, 32 at 8192 and at its widest (REGISTER_MAX_TILE).
     "topk/register-decode-1-8k-k512": _topk(1, 1 << 11, 512),
     "topk/register-decode-1-32k-k512": _topk(1, 1 << 13, 512),
     "topk/register-prefill-2048-8k-k512": _topk(2048, 1 << 11, 512),
@@ -312,8 +312,8 @@ CASES = {
     "topk/forced-row-decode-1-1m-k512": _topk(1, 1 << 18, 512, path="row"),
     "topk/row-8-warps-8-keys-1-bound-pass-2048-8k": _topk(2048, 1 << 13, 512, path="row", row_warps=8,
                                                            row_keys_per_thread=8, bound_passes=1),
-    "topk/register-4-bit-digits-8-keys-1-8k": _topk(1, 1 << 13, 512, register_radix_bits=4,
-                                                    register_keys_per_thread=8),
+    "topk/register-8-bit-digits-16-keys-1-2k": _topk(1, 1 << 11, 512, register_radix_bits=8,
+                                                     register_keys_per_thread=16),
     # Stage 3: expansion, and the whole selection (chunked past 128 MiB of
     # logits).  Shapes shared with the cases above compile once.
     "expand/decode-256-topk2048": _expand(256, 2048),

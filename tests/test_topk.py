@@ -108,12 +108,12 @@ def test_register_path_holds_at_most_its_tile():
 
 
 @pytest.mark.parametrize("columns, tile, warps", [
-    (1, 16, 1), (100, 128, 1), (2048, 2048, 4), (2049, 4096, 8), (8192, 8192, 16), (16384, 16384, 32)])
+    (1, 16, 1), (100, 128, 1), (2048, 2048, 8), (2049, 4096, 16), (8192, 8192, 32), (16384, 16384, 32)])
 def test_register_tiling(columns, tile, warps):
-    """TILE covers the row at 16 keys a thread; past 32 warps the keys per thread grow."""
+    """TILE covers the row at 8 keys a thread; past 32 warps the keys per thread grow."""
     (launch,) = plan(3, columns, 64, TopkTuning(path="register")).launches
     assert launch.constexprs["TILE"] == tile and launch.num_warps == warps
-    assert launch.constexprs["BITS"] == 8 and launch.outputs == ("out",)
+    assert launch.constexprs["BITS"] == 4 and launch.outputs == ("out",)
     assert plan(3, columns, 64, TopkTuning(path="register")).buffers[1:] == ()  # no workspace
     (launch,) = plan(3, columns, 64, TopkTuning(path="register", register_keys_per_thread=4,
                                                  register_max_warps=8, register_radix_bits=4)).launches
@@ -680,13 +680,13 @@ def test_register_path_all_ties(register_path, value):
 @pytest.mark.parametrize("kind", ["sorted", "periodic", "narrow", "ties"])
 def test_register_path_data(register_path, kind):
     """Sorted rows, outliers, keys sharing their top 16 bits (leading passes
-    skipped) and ties at the k-th key; 4-bit digits on the same rows."""
+    skipped) and ties at the k-th key; 8-bit digits on the same rows."""
     logits = branch_case(kind)
     visible = torch.tensor([200, 150, 77], dtype=torch.int32)
     check_topk(logits, visible, 5)
-    with retuned(register_radix_bits=4, register_keys_per_thread=2, register_max_warps=2):
+    with retuned(register_radix_bits=8, register_keys_per_thread=2, register_max_warps=2):
         (launch,) = plan(3, 200, 5).launches
-        assert launch.constexprs["BITS"] == 4 and launch.num_warps == 2
+        assert launch.constexprs["BITS"] == 8 and launch.num_warps == 2
         check_topk(logits, visible, 5)
 
 
@@ -923,7 +923,7 @@ def test_register_path_equals_row_path_production(rows, columns, k):
     visible[-1] = columns // 3
     visible = visible.to(DEVICE)
     expected = sorted_reference(host(logits), host(visible), k)
-    for fields in (dict(path="register"), dict(path="register", register_radix_bits=4), dict(path="row"), dict(path="ticketed"),
+    for fields in (dict(path="register"), dict(path="register", register_radix_bits=8), dict(path="row"), dict(path="ticketed"),
                    dict(path="sliced")):
         with tuning.override(topk=TopkTuning(**fields)):
             assert np.array_equal(host(qsa_torch.topk_blocks(logits, visible, k)), expected), fields

@@ -2,16 +2,17 @@
 
 For rows up to ``TopkTuning.register_max_columns`` wide, whatever the rows,
 and at most :data:`REGISTER_MAX_TILE` when forced; no workspace.  The
-program loads its row once into registers (16 keys a thread: 4 warps at 2048
-columns, 32 at 16384), skips the radix passes of the leading digits that the
-row's smallest and largest keys share, runs the others on the registers
-(passes stop once a digit's keys are exactly those left to take), and writes
-the selection with one prefix sum over column order, then ``-1`` padding.
-No global round trip between phases, which is what the row path pays for on
-short rows; but every pass costs every key of the row (about 75
-instructions a key an 8-bit pass on sm_90), so past ~8192 columns the row
-and sliced paths, which select among the keys at or above a bound (~700 for
-k = 512 on half-normal scores), win.
+program loads its row once into registers (8 keys a thread: 8 warps at 2048
+columns, 32 from 8192, 16 keys a thread at 16384), skips the radix passes of
+the leading digits that the row's smallest and largest keys share, runs the
+others on the registers (4-bit digits by default: 16-bin histograms, whose
+block-wide reductions cost far less than 256 bins', though the passes are
+twice as many; passes stop once a digit's keys are exactly those left to
+take), and writes the selection with one prefix sum over column order, then
+``-1`` padding.  No global round trip between phases, which is what the row
+path pays for on short rows; but every pass costs every key of the row, so
+past ~8192 columns the row and sliced paths, which select among the keys at
+or above a bound (~700 for k = 512 on half-normal scores), win.
 """
 
 from __future__ import annotations
