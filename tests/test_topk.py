@@ -116,8 +116,8 @@ def test_register_tiling(columns, tile, warps):
     assert launch.constexprs["BITS"] == 4 and launch.outputs == ("out",)
     assert plan(3, columns, 64, TopkTuning(path="register")).buffers[1:] == ()  # no workspace
     (launch,) = plan(3, columns, 64, TopkTuning(path="register", register_keys_per_thread=4,
-                                                 register_max_warps=8, register_radix_bits=4)).launches
-    assert launch.num_warps == max(1, min(8, tile // 128)) and launch.constexprs["BITS"] == 4
+                                                 register_max_warps=8, register_radix_bits=8)).launches
+    assert launch.num_warps == max(1, min(8, tile // 128)) and launch.constexprs["BITS"] == 8
 
 
 @pytest.mark.parametrize("k", [1, 8, 512, 2048])
