@@ -263,12 +263,15 @@ CASES = {
     "topk/prefill-2048-128k-k2048-bf16": _topk(2048, 1 << 15, 2048, dtype=BF16),
     "topk/short-rows-k-past-row-end-fp16-int64": _topk(8, 100, 128, dtype=FP16, index=I64),
     # The register path (the row in registers, 8 keys a thread): 8 warps
-    # at 2048 columns, 32 at 8192 and at its widest (REGISTER_MAX_TILE).
+    # at 2048 columns (the plan's widest, TopkTuning.register_max_columns),
+    # forced: 32 at 8192 and at its widest (REGISTER_MAX_TILE).
     "topk/register-decode-1-8k-k512": _topk(1, 1 << 11, 512),
-    "topk/register-decode-1-32k-k512": _topk(1, 1 << 13, 512),
+    "topk/ticketed-decode-1-32k-k512": _topk(1, 1 << 13, 512),  # the plan's path past 2048 columns
+    "topk/forced-register-decode-1-32k-k512": _topk(1, 1 << 13, 512, path="register"),
     "topk/register-prefill-2048-8k-k512": _topk(2048, 1 << 11, 512),
     "topk/forced-register-decode-1-64k-k512": _topk(1, 1 << 14, 512, path="register"),
-    "topk/register-prefill-2048-32k-k1-fp16-int64": _topk(2048, 1 << 13, 1, dtype=FP16, index=I64),
+    "topk/forced-register-prefill-2048-32k-k1-fp16-int64": _topk(2048, 1 << 13, 1, dtype=FP16, index=I64,
+                                                                 path="register"),
     "topk/register-k2048-4096-bf16": _topk(16, 4096, 2048, dtype=BF16),
     # The row path (one program per row): bounded with 16 warps, halved tiles
     # for many rows, and the direct select of single-column groups.
@@ -378,9 +381,10 @@ SPILLS_ALLOWED: dict[str, tuple[tuple[str, ...], str]] = {
     "topk/row-8-warps-8-keys-1-bound-pass-2048-8k": (("3.9",), _CANDIDATE_SPILL.format(
         "the row path's sweep candidate of 8 warps (4 from 264 rows) x 8 keys and one bound pass, at 2048 rows "
         "(bench_topk.py --sweep; 72 registers and 2 spills on Triton 3.9.0, none on 3.6, 3.7.1, 3.8)")),
-    "topk/forced-register-decode-1-64k-k512": (("3.8", "3.9"), _CANDIDATE_SPILL.format(
+    "topk/forced-register-decode-1-64k-k512": (("3.9",), _CANDIDATE_SPILL.format(
         "the register top-k forced at its widest row (REGISTER_MAX_TILE columns on 32 warps: at most 64 "
-        "registers a thread; the plan takes it up to 2048 columns, TopkTuning.register_max_columns)")),
+        "registers a thread; the plan takes it up to 2048 columns, TopkTuning.register_max_columns; "
+        "4 spills on Triton 3.9.0, none on 3.6, 3.7.1, 3.8 with 4-bit digits)")),
 }
 #: Cases known not to compile: label -> the error (xfail).
 COMPILE_FAILURES: dict[str, str] = {}
