@@ -193,7 +193,8 @@ def main():
     parser.add_argument("--ticketed-select", action="store_true",
                         help="time the ticketed path's selections (last program, shared histogram, fitted) instead")
     parser.add_argument("--bits-sweep", action="store_true",
-                        help="time the plan's path with 4-bit radix digits beside the 8-bit default instead")
+                        help="time the plan's path with its default radix digits, the register path's "
+                             "old 8-bit ones, and 4-bit ones for the other paths instead")
     args = parser.parse_args()
     if args.shapes and args.json == parser.get_default("json"):
         args.json = args.json.replace("topk.json", "topk_shapes.json")
