@@ -27,7 +27,7 @@ file).
   with one comment line repeated, which compresses ~100-fold: where the cost
   follows the PTX's own size rather than the compressed payload's, these rows
   grow as the first ones do for the same N;
-* ``step``: the step as above with each PTX form (``qsa_jax._triton_call.ptx_form``:
+* ``step``: the step as above with each PTX form (``qsa_jax._lowering.ptx_form``:
   ``"full"``, Triton's PTX, and ``"minified"``, the default), per lowering and batch.
 
     python benchmarks/bench_jax_calls.py --payload --batches 1 8 --json benchmarks/results/jax_payload.json
@@ -129,7 +129,7 @@ def padded_ptx(extra: int, repeated: bool = False):
     """Launches lowered inside the block carry their minified PTX followed by ``extra`` bytes of
     comment lines of random letters (``repeated``: one such line again and again): ptxas skips them
     (the kernel is the same), only the payload grows."""
-    from qsa_jax import _triton_call
+    from qsa_jax import _lowering as _triton_call
 
     if not extra:
         yield
@@ -138,28 +138,28 @@ def padded_ptx(extra: int, repeated: bool = False):
     count = -(-extra // 101)
     lines = ["//" + "".join(rng.choices(string.ascii_letters + string.digits, k=98)) for _ in range(1 if repeated else count)]
     lines *= count if repeated else 1
-    pad, real = "\n".join(lines) + "\n", _triton_call.minify_ptx
-    _triton_call.minify_ptx = lambda ptx: real(ptx) + pad
+    pad, real = "\n".join(lines) + "\n", _triton_call._proto.minify_ptx
+    _triton_call._proto.minify_ptx = lambda ptx: real(ptx) + pad
     try:
         yield
     finally:
-        _triton_call.minify_ptx = real
+        _triton_call._proto.minify_ptx = real
 
 
 def payload_bytes(lowered) -> tuple[int, int]:
     """``(launches, compressed call-proto bytes of them all)`` in ``lowered``'s StableHLO."""
     from jax.extend.mlir import ir
 
-    from qsa_jax import _triton_call
+    from qsa_jax import _lowering as _triton_call
 
-    sizes = [len(_triton_call._payload(op, ir)) for op in _triton_call.custom_calls(lowered)]
+    sizes = [len(_triton_call._proto.payload(op, ir)) for op in _triton_call._proto.custom_calls(lowered)]
     return len(sizes), sum(sizes)
 
 
 def chain_function(buffers: int = 0, scalars: int = 0):
     """``chain(x, *others)``: ``CHAIN`` launches of :func:`wide_kernel`, each adding one to the
     previous one's output (``others``: the ``buffers`` extra inputs)."""
-    from qsa_jax import _triton_call
+    from qsa_jax import _binding
     from qsa_kernels.launch import Buffer, Launch, Program
 
     n = CHAIN_ELEMENTS
@@ -172,7 +172,7 @@ def chain_function(buffers: int = 0, scalars: int = 0):
 
     def chain(x, *others):
         for _ in range(CHAIN):
-            (x,) = _triton_call.run(program, {"x": x, **dict(zip(extras, others))})
+            (x,) = _binding._run_compiled(program, ["x", *extras], [x, *others])
         return x
 
     return chain
@@ -231,7 +231,7 @@ def step_trace(lowering: str, batch: int, context: int, ptx: str = "minified") -
 
     import bench_step
     import qsa_jax
-    from qsa_jax import _triton_call
+    from qsa_jax import _lowering as _triton_call
     from qsa_kernels import tuning
 
     shape = bench_step.Shape(bench_step.PRODUCTION, batch, context, torch.device("cuda"))

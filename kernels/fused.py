@@ -215,7 +215,8 @@ def rope_compress_store_kernel(
             "token_to_req", "query_start_loc", "logical_positions", "compressed_slots",
             "compressor_state_slots", "compressed_key_cache", "cos_sin", "index_q", "scale"),
     options=dict(compress_ratio=POSITIVE_INT, is_neox=BOOL, max_row_position=NONNEGATIVE_INT),
-    results=("compressor_state_cache", "compressed_key_cache", "index_q_out"), tuning=dict(tuning="rope_cache"))
+    results=("compressor_state_cache", "compressed_key_cache", "index_q_out"), tuning=dict(tuning="rope_cache"),
+    rows=dict(index_q_out="index_q"))
 def plan_compress_rotate_store(
     raw_keys: ArrayInfo, raw_positions: ArrayInfo,
     compressor_state_cache: ArrayInfo, compressor_state_block_table: ArrayInfo,

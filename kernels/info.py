@@ -3,8 +3,9 @@
 One ``field: value`` line per :data:`FIELDS` entry: the versions of Python
 and of every package the kernels run with, the NVIDIA driver and devices,
 whether this process runs the kernels compiled or through Triton's
-interpreter and why, how ``qsa_jax`` lowers its launches and which
-``qsa_torch`` fast paths are on, and why.
+interpreter and why; then the lines of each adapter that registered a
+reporter (:func:`register_reporter`, when it is imported): how ``qsa_jax``
+lowers its launches, whether ``qsa_torch``'s accelerator is on, and why.
 
 It never initialises CUDA (a forked child of a process that did cannot use
 CUDA, and a report must not change what it reports): versions come from the
@@ -12,9 +13,10 @@ installed distributions' metadata, devices and the driver from NVML, the
 library ``nvidia-smi`` uses, through :mod:`qsa_kernels.runtime`'s own
 device count.  ``--cuda`` also asks torch, Triton and JAX for their devices,
 which initialises CUDA.  A framework that is not installed is reported as
-such and never imported; the adapters are imported (through ``importlib``:
-the kernels themselves import neither framework) only where their
-framework is installed.
+such and never imported.  This module names no adapter: :func:`main`
+imports the adapters the installed distribution declares in the
+:data:`REPORTERS_GROUP` entry-point group (pyproject.toml), which register
+themselves.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import importlib
+from typing import Callable, Mapping
 import os
 import platform
 import sys
@@ -29,7 +32,7 @@ from importlib import metadata
 
 from . import __version__, runtime
 
-__all__ = ["FIELDS", "report", "main"]
+__all__ = ["FIELDS", "REPORTERS_GROUP", "register_reporter", "report", "main"]
 
 #: The report's lines, in order (every one is always printed).
 FIELDS = (
@@ -40,7 +43,8 @@ FIELDS = (
 NOT_INSTALLED = "not installed"
 CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
 #: Environment variables that change what the package does (printed when set).
-ENVIRONMENT = ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "QSA_JAX_LOWERING", "TRITON_CACHE_DIR",
+ENVIRONMENT = ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "QSA_ACCELERATE", "QSA_FAST_LAUNCH", "QSA_OP_KERNELS",
+               "QSA_TENSOR_GUARDS", "QSA_CHECK_SCALES", "QSA_JAX_LOWERING", "QSA_JAX_PTX", "TRITON_CACHE_DIR",
                "JAX_PLATFORMS", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_FLAGS")
 
 
@@ -138,56 +142,43 @@ def _kernels_run() -> str:
             f"launches will fail")
 
 
-def _jax_lowering(jax_installed: bool, torch_installed: bool) -> str:
-    if not jax_installed:
-        return f"jax {NOT_INSTALLED}"
-    qsa_jax, why = _import("qsa_jax")
-    if qsa_jax is None:
-        return f"qsa_jax does not import here ({why})"
-    try:
-        lowering = qsa_jax.triton_lowering()
-        text = qsa_jax._triton_call.lowering_reason()  # the version table's reading (docs/api.md)
-    except (RuntimeError, ValueError) as error:
-        return f"unusable: {error}"
-    if lowering == "interpreter":
-        if not torch_installed:
-            text += f"; torch is {NOT_INSTALLED}, which that path needs ({CPU_TORCH})"
-        return text
-    if _version("jax-triton") is None:
-        text += "; jax-triton is not installed, so qsa_jax cannot launch on the GPU (pip install 'qsa-kernels[jax-gpu]')"
-    return text
+# --------------------------------------------------------------------------
+# The adapters' own lines: each registers a reporter when it is imported
+# --------------------------------------------------------------------------
+
+#: Adapter -> its reporter (a function returning ``{field: value}``), registered by the adapter's import.
+_REPORTERS: dict[str, Callable[[], dict[str, str]]] = {}
+#: The entry-point group through which :func:`main` imports the installed adapters (pyproject.toml).
+REPORTERS_GROUP = "qsa_kernels.reporters"
 
 
-def _torch_paths(torch, why: str) -> dict[str, str]:
-    names = ("torch eager calls", "torch fast launcher", "torch.compile")
-    if torch is None:
-        return dict.fromkeys(names, why)
-    fast, error = _import("qsa_torch._fast_launch")
-    if fast is None:
-        return dict.fromkeys(names, f"qsa_torch does not import here ({error})")
-    if fast.launch.interpreted:
-        launcher = "off: an interpreted process launches every kernel through kernel[grid] under Triton's interpreter"
-    else:
-        hooks = []
-        for name in ("launch_enter_hook", "launch_exit_hook"):  # what the fast launcher checks per call
-            hook = getattr(getattr(getattr(sys.modules["triton"], "knobs", None), "runtime", None), name, None)
-            if hook is not None and getattr(hook, "calls", True):  # Triton 3.6 keeps empty HookChains there
-                hooks.append(name)
-        launcher = ("on: each Triton specialization is bound once, then its compiled launcher is called directly "
-                    "(kernel[grid] for autotuners, callable grids and launch hooks)")
-        if hooks:
-            launcher += f"; launch hooks are set now ({', '.join(hooks)}): those launches take kernel[grid]"
-    compiler = ("torch._dynamo.nonstrict_trace is available: a whole qsa_attention_step traces without a graph break"
-                if hasattr(torch._dynamo, "nonstrict_trace") else
-                "this torch has no torch._dynamo.nonstrict_trace (torch < 2.7): torch.compile breaks the graph "
-                "at each call")
-    return {
-        "torch eager calls": ("on: plain CPU/CUDA tensors run the plan and launch directly, without the dispatcher; "
-                              "torch.compile/export, fake and meta tensors and dispatch modes go through the "
-                              "qsa::* custom ops"),
-        "torch fast launcher": launcher,
-        "torch.compile": compiler,
-    }
+def register_reporter(adapter: str, reporter: Callable[[], dict[str, str]]) -> None:
+    """Add ``adapter``'s lines to the report (``qsa_torch`` and ``qsa_jax`` call it when imported)."""
+    _REPORTERS[adapter] = reporter
+
+
+def _load_adapters() -> dict[str, str]:
+    """Import the adapters the installed distribution declares (entry points), so that they register;
+    ``{adapter: why not}`` for those that do not import here."""
+    failed = {}
+    for entry in metadata.entry_points(group=REPORTERS_GROUP):
+        try:
+            entry.load()
+        except Exception as error:  # a report must not fail on a broken installation: it says so
+            failed[entry.name] = f"{type(error).__name__}: {error}"
+    return failed
+
+
+def _adapter_lines(failed: Mapping[str, str]) -> dict[str, str]:
+    lines = {}
+    for adapter, reporter in sorted(_REPORTERS.items()):
+        try:
+            lines.update(reporter())
+        except Exception as error:  # pragma: no cover - a reporter's own bug: say so
+            lines[adapter] = f"its report failed ({type(error).__name__}: {error})"
+    for adapter, why in sorted(failed.items()):
+        lines[adapter] = f"does not import here ({why})"
+    return lines
 
 
 def _cuda_query(torch, jax_installed: bool) -> str:
@@ -213,8 +204,9 @@ def _cuda_query(torch, jax_installed: bool) -> str:
     return "; ".join(parts) or "nothing to ask (neither torch nor JAX is installed)"
 
 
-def report(cuda: bool = False) -> list[tuple[str, str]]:
-    """The report's ``(field, value)`` pairs, in :data:`FIELDS` order."""
+def report(cuda: bool = False, failed: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
+    """The report's ``(field, value)`` pairs: :data:`FIELDS` in order, then the imported adapters' lines
+    (``failed``: adapters that did not import, and why)."""
     import numpy
     import triton
 
@@ -245,14 +237,12 @@ def report(cuda: bool = False) -> list[tuple[str, str]]:
         "environment": ", ".join(f"{name}={os.environ[name]}" for name in ENVIRONMENT if name in os.environ)
                        or "none of " + ", ".join(ENVIRONMENT) + " is set",
         "kernels run": _kernels_run(),
-        "JAX lowering": _jax_lowering(jax_installed, torch is not None),
-        **_torch_paths(torch, torch_why),
         "CUDA queried": _cuda_query(torch, jax_installed) if cuda else "no (--cuda asks torch, Triton and JAX, "
                                                                       "which initialises CUDA)",
     }
     values["CUDA initialised"] = ("not known (torch is not installed)" if torch is None else
                                   "yes" if torch.cuda.is_initialized() else "no")
-    return [(field, values[field]) for field in FIELDS]
+    return [(field, values[field]) for field in FIELDS] + list(_adapter_lines(failed or {}).items())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,8 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cuda", action="store_true",
                         help="also ask torch, Triton and JAX for their devices (initialises CUDA)")
     arguments = parser.parse_args(argv)
-    width = max(map(len, FIELDS)) + 1
-    for field, value in report(cuda=arguments.cuda):
+    lines = report(cuda=arguments.cuda, failed=_load_adapters())
+    width = max(len(field) for field, _ in lines) + 1
+    for field, value in lines:
         print(f"{field + ':':<{width}} {value}")
     return 0
 

@@ -383,7 +383,7 @@ def _query_tiles(heads: int, d: int, tuning: RopeCacheTuning) -> tuple[int, int]
             "k_scale", "v_scale", "offsets", "swa_slot_mapping"),
     options=dict(is_neox=BOOL, return_zeros=BOOL),
     results=("q_out", "k_out", "key_cache", "value_cache", when("return_zeros", "zeros")),
-    doc=DOC, returns="tuple[Array, ...]", tuning=dict(tuning="rope_cache"))
+    doc=DOC, returns="tuple[Array, ...]", tuning=dict(tuning="rope_cache"), rows=dict(k_out="k"))
 def plan_rope_reshape_and_cache(
     q: ArrayInfo, k: ArrayInfo, v: ArrayInfo,
     key_cache: ArrayInfo, value_cache: ArrayInfo,

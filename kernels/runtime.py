@@ -22,7 +22,7 @@ import ctypes
 import os
 import threading
 
-__all__ = ["CHECK_SCALES", "INTERPRETED", "interpreter_lock", "cuda_device_visible"]
+__all__ = ["CHECK_SCALES", "INTERPRETED", "interpreter_lock", "cuda_device_visible", "env_switch"]
 
 
 def _hidden_by_environment() -> bool:
@@ -116,4 +116,24 @@ interpreter_lock = threading.RLock()
 #: function and the argument unless each is finite and > 0.  A debug switch: reading a
 #: device value synchronises, so by default no call reads it (docs/api.md, "Scales").
 #: Read once, at import; tests set the attribute.
-CHECK_SCALES: bool = os.environ.get("QSA_CHECK_SCALES", "0").strip() == "1"
+CHECK_SCALES: bool = False  # (set below, once env_switch is defined)
+
+
+_ON, _OFF = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
+
+
+def env_switch(name: str, default: bool) -> bool:
+    """The one parser of the package's ``QSA_*`` switches: 1/on/true/yes or 0/off/false/no
+    (any case, blanks stripped); unset or empty: ``default``; anything else is refused, naming
+    the variable (a misspelt switch must not silently mean off)."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    raise ValueError(f"{name} must be one of {', '.join(_ON + _OFF)} (or unset), got {os.environ[name]!r}")
+
+
+CHECK_SCALES = env_switch("QSA_CHECK_SCALES", default=False)

@@ -108,7 +108,8 @@ class Stage:
 
     def __init__(self, plan: Callable[..., Program], *, arrays: tuple[str, ...], options: Mapping[str, Option],
                  results: tuple[str | When, ...], doc: str | None = None, returns: str = "Array",
-                 tuning: Mapping[str, str] | None = None, labels: Mapping[str, str] | None = None):
+                 tuning: Mapping[str, str] | None = None, labels: Mapping[str, str] | None = None,
+                 rows: Mapping[str, str] | None = None):
         self.name = plan.__name__.removeprefix("plan_")
         self.doc = plan.__doc__ if doc is None else doc
         self.returns = returns
@@ -147,6 +148,17 @@ class Stage:
         #: The public parameters (arrays and options, not tuning), in signature order.
         self.parameters = tuple(p for p in self._parameters if p.name not in tuning)
         self._declare_results(tuple(results))
+        #: Fresh result -> the array argument whose leading (row) dimension it has: the one
+        #: dimension of a fresh result that may be symbolic under ``torch.compile`` (the row and
+        #: request counts are the dynamic sizes of a serving step; every other dimension follows
+        #: the caches, heads and options).  Default: the first array argument; checked per plan.
+        self.rows = {name: (rows or {}).get(name, self.arrays[0])
+                     for variant in self.variants for name in variant.fresh}
+        unknown_rows = sorted(set(rows or {}) - set(self.rows)) + sorted(
+            source for source in self.rows.values() if source not in self.arrays or source in self.optional_arrays)
+        if unknown_rows:
+            raise TypeError(f"Stage {self.name}: rows names {unknown_rows}, which are not fresh results and "
+                            "required arrays")
         self._memo()
         _STAGES[self.name] = self
 
@@ -315,7 +327,14 @@ class Stage:
             for name in self.arrays:
                 if arguments[name] is not None:
                     check.last_dim_contiguous(name, arguments[name])
-            self._check_results(program, self._variant_by_key[tuple(arguments[n] for n in self._selectors)])
+            variant = self._variant_by_key[tuple(arguments[n] for n in self._selectors)]
+            self._check_results(program, variant)
+            for name, got in zip(variant.results, program.results):
+                if name in variant.fresh:
+                    rows, source = program.buffer(got).shape[:1], self.rows[name]
+                    if rows != arguments[source].shape[:1]:
+                        raise AssertionError(f"{function}: fresh result {name} has {rows} rows, but the stage "
+                                             f"declares that it has {source}'s ({arguments[source].shape[:1]})")
             for name in program.updated_arguments:
                 check.not_expanded(name, arguments[name])
             return program

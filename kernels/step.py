@@ -585,6 +585,16 @@ def step_results(results: tuple, state, return_token_indices: bool):
     return (out, state, results[-1]) if return_token_indices else (out, state)
 
 
+def public_results(results: tuple, state) -> tuple:
+    """The step's public results from the plan's (``out``, the four caches, then what the options add):
+    ``(out, state, ...)``, ``state`` itself where every cache is the one it holds (torch's, updated in
+    place)."""
+    out, caches, rest = results[0], results[1:1 + len(STATE_FIELDS)], results[1 + len(STATE_FIELDS):]
+    if not all(map(operator.is_, caches, map(getattr, (state,) * len(STATE_FIELDS), STATE_FIELDS))):
+        state = dataclasses.replace(state, **dict(zip(STATE_FIELDS, caches)))
+    return (out, state, *rest)
+
+
 def _type_name(cls: type) -> str:
     """``qsa_torch.QSAState`` rather than ``QSAState``: the two adapters' containers share names."""
     package = cls.__module__.split(".")[0]

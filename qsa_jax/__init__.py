@@ -4,26 +4,44 @@ Pure functions that work under ``jax.jit``; caches come back as arrays aliasing
 the inputs (donate them for an in-place update).  On a CUDA device kernels
 run through ``jax_triton.triton_call``; without one, through Triton's
 interpreter from a host callback.
+
+Two layers (docs/design.md, "The adapters"): the binding
+(``qsa_jax._binding``: public JAX and jax-triton APIs only) and the
+accelerator (``qsa_jax._lowering``: each launch re-lowered to jaxlib's
+typed-FFI call with a slimmed payload, the same results bit for bit), which
+this import plugs in unless ``QSA_ACCELERATE=0``.
 """
 
 from qsa_kernels import runtime as _runtime  # noqa: F401  (chooses compiled/interpreted first)
 from qsa_kernels import __version__  # noqa: F401  (one version for the three packages)
 
-from qsa_kernels import api as _api
+from . import _binding, _report
 
-from ._launch import public as _public, run_program  # noqa: F401  (the benchmarking seam: docs/api.md)
+if _runtime.env_switch("QSA_ACCELERATE", default=True):  # the accelerator's one plug (docs/design.md)
+    from . import _lowering
 
-# The public functions, generated from their stages' declarations (qsa_kernels.api).
-rope_reshape_and_cache = _public(_api.plan_rope_reshape_and_cache)
-compress_groups = _public(_api.plan_compress_groups)
-store_cache_rows = _public(_api.plan_store_cache_rows)
-mqa_paged_scores = _public(_api.plan_mqa_paged_scores)
-topk_blocks = _public(_api.plan_topk_blocks)
-expand_block_indices = _public(_api.plan_expand_block_indices)
-select_paged_tokens = _public(_api.plan_select_paged_tokens)
-sparse_paged_attention = _public(_api.plan_sparse_paged_attention)
-from ._step import QSAState, StepMetadata, qsa_attention_step
-from ._triton_call import CUSTOM_CALL_TARGETS, triton_lowering, triton_lowering_available, use_triton_lowering
+    _lowering.install()
+_report.register()
+
+from ._binding import (  # noqa: E402,F401  (run_program: the benchmarking seam, docs/api.md)
+    CUSTOM_CALL_TARGETS,
+    run_program,
+    triton_lowering,
+    triton_lowering_available,
+    use_triton_lowering,
+)
+from ._functions import (  # noqa: E402
+    compress_groups,
+    expand_block_indices,
+    mqa_paged_scores,
+    qsa_attention_step,
+    rope_reshape_and_cache,
+    select_paged_tokens,
+    sparse_paged_attention,
+    store_cache_rows,
+    topk_blocks,
+)
+from ._step import QSAState, StepMetadata  # noqa: E402
 
 __all__ = [
     "rope_reshape_and_cache",

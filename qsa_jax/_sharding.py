@@ -50,15 +50,17 @@ ERROR = ("{function}: its arrays span {devices} devices outside jax.shard_map. q
 
 
 def _spanned_devices(axis_context) -> int:
-    """Devices one instance of the call would span in this lowering context (1 inside a full shard_map)."""
-    from jax._src import sharding_impls  # the context classes have no public name
+    """Devices one instance of the call would span in this lowering context (1 inside a full shard_map).
 
-    if isinstance(axis_context, sharding_impls.SPMDAxisContext):  # inside shard_map (maybe partly manual)
-        auto = [size for name, size in axis_context.mesh.shape.items() if name not in axis_context.manual_axes]
-        return math.prod(auto)
-    if isinstance(axis_context, sharding_impls.ShardingContext):  # plain jit
-        return axis_context.num_devices
-    return 1  # anything else (a future context) is left to the runtime
+    Read from the context's public attributes, whatever its class (JAX names no public type for it):
+    inside ``shard_map`` it has a ``mesh`` and ``manual_axes`` (the mesh's other axes are still
+    partitioned automatically); under plain ``jit`` it has ``num_devices``."""
+    manual = getattr(axis_context, "manual_axes", None)
+    mesh = getattr(axis_context, "mesh", None)
+    if manual is not None and mesh is not None:  # inside shard_map (maybe partly manual)
+        return math.prod(size for name, size in mesh.shape.items() if name not in manual)
+    devices = getattr(axis_context, "num_devices", None)
+    return devices if isinstance(devices, int) else 1  # anything else (a future context): left to the runtime
 
 
 def _check_arrays(function: str, values) -> None:

@@ -1,22 +1,18 @@
-"""The composed QSA attention step for JAX (the composition is in qsa_kernels.step)."""
+"""The composed step's containers for JAX, and its call (the composition is in qsa_kernels.step)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, overload
-
-if TYPE_CHECKING:  # the annotations' array types (the same names in both adapters)
-    from jax import Array
-    from jax.typing import ArrayLike
-
 import dataclasses
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 
 from qsa_kernels import step as _step
 from qsa_kernels.docs import jax_doc
+from qsa_kernels.stage import Stage
 
-from . import _launch
+from . import _binding
 
 
 @jax.tree_util.register_dataclass
@@ -33,39 +29,11 @@ class StepMetadata(_step.MetadataFields):
     _to_device = staticmethod(lambda array, device: jnp.array(array, copy=True, device=device))
 
 
-# The result's length follows return_token_indices: one overload per value, so
-# that `out, state = qsa_attention_step(...)` type-checks (docs/api.md, "Types").
-@overload
-def qsa_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, index_q: ArrayLike, index_k: ArrayLike,
-                       state: QSAState, metadata: StepMetadata, cos_sin: ArrayLike,
-                       index_cos_sin: ArrayLike, *, compress_ratio: int, token_topk: int,
-                       is_neox: bool = ..., softmax_scale: float | None = ...,
-                       return_token_indices: Literal[False] = ...) -> tuple[Array, QSAState]: ...
-@overload
-def qsa_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, index_q: ArrayLike, index_k: ArrayLike,
-                       state: QSAState, metadata: StepMetadata, cos_sin: ArrayLike,
-                       index_cos_sin: ArrayLike, *, compress_ratio: int, token_topk: int,
-                       is_neox: bool = ..., softmax_scale: float | None = ...,
-                       return_token_indices: Literal[True]) -> tuple[Array, QSAState, Array]: ...
-@overload
-def qsa_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, index_q: ArrayLike, index_k: ArrayLike,
-                       state: QSAState, metadata: StepMetadata, cos_sin: ArrayLike,
-                       index_cos_sin: ArrayLike, *, compress_ratio: int, token_topk: int,
-                       is_neox: bool = ..., softmax_scale: float | None = ...,
-                       return_token_indices: bool) -> tuple[Array, QSAState] | tuple[Array, QSAState, Array]: ...
-def qsa_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, index_q: ArrayLike, index_k: ArrayLike,
-                       state: QSAState, metadata: StepMetadata, cos_sin: ArrayLike,
-                       index_cos_sin: ArrayLike, *, compress_ratio: int, token_topk: int,
-                       is_neox: bool = True, softmax_scale: float | None = None,
-                       return_token_indices: bool = False) -> tuple[Array, QSAState] | tuple[Array, QSAState, Array]:
-    arguments = _step.state_arguments(dict(  # by name, as in qsa_torch
-        q=q, k=k, v=v, index_q=index_q, index_k=index_k, state=state, metadata=metadata, cos_sin=cos_sin,
-        index_cos_sin=index_cos_sin, compress_ratio=compress_ratio, token_topk=token_topk, is_neox=is_neox,
-        softmax_scale=softmax_scale, return_token_indices=return_token_indices), QSAState, StepMetadata)
-    results = _launch.call(_step.plan_qsa_attention_step, arguments)
-    return _step.step_results(results, state, return_token_indices)
+def step_call(stage: Stage, arguments: Mapping[str, Any]) -> tuple:
+    """``qsa_attention_step``: the containers flattened into the plan's arrays, the results rebuilt."""
+    flat = _step.state_arguments(dict(arguments), QSAState, StepMetadata)
+    return _step.public_results(_binding.call(stage, flat), arguments["state"])
 
 
-qsa_attention_step.__doc__ = jax_doc(_step.STEP_DOC)
 QSAState.__doc__ = jax_doc(_step.STATE_DOC)
 StepMetadata.__doc__ = jax_doc(_step.METADATA_DOC)

@@ -14,7 +14,7 @@ its custom calls are decoded (target, aliases, the call proto) and checked:
 * the package's lowerings carry no TTIR, jax-triton's carries it;
 * every lowering launches the same kernel with the same grid, warps, shared
   memory and parameters (the call proto minus the PTX text and the name);
-* with jax-triton 0.4, the direct bind (qsa_jax._triton_call._bind_04) gives
+* with jax-triton 0.4, the direct bind (qsa_jax._lowering._bind_04) gives
   jax-triton's primitive the parameters its own ``triton_call`` gives a launch
   without aliases.
 
@@ -43,7 +43,7 @@ if not hasattr(gpu_triton, "TritonKernel"):
 gpu_triton.get_compute_capability = lambda device: 90  # no GPU to ask: the H200's sm_90
 
 import qsa_jax  # noqa: E402
-from qsa_jax import _triton_call as tc  # noqa: E402
+from qsa_jax import _lowering as tc  # noqa: E402
 from qsa_kernels.paging import CacheGeometry, PagedRequests  # noqa: E402
 
 S = jax.ShapeDtypeStruct
@@ -82,18 +82,18 @@ def functions() -> dict:
 
 def decode(op) -> dict:
     """What one custom call launches: the proto's fields, the kernel's apart."""
-    proto = zlib.decompress(tc._payload(op, ir))
-    top = {field: payload for field, _, _, payload in tc._fields(proto)}
-    call = list(tc._fields(top[1]))
+    proto = zlib.decompress(tc._proto.payload(op, ir))
+    top = {field: payload for field, _, _, payload in tc._proto._fields(proto)}
+    call = list(tc._proto._fields(top[1]))
     kernel = next(payload for field, _, _, payload in call if field == 1)
-    kernel_fields = list(tc._fields(kernel))
+    kernel_fields = list(tc._proto._fields(kernel))
     launch = b"".join(entry for field, _, entry, _ in call if field != 1)  # grid and parameters
     launch += b"".join(entry for field, kind, entry, _ in kernel_fields if field not in (4, 5))  # all but PTX, TTIR
     aliases = op.attributes["output_operand_aliases"] if "output_operand_aliases" in op.attributes else None
     return dict(target=ir.StringAttr(op.attributes["call_target_name"]).value,
                 aliases=str(aliases) if aliases is not None else "[]",
                 name=top.get(4, b"").decode(), ttir=any(field == 5 for field, _, _, _ in kernel_fields),
-                launch=launch, payload=len(tc._payload(op, ir)))
+                launch=launch, payload=len(tc._proto.payload(op, ir)))
 
 
 def check_bind(failures: list) -> None:
@@ -110,7 +110,7 @@ def check_bind(failures: list) -> None:
     finally:
         tc._bind_04 = real
     (launch, inputs, outputs, name), = seen
-    jt = tc._jax_triton
+    jt = tc._binding._jax_triton
     ours = jax.make_jaxpr(lambda *a: real(jt, launch, list(a), outputs, name))(*inputs).eqns[0].params
     theirs = jax.make_jaxpr(lambda *a: jt.triton_call(
         *a, kernel=launch.kernel, out_type=outputs, grid=launch.grid, name=name, num_warps=launch.num_warps,
@@ -133,7 +133,7 @@ def main() -> int:
           f"{jt_version}), triton {triton.__version__}; {tc.FFI_TARGET} registered: {tc._ffi_registered()}")
     print(f"auto: {tc.lowering_reason()}")
     failures: list[str] = []
-    own = tc.FFI_TARGET if tc._api(jax_triton) == "0.4" else tc.LEGACY_TARGET
+    own = tc.FFI_TARGET if tc._binding.jax_triton_api(jax_triton) == "0.4" else tc.LEGACY_TARGET
     expected = {"ffi": tc.FFI_TARGET, "legacy": tc.LEGACY_TARGET, "jax-triton": own}
     for name, (function, arguments, donated) in functions().items():
         if name not in args.functions.split(","):
@@ -143,7 +143,7 @@ def main() -> int:
             with qsa_jax.use_triton_lowering(lowering):  # a fresh function: JAX reuses a function's trace
                 lowered = jax.jit(lambda *a, f=function: f(*a), donate_argnums=donated).trace(*arguments).lower(
                     lowering_platforms=("cuda",))
-            calls = [decode(op) for op in tc.custom_calls(lowered)]
+            calls = [decode(op) for op in tc._proto.custom_calls(lowered)]
             launches[lowering] = [(c["launch"], c["aliases"]) for c in calls]
             for c in calls:
                 if c["target"] != expected[lowering] or c["ttir"] != (lowering == "jax-triton"):
@@ -153,7 +153,7 @@ def main() -> int:
                   f"{sum(c['aliases'] != '[]' for c in calls)}")
         if len({tuple(v) for v in launches.values()}) != 1 or not launches["ffi"]:
             failures.append(f"{name}: the lowerings launch different kernels, grids or parameters")
-    if tc._api(jax_triton) == "0.4":
+    if tc._binding.jax_triton_api(jax_triton) == "0.4":
         check_bind(failures)
     for failure in failures:
         print("FAILED:", failure)

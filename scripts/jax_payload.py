@@ -5,7 +5,7 @@
 Needs what ``scripts/check_jax_lowering.py`` needs (jax-triton, jaxlib's CUDA
 plugin on PYTHONPATH; no GPU, no torch).  Traces the step of
 ``benchmarks/bench_step.py`` (production geometry) once per PTX form
-(``qsa_jax._triton_call.ptx_form``: ``"full"``, Triton's PTX as is, and
+(``qsa_jax._lowering.ptx_form``: ``"full"``, Triton's PTX as is, and
 ``"minified"``) with the FFI lowering, and prints per launch: the kernel, its
 grid and parameter count, the PTX text's bytes, the call proto's bytes and the
 compressed payload's (what jaxlib copies and hashes: see docs/design.md, "JAX
@@ -37,7 +37,7 @@ if not hasattr(gpu_triton, "TritonKernel"):
 gpu_triton.get_compute_capability = lambda device: 90  # no GPU to ask: the H200's sm_90
 
 import qsa_jax  # noqa: E402
-from qsa_jax import _triton_call as tc  # noqa: E402
+from qsa_jax import _lowering as tc  # noqa: E402
 from qsa_kernels.paging import CacheGeometry, PagedRequests  # noqa: E402
 
 S = jax.ShapeDtypeStruct
@@ -71,12 +71,12 @@ def step_arguments(batch: int, context: int):
 
 def launch_facts(op) -> dict:
     """One custom call's payload, decoded: sizes, kernel, grid, parameters and the PTX."""
-    compressed = tc._payload(op, ir)
+    compressed = tc._proto.payload(op, ir)
     proto = zlib.decompress(compressed)
-    top = {field: payload for field, _, _, payload in tc._fields(proto)}
-    call = list(tc._fields(top[1]))
-    kernel = dict((field, payload) for field, _, _, payload in tc._fields(next(p for f, _, _, p in call if f == 1)))
-    grid = [next((tc._read_varint(entry, 1)[0] for f, _, entry, _ in call if f == n), 0) for n in (2, 3, 4)]
+    top = {field: payload for field, _, _, payload in tc._proto._fields(proto)}
+    call = list(tc._proto._fields(top[1]))
+    kernel = dict((field, payload) for field, _, _, payload in tc._proto._fields(next(p for f, _, _, p in call if f == 1)))
+    grid = [next((tc._proto._read_varint(entry, 1)[0] for f, _, entry, _ in call if f == n), 0) for n in (2, 3, 4)]
     ptx = kernel.get(4, b"")
     return dict(kernel=kernel.get(1, b"").decode(), grid=grid, parameters=sum(f == 5 for f, _, _, _ in call),
                 ptx_bytes=len(ptx), proto_bytes=len(proto), payload_bytes=len(compressed),
@@ -88,7 +88,7 @@ def lower_step(batch: int, context: int, form: str) -> list[dict]:
     with qsa_jax.use_triton_lowering("ffi"), tc.ptx_form(form):
         lowered = jax.jit(lambda *a: function(*a), donate_argnums=(5,)).trace(*arguments).lower(
             lowering_platforms=("cuda",))
-    return [launch_facts(op) for op in tc.custom_calls(lowered)]
+    return [launch_facts(op) for op in tc._proto.custom_calls(lowered)]
 
 
 def main() -> int:

@@ -1,4 +1,4 @@
-"""The eager fast path (qsa_torch._eager): a call key run before goes through its prepared program.
+"""The accelerator's eager path (qsa_torch._accel._eager): a call key run before goes through its prepared program.
 
 Each case runs a call three times through the prepared path and once
 through the general path (prepared programs cleared), on copies of the same
@@ -20,23 +20,26 @@ import torch
 import qsa_torch
 from qsa_kernels import tuning
 from qsa_kernels.launch import observe_launches
-from qsa_torch import _eager, _launch
+from qsa_torch import _binding
+from qsa_torch._accel import _eager, _internals
 
 from .test_torch_ops import CASES, as_tuple, assert_same_results, build, cloned
-from .util import DEVICE, assert_bitwise_equal
+from .util import DEVICE, assert_bitwise_equal, needs_accelerator
+
+pytestmark = needs_accelerator
 
 
 @pytest.fixture
 def general_calls(monkeypatch):
     """Counts the calls that reach the general eager path."""
     calls = []
-    general = _launch._call
+    general = _binding._run_call
 
-    def counting(stage, arguments, key=None):
+    def counting(stage, arguments, eager):
         calls.append(stage.name)
-        return general(stage, arguments, key)
+        return general(stage, arguments, eager)
 
-    monkeypatch.setattr(_launch, "_call", counting)
+    monkeypatch.setattr(_binding, "_run_call", counting)
     _eager.clear()
     yield calls
     _eager.clear()
@@ -372,7 +375,7 @@ class _CountingMemo(dict):
         return super().get(*arguments)
 
 
-@pytest.mark.skipif(qsa_torch._internals.tensor_guards() is None, reason="no TensorGuards with this torch")
+@pytest.mark.skipif(_internals.tensor_guards() is None, reason="no TensorGuards with this torch")
 def test_a_steady_call_matches_its_recent_key_without_the_memo(general_calls, monkeypatch):
     function, arguments = build("attention")
     expected = function(**cloned(arguments))
@@ -424,7 +427,6 @@ def test_requires_grad_after_a_no_grad_call_still_raises(general_calls):
 
 
 def test_without_tensor_guards_calls_are_prepared_the_same(general_calls, monkeypatch):
-    from qsa_torch import _internals
 
     function, arguments = build("attention")
     expected = function(**cloned(arguments))
@@ -436,7 +438,6 @@ def test_without_tensor_guards_calls_are_prepared_the_same(general_calls, monkey
 
 
 def test_tensor_guards_that_accept_too_much_fail_the_self_test(monkeypatch):
-    from qsa_torch import _internals
 
     class Permissive:
         def __init__(self, *tensors, dynamic_dims_sizes, dynamic_dims_strides):
@@ -458,7 +459,7 @@ def test_tensor_guards_that_accept_too_much_fail_the_self_test(monkeypatch):
 
 def test_an_absent_array_given_or_a_present_one_omitted_is_keyed_again(general_calls):
     """A recent key holds which arrays were absent: a call that gives one of them, or omits a present
-    one, takes the general path (here: its errors), never the recent key."""
+    one, takes the binding's path (here: its errors), never the recent key."""
     _, arguments = build("store")
     cache, slots, rows = (arguments[n] for n in ("cache", "slot_mapping", "rows"))
     for _ in range(3):
@@ -469,7 +470,7 @@ def test_an_absent_array_given_or_a_present_one_omitted_is_keyed_again(general_c
         qsa_torch.store_cache_rows(cache.clone(), slots, rows, scale=scale)
     with pytest.raises((TypeError, ValueError), match="store_cache_rows"):
         qsa_torch.store_cache_rows(cache.clone(), slots, None)
-    assert general_calls == ["store_cache_rows"] * 3
+    assert general_calls == ["store_cache_rows"]  # (the binding's checks raised, before any run)
     expected = cache.clone()
     _eager.clear()
     qsa_torch.store_cache_rows(expected, slots, rows)  # the general path

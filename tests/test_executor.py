@@ -121,7 +121,7 @@ def test_hook_sees_each_adapters_launches_and_nothing_after_the_context():
     with observe_launches(seen.append):
         qsa_torch.store_cache_rows(cache.clone(), slots, rows)
         jax.jit(qsa_jax.store_cache_rows)(*(jax.numpy.asarray(host(t)) for t in (cache, slots, rows)))
-    adapter = "jax-host" if qsa_jax._launch.runtime.INTERPRETED else "jax"
+    adapter = "jax-host" if qsa_jax._binding.runtime.INTERPRETED else "jax"
     assert [e.adapter for e in seen] == ["torch", adapter]
     assert all((e.launch.kernel, e.grid) == expected[0] for e in seen)
     qsa_torch.store_cache_rows(cache.clone(), slots, rows)

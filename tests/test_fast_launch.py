@@ -1,4 +1,4 @@
-"""The eager fast launch path (qsa_torch._fast_launch).
+"""The eager fast launch path (qsa_torch._accel._fast_launch).
 
 On the CPU, the compiled path runs against Triton 3.6's own binder
 (``create_function_from_signature`` with ``BaseBackend``, whose
@@ -26,10 +26,14 @@ from triton.runtime.jit import create_function_from_signature
 
 from qsa_kernels import runtime, tuning
 from qsa_kernels.launch import ArrayInfo
-from qsa_torch import _fast_launch
-from qsa_torch._fast_launch import Binding, FastLauncher, SpecializationDriftWarning, claimed_specialization
+from qsa_torch._accel import _fast_launch
+from qsa_torch._accel._fast_launch import Binding, FastLauncher, SpecializationDriftWarning, claimed_specialization
 
 from . import _fast_launch_kernels as kernels
+
+from .util import needs_accelerator
+
+pytestmark = needs_accelerator
 
 
 def binder_of(kernel):
@@ -545,7 +549,7 @@ def test_launcher_called_directly_when_no_scratch_is_needed(monkeypatch, scratch
     h((2, 3), args, scalars, constexprs)
     h((2, 3), args, scalars, constexprs)
     values = tuple(h.binder(*args, **scalars, **constexprs)[0].values())
-    from qsa_torch import _fast_launch
+    from qsa_torch._accel import _fast_launch
     if scratch or not _fast_launch._TRITON_3_6:  # __call__ allocates the scratch; the direct call is 3.6's order
         (call,) = launcher.calls
         assert not launcher.launches

@@ -19,14 +19,19 @@ from pathlib import Path
 import pytest
 
 import qsa_jax
-from qsa_jax import _triton_call
+from qsa_jax import _lowering
+from qsa_jax._lowering import _proto
 from qsa_kernels import runtime
+
+from .util import needs_accelerator
+
+pytestmark = needs_accelerator  # how the accelerator (qsa_jax._lowering) lowers; the binding's: test_binding.py
 
 
 @pytest.mark.skipif(not runtime.INTERPRETED, reason="the interpreter's answer")
 def test_interpreted_process_reports_the_interpreter_and_no_lowering():
     assert qsa_jax.triton_lowering() == "interpreter"
-    assert not any(qsa_jax.triton_lowering_available(name) for name in _triton_call.LOWERINGS)
+    assert not any(qsa_jax.triton_lowering_available(name) for name in _lowering.LOWERINGS)
     with qsa_jax.use_triton_lowering("legacy"):  # accepted, no effect without a CUDA device
         assert qsa_jax.triton_lowering() == "interpreter"
 
@@ -48,16 +53,16 @@ def test_environment_variable_is_checked_with_a_clear_message():
 
 def test_environment_variable_sets_the_default_of_every_context():
     """Read at import: the context variable's default, so new threads start from it too."""
-    code = ("import threading, qsa_jax\nfrom qsa_jax import _triton_call\nseen = []\n"
-            "t = threading.Thread(target=lambda: seen.append(_triton_call._requested.get()))\nt.start(); t.join()\n"
-            "print(_triton_call._requested.get(), seen[0])\n")
+    code = ("import threading, qsa_jax\nfrom qsa_jax import _lowering\nseen = []\n"
+            "t = threading.Thread(target=lambda: seen.append(_lowering._requested.get()))\nt.start(); t.join()\n"
+            "print(_lowering._requested.get(), seen[0])\n")
     env = dict(os.environ, QSA_JAX_LOWERING=" JAX-Triton ")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["jax-triton", "jax-triton"], out
 
 
 # --------------------------------------------------------------------------
-# The version table's decisions (qsa_jax._triton_call.VERIFIED), with versions given
+# The version table's decisions (qsa_jax._lowering.VERIFIED), with versions given
 # --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("requested, jax_triton, jaxlib, ffi, expected", [
@@ -79,13 +84,13 @@ def test_environment_variable_sets_the_default_of_every_context():
     ("ffi", "0.4.2", "0.12.0.1", True, "ffi"),
 ])
 def test_version_table_decides_the_lowering(requested, jax_triton, jaxlib, ffi, expected):
-    assert _triton_call._choose(requested, jax_triton, jaxlib, ffi) == expected
+    assert _lowering._choose(requested, jax_triton, jaxlib, ffi) == expected
 
 
 def test_ffi_without_the_handler_is_refused_whatever_the_versions():
     for jax_triton in ("0.3.1", "0.4.9"):
         with pytest.raises(RuntimeError, match="the ffi lowering needs jaxlib's triton_kernel_call_ffi handler"):
-            _triton_call._choose("ffi", jax_triton, "0.11.2", False)
+            _lowering._choose("ffi", jax_triton, "0.11.2", False)
 
 
 def test_version_table_rows_are_well_formed_and_match_the_extra():
@@ -94,15 +99,15 @@ def test_version_table_rows_are_well_formed_and_match_the_extra():
 
     from packaging.requirements import Requirement
 
-    rows = _triton_call.VERIFIED
+    rows = _lowering.VERIFIED
     assert {row.package for row in rows} == {"jax-triton", "jaxlib"}
     for row in rows:
-        assert _triton_call._release(row.first) <= _triton_call._release(row.last), row
+        assert _lowering._release(row.first) <= _lowering._release(row.last), row
         assert row.where.startswith(("GPU", "CPU")) and row.uses, row
     extra = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]["jax-gpu"]
     specs = {r.name: r.specifier for r in map(Requirement, extra)}
-    oldest = {p: min((_triton_call._release(r.first), r.first) for r in rows if r.package == p)[1]
+    oldest = {p: min((_lowering._release(r.first), r.first) for r in rows if r.package == p)[1]
               for p in ("jax-triton", "jaxlib")}
     assert {s.version for s in specs["jax-triton"] if s.operator == ">="} == {oldest["jax-triton"]}
     assert {s.version for s in specs["jax"] if s.operator == ">="} == {oldest["jaxlib"]}  # jax pins its jaxlib floor
@@ -117,9 +122,9 @@ def compiled(monkeypatch):
     monkeypatch.setattr(runtime, "INTERPRETED", False)
 
     def given(jax_triton, jaxlib, ffi=True):
-        monkeypatch.setattr(_triton_call, "_versions", lambda: (jax_triton, jaxlib))
-        monkeypatch.setattr(_triton_call, "_ffi_registered", lambda: ffi)
-        monkeypatch.setattr(_triton_call, "_warned", set())
+        monkeypatch.setattr(_lowering, "_versions", lambda: (jax_triton, jaxlib))
+        monkeypatch.setattr(_lowering, "_ffi_registered", lambda: ffi)
+        monkeypatch.setattr(_lowering, "_warned", set())
 
     return given
 
@@ -127,8 +132,8 @@ def compiled(monkeypatch):
 def test_verified_versions_take_the_packages_lowering(compiled):
     compiled("0.4.1", "0.12.0.1")
     assert qsa_jax.triton_lowering() == "ffi"
-    assert all(qsa_jax.triton_lowering_available(name) for name in _triton_call.LOWERINGS)
-    assert _triton_call.lowering_reason().startswith("ffi: auto, and jaxlib 0.12.0.1 registers")
+    assert all(qsa_jax.triton_lowering_available(name) for name in _lowering.LOWERINGS)
+    assert _lowering.lowering_reason().startswith("ffi: auto, and jaxlib 0.12.0.1 registers")
     compiled("0.3.1", "0.11.2", ffi=False)
     assert qsa_jax.triton_lowering() == "legacy" and not qsa_jax.triton_lowering_available("ffi")
     with pytest.raises(RuntimeError, match="needs jaxlib's triton_kernel_call_ffi handler"):
@@ -141,7 +146,7 @@ def test_unverified_versions_fall_back_to_jax_tritons_lowering(compiled):
     assert qsa_jax.triton_lowering() == "jax-triton"
     assert qsa_jax.triton_lowering_available("jax-triton") and qsa_jax.triton_lowering_available("auto")
     assert not qsa_jax.triton_lowering_available("ffi") and not qsa_jax.triton_lowering_available("legacy")
-    assert "jax-triton 0.4.2 with jaxlib 0.12.0.1 is not among the versions" in _triton_call.lowering_reason()
+    assert "jax-triton 0.4.2 with jaxlib 0.12.0.1 is not among the versions" in _lowering.lowering_reason()
     with pytest.warns(RuntimeWarning, match="the 'legacy' lowering was asked for, but jax-triton 0.4.2"):
         with qsa_jax.use_triton_lowering("legacy"):  # forcing the private path: used, with a warning
             assert qsa_jax.triton_lowering() == "legacy"
@@ -178,12 +183,12 @@ def test_the_choice_is_per_thread_and_nested_blocks_restore_it(compiled):
 
 
 def test_use_triton_lowering_restores_the_previous_choice_even_on_error():
-    before = _triton_call._requested.get()
+    before = _lowering._requested.get()
     with pytest.raises(RuntimeError, match="inside"):
         with qsa_jax.use_triton_lowering("legacy"):
-            assert _triton_call._requested.get() == "legacy"
+            assert _lowering._requested.get() == "legacy"
             raise RuntimeError("inside")
-    assert _triton_call._requested.get() == before
+    assert _lowering._requested.get() == before
 
 
 def _cuda_plugin() -> str | None:
@@ -205,11 +210,11 @@ def test_every_lowering_lowers_for_cuda_without_a_gpu():
 
 
 def _field(number: int, payload: bytes) -> bytes:
-    return _triton_call._varint(number << 3 | 2) + _triton_call._varint(len(payload)) + payload
+    return _proto._varint(number << 3 | 2) + _proto._varint(len(payload)) + payload
 
 
 def _varint_field(number: int, value: int) -> bytes:
-    return _triton_call._varint(number << 3) + _triton_call._varint(value)
+    return _proto._varint(number << 3) + _proto._varint(value)
 
 
 def _call_proto(ptx: bytes, ttir: bytes | None) -> bytes:
@@ -274,7 +279,7 @@ def _ptx_tokens(ptx: str) -> list[str]:
 
 
 def test_minify_ptx_keeps_every_token_and_drops_the_rest():
-    small = _triton_call.minify_ptx(PTX)
+    small = _proto.minify_ptx(PTX)
     assert _ptx_tokens(small) == _ptx_tokens(PTX)
     lines = small.splitlines()
     others = [line for line in lines if '"' not in line]
@@ -283,7 +288,7 @@ def test_minify_ptx_keeps_every_token_and_drops_the_rest():
     assert "@%p1 ld.global.b32{%r2},[%rd1+0];" in lines and "selp.b32 %r3,1,-1,%p1;" in lines
     assert "@!%p1 bra $L__BB0_1;" in lines and "$L__BB0_1:" in lines and ".reg .b32 %r<9>;" in lines
     assert '.pragma "nounroll";  // "a string // that is not a comment"' in lines  # a string: only stripped
-    assert _triton_call.minify_ptx(small) == small
+    assert _proto.minify_ptx(small) == small
     assert len(small) < 0.6 * len(PTX)
 
 
@@ -291,34 +296,34 @@ def test_minify_ptx_leaves_block_comments_alone():
     """A ``/*`` anywhere: every line only loses its indentation (a ``//`` inside a block comment
     must not cut the line short)."""
     ptx = "\t/* a comment // with\n\tslashes */ add.s32 \t%r1, %r2, %r3;\n\n\tret;\n"
-    small = _triton_call.minify_ptx(ptx)
+    small = _proto.minify_ptx(ptx)
     assert small == "/* a comment // with\nslashes */ add.s32 \t%r1, %r2, %r3;\nret;\n"
     assert _ptx_tokens(small) == _ptx_tokens(ptx)
 
 
 def test_slim_call_proto_drops_the_ttir_and_minifies_only_the_ptx():
     ptx = PTX.encode()
-    slim = _triton_call._slim_call_proto(zlib.compress(_call_proto(ptx, b"module { tt.func ... }" * 40)))
-    assert zlib.decompress(slim) == _call_proto(_triton_call.minify_ptx(PTX).encode(), None)
-    full = _triton_call._slim_call_proto(zlib.compress(_call_proto(ptx, b"module { tt.func ... }" * 40)), minify=False)
+    slim = _proto.slim_call_proto(zlib.compress(_call_proto(ptx, b"module { tt.func ... }" * 40)))
+    assert zlib.decompress(slim) == _call_proto(_proto.minify_ptx(PTX).encode(), None)
+    full = _proto.slim_call_proto(zlib.compress(_call_proto(ptx, b"module { tt.func ... }" * 40)), minify=False)
     assert zlib.decompress(full) == _call_proto(ptx, None)
     # the same proto without TTIR passes through unchanged (but for compression)
-    assert zlib.decompress(_triton_call._slim_call_proto(zlib.compress(_call_proto(ptx, None)), minify=False)) \
+    assert zlib.decompress(_proto.slim_call_proto(zlib.compress(_call_proto(ptx, None)), minify=False)) \
         == _call_proto(ptx, None)
 
 
 def test_ptx_form_is_a_context_variable_read_from_the_environment():
-    assert _triton_call._ptx_in_force() == "minified"
-    with _triton_call.ptx_form("full"):
-        assert _triton_call._ptx_in_force() == "full"
-        with _triton_call.ptx_form("minified"):
-            assert _triton_call._ptx_in_force() == "minified"
-        assert _triton_call._ptx_in_force() == "full"
-    assert _triton_call._ptx_in_force() == "minified"
+    assert _lowering._ptx_in_force() == "minified"
+    with _lowering.ptx_form("full"):
+        assert _lowering._ptx_in_force() == "full"
+        with _lowering.ptx_form("minified"):
+            assert _lowering._ptx_in_force() == "minified"
+        assert _lowering._ptx_in_force() == "full"
+    assert _lowering._ptx_in_force() == "minified"
     with pytest.raises(ValueError, match="PTX form must be one of 'minified', 'full', got 'tiny'"):
-        with _triton_call.ptx_form("tiny"):
+        with _lowering.ptx_form("tiny"):
             pass
-    code = "from qsa_jax import _triton_call\nprint(_triton_call._ptx_in_force())\n"
+    code = "from qsa_jax import _lowering\nprint(_lowering._ptx_in_force())\n"
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, QSA_JAX_PTX=" Full "),
                          capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["full"], out

@@ -121,7 +121,7 @@ def test_wheel_metadata(wheel):
     assert needs(None) == {"triton<3.10,>=3.6.0", "numpy"}  # neither torch nor jax: qsa_kernels needs neither
     assert needs("torch") == {"torch>=2.10"}  # 2.9.x pins triton 3.5.1 (test_below_the_torch_floor...)
     assert needs("jax") == {"jax>=0.8.2", "ml_dtypes"}  # no torch: from PyPI a CUDA build (the README says which)
-    # no torch on the GPU path; the ranges are qsa_jax._triton_call.VERIFIED's (tests/test_jax_lowering.py)
+    # no torch on the GPU path; the ranges are qsa_jax._lowering.VERIFIED's (tests/test_jax_lowering.py)
     assert needs("jax-gpu") == {"jax<0.13,>=0.11.2", "ml_dtypes", "jax-triton<=0.4.1,>=0.3.1"}
     assert needs("gpu") == {"qsa-kernels[jax-gpu,torch]"}
     assert needs("test") == {"qsa-kernels[jax,torch]", "pytest>=8", "hypothesis>=6", "mypy>=1.10"}

@@ -108,7 +108,7 @@ def test_the_wait_is_emitted_only_in_compiled_processes_on_sm90_hosts(monkeypatc
 def test_step_with_early_launches_equals_ordinary_launches(monkeypatch):
     """PDL off, then on: eager, and 20 CUDA-graph replays each from the same state, all the bits
     of the ordinary eager step; on sm_90 the step's launches were compiled with launch_pdl."""
-    from qsa_torch import _fast_launch
+    from qsa_torch._accel import _fast_launch
 
     from .test_step import STATE_FIELDS, clone_state as clone, production_decode_step
 

@@ -391,7 +391,7 @@ def test_unverified_versions_fall_back_to_jax_tritons_lowering_with_the_same_bit
     candidate) makes ``auto`` take jax-triton's own lowering; an in-place launch (donated caches) and
     a launch without aliases give the bits of the package's own lowering.  With 0.4's API the
     fallback's public triton_call cannot bind an in-place launch: that is refused, clearly."""
-    from qsa_jax import _triton_call
+    from qsa_jax import _lowering as _triton_call
 
     g = torch.Generator().manual_seed(3)
     T, QH, KH, D, P = 8, 8, 2, 64, 16
@@ -460,9 +460,9 @@ def production_decode_step(seed: int):
 def test_production_geometry_graph_and_jax(lowering, ptx):
     """24 Q / 2 KV heads x d256, indexer 4 x d128, ratio 4, pages of 64, top 2048 tokens: a prefill
     chunk then a decode step; torch eager, torch CUDA-graph replay and JAX (each Triton lowering, with
-    each PTX form it can carry: ``qsa_jax._triton_call.ptx_form``; state donated: its buffers are
+    each PTX form it can carry: ``qsa_jax._lowering.ptx_form``; state donated: its buffers are
     updated in place) agree bitwise."""
-    from qsa_jax import _triton_call
+    from qsa_jax import _lowering as _triton_call
 
     model, state, host_meta, inputs, cs, ics, torch_step = production_decode_step(seed=0)
     jax_state = qsa_jax.QSAState(**{n: to_jax(getattr(state, n)) for n in STATE_FIELDS})

@@ -6,11 +6,17 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import pytest
 import torch
 
 from qsa_kernels import runtime
 
 DEVICE = torch.device("cpu" if runtime.INTERPRETED else "cuda")
+
+#: Whether the adapters' accelerators are plugged in (``QSA_ACCELERATE``, unset: on).  CI runs the
+#: suite both ways; the accelerators' own tests skip without them.
+ACCELERATED = runtime.env_switch("QSA_ACCELERATE", default=True)
+needs_accelerator = pytest.mark.skipif(not ACCELERATED, reason="QSA_ACCELERATE=0: the accelerators are off")
 
 _RAW = {
     torch.bfloat16: (torch.uint16, ml_dtypes.bfloat16),

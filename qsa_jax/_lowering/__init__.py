@@ -1,6 +1,9 @@
-"""Everything jax-triton-specific lives here: how each launch is bound and lowered.
+"""The JAX accelerator: each launch bound and re-lowered for less host time (``qsa_jax._binding.hook``).
 
-jax-triton compiles every kernel and builds jaxlib's serialized call proto
+Everything here saves host time and nothing else: with ``QSA_ACCELERATE=0``
+jax-triton binds and lowers every launch itself (the binding alone), with
+the same kernels, arguments and bits; delete this package and the binding
+still works.  jax-triton compiles every kernel and builds jaxlib's serialized call proto
 (the kernel's PTX and launch parameters); how the launch then reaches XLA is
 one of three lowerings:
 
@@ -17,7 +20,7 @@ one of three lowerings:
 
 ``"ffi"`` and ``"legacy"`` replace jax-triton's lowering rule for this
 package's launches: jax-triton's rule emits its call, this module reads the
-proto back, slims it (:func:`_slim_call_proto`: no TTIR, the PTX minified;
+proto back, slims it (:func:`._proto.slim_call_proto`: no TTIR, the PTX minified;
 jaxlib copies and hashes it per launch with some versions, so its size is host
 time) and emits the chosen call with the same operands, results and aliases
 (``QSA_JAX_PTX=full``, or :func:`ptx_form`, keeps Triton's PTX as is). That
@@ -45,23 +48,20 @@ import contextvars
 import dataclasses
 import functools
 import importlib.metadata
-import inspect
 import os
 import re
 import warnings
-import zlib
 
 import jax
-import jax.numpy as jnp
 
 from qsa_kernels import runtime
-from qsa_kernels.launch import Buffer, Launch, Program, execute, kernel_name
+from qsa_kernels.launch import Launch, kernel_name
 
-FFI_TARGET = "triton_kernel_call_ffi"
-LEGACY_TARGET = "triton_kernel_call"
-#: The XLA custom-call targets a jitted qsa_jax function may contain (for
-#: ``jax.export.DisabledSafetyCheck.custom_call``).
-CUSTOM_CALL_TARGETS = (LEGACY_TARGET, FFI_TARGET)
+from .. import _binding
+from .._binding import CUSTOM_CALL_TARGETS
+from . import _proto
+
+LEGACY_TARGET, FFI_TARGET = CUSTOM_CALL_TARGETS
 LOWERINGS = ("auto", "ffi", "legacy", "jax-triton")
 _ENVIRONMENT = "QSA_JAX_LOWERING"
 #: What PTX text the ``"ffi"`` and ``"legacy"`` lowerings put in the call proto:
@@ -200,7 +200,7 @@ def _resolve(name: str) -> str:
     if lowering in ("ffi", "legacy") and not _private_verified(jax_triton, jaxlib) and key not in _warned:
         _warned.add(key)
         warnings.warn(f"qsa_jax: the {lowering!r} lowering was asked for, but jax-triton {jax_triton} with jaxlib "
-                      f"{jaxlib} is not among the versions it was verified with (qsa_jax._triton_call.VERIFIED): "
+                      f"{jaxlib} is not among the versions it was verified with (qsa_jax._lowering.VERIFIED): "
                       f"it relies on their private internals; 'jax-triton' (or 'auto') avoids them",
                       RuntimeWarning, stacklevel=3)
     return lowering
@@ -317,30 +317,6 @@ def _lowering_of(name: str) -> str | None:
     return next((lowering for lowering in ("ffi", "legacy") if name.startswith(_NAME_PREFIX[lowering])), None)
 
 
-def _import_jax_triton():
-    # Importing jax_triton sets TRITON_CACHE_DIR to "" (0.3) or removes it
-    # (0.4), after which torch-side Triton launches fail: put the old value back.
-    previous = os.environ.get("TRITON_CACHE_DIR")
-    import jax_triton
-
-    if previous is None:
-        os.environ.pop("TRITON_CACHE_DIR", None)
-    else:
-        os.environ["TRITON_CACHE_DIR"] = previous
-    if _api(jax_triton) == "0.4":
-        import triton
-
-        if _release(triton.__version__.split("+")[0]) < (3, 7):  # 0.4 silently stubs out the NVIDIA backend
-            raise ImportError(f"jax-triton {jax_triton.__version__} needs triton >= 3.7, and this is triton "
-                              f"{triton.__version__}: install jax-triton 0.3.1 or a newer triton")
-    return jax_triton
-
-
-def _api(jax_triton) -> str:
-    """``"0.3"`` or ``"0.4"``: how the installed ``triton_call`` binds outputs (its public signature says)."""
-    return "0.4" if "out_type" in inspect.signature(jax_triton.triton_call).parameters else "0.3"
-
-
 _rule_installed = False
 
 
@@ -356,7 +332,7 @@ def _install_lowering(jax_triton) -> None:
 
     lib = jax_triton.triton_lib
     try:
-        target = lib.get_cuda_backend if _api(jax_triton) == "0.3" else lib.make_cuda_target
+        target = lib.get_cuda_backend if _binding.jax_triton_api(jax_triton) == "0.3" else lib.make_cuda_target
         own_rule = functools.partial(lib.triton_kernel_call_lowering, target)
         primitive = lib.triton_kernel_call_p
     except AttributeError as error:
@@ -372,7 +348,7 @@ def _install_lowering(jax_triton) -> None:
             results = own_rule(ctx, *operands, name=name, **params)
         op = results[0].owner
         full_ptx = name[len(_NAME_PREFIX[lowering]):].startswith(_FULL_PTX)
-        proto = _slim_call_proto(_payload(op, ir), minify=not full_ptx)
+        proto = _proto.slim_call_proto(_proto.payload(op, ir), minify=not full_ptx)
         op.erase()
         # Our launches bind the arrays first, so operand indices are array indices in either version.
         aliases = dict(params["input_output_aliases"])
@@ -386,161 +362,10 @@ def _install_lowering(jax_triton) -> None:
     _rule_installed = True
 
 
-def custom_calls(lowered) -> list:
-    """Every ``stablehlo.custom_call`` operation of ``lowered`` (a ``jax.stages.Lowered``), in order:
-    the launches whose payloads the diagnostics read (scripts/check_jax_lowering.py,
-    scripts/jax_payload.py, benchmarks/bench_jax_calls.py)."""
-    found = []
-
-    def walk(op):
-        for region in op.regions:
-            for block in region.blocks:
-                for inner in block.operations:
-                    if inner.operation.name == "stablehlo.custom_call":
-                        found.append(inner.operation)
-                    walk(inner.operation)
-
-    walk(lowered.compiler_ir("stablehlo").operation)
-    return found
-
-
-def _payload(op, ir) -> bytes:
-    """The compressed call proto jax-triton's rule put on ``op`` (0.3: the legacy call's
-    ``backend_config``; 0.4: the FFI call's ``opaque`` attribute)."""
-    target = ir.StringAttr(op.attributes["call_target_name"]).value
-    if target == LEGACY_TARGET:
-        return ir.StringAttr(op.attributes["backend_config"]).value_bytes
-    if target == FFI_TARGET:
-        return ir.StringAttr(ir.DictAttr(op.attributes["mhlo.backend_config"])["opaque"]).value_bytes
-    raise RuntimeError(f"jax-triton lowered a launch to {target!r}, which this module does not know")
-
 
 # --------------------------------------------------------------------------
-# The call proto, slimmed.  jaxlib keys its kernel cache on the whole
-# compressed proto: per call (legacy) and per execution of an executable
-# (jaxlib 0.11.2's FFI initialize stage) it copies the proto into a
-# std::string, hashes it and compares it with the cached key
-# (GetOrCreateKernelCall): three passes over its bytes (jaxlib 0.12's execute
-# stage reuses the launch it cached in its instantiate state and reads no
-# payload; docs/design.md, "JAX call overhead").  The kernel's TTIR text in it
-# is never read at run time, Triton's line info and the PTX's comments and
-# blanks are never read by ptxas; all go.  (Protobuf wire format,
-# TritonAnyKernelCall -> kernel_call (1) -> kernel (1) -> ptx (4), ttir (5):
-# see jaxlib/gpu/triton.proto.)
+# Binding one launch, and the hook
 # --------------------------------------------------------------------------
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
-
-
-def _read_varint(data: bytes, i: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = data[i]
-        i += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if byte < 0x80:
-            return value, i
-
-
-def _fields(data: bytes):
-    """``(field number, wire type, encoded entry, payload or None)`` for each entry of a message."""
-    i = 0
-    while i < len(data):
-        start = i
-        key, i = _read_varint(data, i)
-        kind = key & 7
-        payload = None
-        if kind == 0:
-            _, i = _read_varint(data, i)
-        elif kind == 1:
-            i += 8
-        elif kind == 5:
-            i += 4
-        elif kind == 2:
-            length, i = _read_varint(data, i)
-            payload, i = data[i:i + length], i + length
-        else:
-            raise ValueError(f"unexpected protobuf wire type {kind}")
-        yield key >> 3, kind, data[start:i], payload
-
-
-def _edit(message: bytes, number: int, change) -> bytes:
-    """``message`` with the payload of each length-delimited field ``number`` replaced by
-    ``change(payload)`` (``None``: the field dropped)."""
-    out = bytearray()
-    for field, kind, entry, payload in _fields(message):
-        if field != number or kind != 2:
-            out += entry
-            continue
-        new = change(payload)
-        if new is not None:
-            out += _varint(number << 3 | 2) + _varint(len(new)) + new
-    return bytes(out)
-
-
-def _slim_call_proto(compressed: bytes, minify: bool = True) -> bytes:
-    """A single-kernel call proto without the kernel's TTIR and (``minify``) with its PTX
-    minified (:func:`minify_ptx`), recompressed at zlib's best level."""
-    def kernel(message: bytes) -> bytes:
-        message = _edit(message, 5, lambda ttir: None)
-        return _edit(message, 4, lambda ptx: minify_ptx(ptx.decode()).encode()) if minify else message
-
-    proto = _edit(zlib.decompress(compressed), 1, lambda call: _edit(call, 1, kernel))
-    return zlib.compress(proto, 9)
-
-
-_PTX_SPACE = re.compile(r" ?([,;\[\]{}()+]) ?")
-
-
-def minify_ptx(ptx: str) -> str:
-    """``ptx`` without what ptxas never reads: ``//`` comments (LLVM's ``// begin inline asm``,
-    ``// %bb.N:``, the commented-out ``// .globl``), indentation, blank lines, runs of blanks
-    (one space is kept between tokens) and the blanks beside punctuation (``,`` ``;`` ``[`` ``]``
-    ``{`` ``}`` ``(`` ``)`` ``+``).  A line holding a string, and every line of a PTX holding a
-    ``/*`` comment, only loses its indentation.  The same machine code either way:
-    tests/test_jax_lowering.py assembles both forms of every kernel of the decode step with
-    Triton's ptxas and compares the SASS."""
-    out, block_comments = [], "/*" in ptx
-    for line in ptx.split("\n"):
-        if block_comments or '"' in line:
-            line = line.strip()
-        else:
-            line = _PTX_SPACE.sub(r"\1", " ".join(line.split("//", 1)[0].split()))
-        if line:
-            out.append(line)
-    return "\n".join(out) + "\n"
-
-
-# --------------------------------------------------------------------------
-# Binding one launch
-# --------------------------------------------------------------------------
-
-def _allocate(buffer: Buffer, fill):
-    # Unfilled buffers are placeholders: the launch that writes one gets its
-    # shape and dtype as an out_shape and returns the array.
-    if fill is None:
-        return jax.ShapeDtypeStruct(buffer.shape, jnp.dtype(buffer.dtype))
-    return jnp.full(buffer.shape, fill, jnp.dtype(buffer.dtype))
-
-
-def _out_types(outputs: list) -> list:
-    return [jax.ShapeDtypeStruct(value.shape, value.dtype) for value in outputs]
-
-
-def _call_03(jax_triton, launch: Launch, inputs: list, outputs: list, name: str) -> list:
-    """jax-triton 0.3's public ``triton_call``: a pointer per input, then per output (aliased too)."""
-    return jax_triton.triton_call(
-        *inputs, kernel=launch.kernel, out_shape=_out_types(outputs), grid=launch.grid, name=name,
-        input_output_aliases=launch.aliases(), num_warps=launch.num_warps, num_stages=launch.num_stages,
-        **launch.scalars, **launch.constexprs)
-
 
 def _bind_04(jax_triton, launch: Launch, inputs: list, outputs: list, name: str) -> list:
     """jax-triton 0.4's primitive bound as its ``triton_call`` would, but with a pointer for every
@@ -554,7 +379,7 @@ def _bind_04(jax_triton, launch: Launch, inputs: list, outputs: list, name: str)
               *(lib._StaticArg(launch.scalars[p]) for p in scalars)]
     arrays, in_tree = jax.tree_util.tree_flatten(leaves)
     return lib.triton_kernel_call_p.bind(
-        *arrays, fn=launch.kernel, name=name, in_tree=in_tree, out_shapes=tuple(_out_types(outputs)),
+        *arrays, fn=launch.kernel, name=name, in_tree=in_tree, out_shapes=tuple(_binding.out_types(outputs)),
         grid=launch.grid, compute_capability=None,
         backend_options=lib.FrozenDict({"num_warps": launch.num_warps, "num_stages": launch.num_stages,
                                         "debug": False, "num_ctas": 1}),
@@ -562,43 +387,37 @@ def _bind_04(jax_triton, launch: Launch, inputs: list, outputs: list, name: str)
         cost_estimate=None, has_side_effect=False, metaparams=lib.FrozenDict(metaparams))
 
 
-def _call_public_04(jax_triton, launch: Launch, inputs: list, outputs: list, name: str) -> list:
-    """An unverified jax-triton with 0.4's API: its public ``triton_call``, which cannot bind an
-    in-place launch (it would give the aliased output no pointer of its own)."""
-    if launch.aliases():
-        raise NotImplementedError(
-            f"{kernel_name(launch.kernel)} updates arrays in place, which jax-triton "
-            f"{_versions()[0]}'s public triton_call cannot bind for this package's kernels (an aliased "
-            f"output gets no pointer of its own), and this jax-triton is not among the versions qsa_jax binds "
-            f"directly (qsa_jax._triton_call.VERIFIED): install jax-triton >= 0.3.1, <= 0.4.1, or force the "
-            f"direct bind with {_ENVIRONMENT}=ffi or legacy")
-    return jax_triton.triton_call(
-        *inputs, kernel=launch.kernel, out_type=_out_types(outputs), grid=launch.grid, name=name,
-        num_warps=launch.num_warps, num_stages=launch.num_stages, **launch.scalars, **launch.constexprs)
+
+class JaxAccelerator:
+    """The hook's methods (:class:`qsa_jax._binding.Accelerator`)."""
+
+    def launcher(self, jax_triton):
+        lowering = triton_lowering()
+        version = _versions()[0]
+        if lowering == "jax-triton" and (_binding.jax_triton_api(jax_triton) == "0.3" or not verified(
+                "jax-triton", version)):
+            return None  # jax-triton's own binding and lowering: the binding's
+        if lowering != "jax-triton":
+            _install_lowering(jax_triton)
+        bind = _binding.call_03 if _binding.jax_triton_api(jax_triton) == "0.3" else _bind_04
+        prefix = _NAME_PREFIX[lowering] + (_FULL_PTX if lowering != "jax-triton" and _ptx_in_force() == "full"
+                                           else "")
+        return lambda launch, inputs, outputs: bind(jax_triton, launch, inputs, outputs,
+                                                    prefix + kernel_name(launch.kernel))
+
+    def lowering(self) -> str:
+        return triton_lowering()
+
+    def lowering_available(self, name: str) -> bool:
+        return triton_lowering_available(name)
+
+    def use_lowering(self, name: str):
+        return use_triton_lowering(name)
+
+    def describe(self) -> dict[str, str]:
+        return {"JAX lowering": lowering_reason()}
 
 
-def _binder(jax_triton, lowering: str):
-    """How this jax-triton binds a launch lowered the ``lowering`` way."""
-    if _api(jax_triton) == "0.3":
-        return _call_03
-    if lowering != "jax-triton" or verified("jax-triton", _versions()[0]):
-        return _bind_04
-    return _call_public_04
-
-
-_jax_triton = None
-
-
-def run(program: Program, env: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
-    """Run ``program`` through the shared executor, one jax-triton launch per launch."""
-    global _jax_triton
-    if _jax_triton is None:
-        _jax_triton = _import_jax_triton()
-    lowering = triton_lowering()
-    if lowering != "jax-triton":
-        _install_lowering(_jax_triton)
-    bind = _binder(_jax_triton, lowering)
-    prefix = _NAME_PREFIX[lowering] + (_FULL_PTX if lowering != "jax-triton" and _ptx_in_force() == "full" else "")
-    return execute(program, env, adapter="jax", allocate=_allocate,
-                   launch=lambda launch, inputs, outputs: bind(
-                       _jax_triton, launch, inputs, outputs, prefix + kernel_name(launch.kernel)))
+def install() -> None:
+    """Plug the accelerator into the binding."""
+    _binding.install(JaxAccelerator())

@@ -36,6 +36,8 @@ import warnings
 
 import torch
 
+from qsa_kernels import runtime
+
 __all__ = ["VERIFIED", "GUARDS_VERIFIED", "OWN_OP_KERNELS", "switch", "increment_version", "any_requires_grad",
            "tensor_guards"]
 
@@ -54,16 +56,16 @@ _NEEDED = ("_AutoDispatchBelowADInplaceOrView", "_after_ADInplaceOrView_keyset",
 
 
 def switch(variable: str, version: str, verified) -> bool:
-    """A private fast path's switch: ``variable`` (0/off/false/no, 1/on/true/yes, or auto or unset:
-    on where ``version``'s major.minor is in ``verified``)."""
-    choice = os.environ.get(variable, "").strip().lower()
-    if choice in ("0", "off", "false", "no"):
-        return False
-    if choice in ("1", "on", "true", "yes"):
-        return True
-    if choice not in ("", "auto"):
-        raise ValueError(f"{variable} must be 0, 1 or auto, got {os.environ[variable]!r}")
-    return ".".join(version.split(".")[:2]) in verified
+    """A private fast path's switch: ``variable`` on or off as ``runtime.env_switch`` reads it, or
+    ``auto`` / unset: on where ``version``'s major.minor is in ``verified``."""
+    default = ".".join(version.split(".")[:2]) in verified
+    if os.environ.get(variable, "").strip().lower() == "auto":
+        return default
+    try:
+        return runtime.env_switch(variable, default=default)
+    except ValueError:
+        raise ValueError(f"{variable} must be 0, 1 or auto (or off/on, false/true, no/yes), got "
+                         f"{os.environ[variable]!r}") from None
 
 
 def _own_op_kernels() -> bool:

@@ -1,11 +1,18 @@
-"""Binds qsa_kernels programs to JAX arrays.
+"""The JAX binding: qsa_kernels programs over JAX arrays, through the one executor.
 
-Compiled process: each launch is a ``jax_triton.triton_call`` (see
-:mod:`qsa_jax._triton_call`, the only module that touches jax-triton).
-Interpreted process (no CUDA device; jax-triton cannot even be imported with a
-CPU-only jaxlib): the whole program runs from one host callback through the
-shared executor (``qsa_kernels.launch.execute``) on zero-copy CPU torch
-tensors, so the same plans and kernels run under ``jax.jit`` in CI.
+Public APIs only (JAX, jax-triton's ``triton_call``): tests/test_binding.py
+scans this module's imports.  Compiled process: each launch is a
+``jax_triton.triton_call`` (this module is the only one that calls
+jax-triton; jax-triton lowers it itself).  Interpreted process (no CUDA
+device; jax-triton cannot even be imported with a CPU-only jaxlib): the
+whole program runs from one host callback through the shared executor
+(``qsa_kernels.launch.execute``) on zero-copy CPU torch tensors, so the
+same plans and kernels run under ``jax.jit`` in CI.
+
+The accelerator (``qsa_jax._lowering``: installed unless
+``QSA_ACCELERATE=0``) plugs in through :data:`hook`: it binds each launch
+itself and re-lowers it to jaxlib's typed-FFI call with a slimmed payload
+(the same kernel, arguments and bits; less host time per launch).
 
 Every call is wrapped so that ``jax.grad`` and ``jax.vmap`` fail with a message
 naming the public function, not an internal error.
@@ -13,10 +20,13 @@ naming the public function, not an internal error.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
+import os
 import queue
 import threading
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +38,9 @@ if TYPE_CHECKING:  # the annotations' array types (the same names in both adapte
     from jax.typing import ArrayLike
 
 from qsa_kernels import runtime
-from qsa_kernels.launch import ArrayInfo, Buffer, Program, check_scale_values, check_scales, execute, triton_launch
-from qsa_kernels.stage import RUN_PROGRAM_DOC, Stage, make_public
+from qsa_kernels.launch import (ArrayInfo, Buffer, Launch, Program, check_scale_values, check_scales, execute,
+                                kernel_name, triton_launch)
+from qsa_kernels.stage import RUN_PROGRAM_DOC, Stage, make_function
 from qsa_kernels.validate import check_host_indices_fit_int32, device_error, type_error
 
 from . import _sharding
@@ -195,10 +206,165 @@ def _run_on_host(program: Program, names, arrays):
     return jax.pure_callback(host, tuple(result_types), *arrays)
 
 
-def _run_compiled(program: Program, names, arrays):
-    from . import _triton_call
+# --------------------------------------------------------------------------
+# The compiled path: one jax-triton launch per launch
+# --------------------------------------------------------------------------
 
-    return _triton_call.run(program, dict(zip(names, arrays)))
+#: The XLA custom-call targets a jitted qsa_jax function may contain (jaxlib's Triton handlers: the
+#: legacy call jax-triton 0.3 emits, the typed-FFI call of 0.4 and of the accelerator), for
+#: ``jax.export.DisabledSafetyCheck.custom_call``.
+CUSTOM_CALL_TARGETS = ("triton_kernel_call", "triton_kernel_call_ffi")
+
+
+class Accelerator(Protocol):
+    """What ``qsa_jax._lowering`` plugs in (:func:`install`)."""
+
+    def launcher(self, jax_triton) -> Callable[[Launch, list, list], list] | None:
+        """How launches traced now are bound and lowered; ``None``: jax-triton's own way."""
+
+    def lowering(self) -> str:
+        """The lowering in force for launches traced now (``"ffi"``, ``"legacy"``, ``"jax-triton"``)."""
+
+    def lowering_available(self, name: str) -> bool: ...
+
+    def use_lowering(self, name: str) -> contextlib.AbstractContextManager: ...
+
+    def describe(self) -> dict[str, str]: ...
+
+
+#: The installed accelerator, or ``None`` (``QSA_ACCELERATE=0``: jax-triton lowers every launch).
+hook: Accelerator | None = None
+
+
+def install(accelerator: Accelerator | None) -> None:
+    """Plug ``accelerator`` in (``None``: take it out)."""
+    global hook
+    hook = accelerator
+
+
+def import_jax_triton():
+    """``jax_triton``, imported with ``TRITON_CACHE_DIR`` put back as it was (importing it sets it to ""
+    (0.3) or removes it (0.4), after which torch-side Triton launches fail)."""
+    previous = os.environ.get("TRITON_CACHE_DIR")
+    import jax_triton
+
+    if previous is None:
+        os.environ.pop("TRITON_CACHE_DIR", None)
+    else:
+        os.environ["TRITON_CACHE_DIR"] = previous
+    if jax_triton_api(jax_triton) == "0.4":
+        import triton
+
+        if tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:2]) < (3, 7):
+            raise ImportError(f"jax-triton {jax_triton.__version__} needs triton >= 3.7, and this is triton "
+                              f"{triton.__version__}: install jax-triton 0.3.1 or a newer triton")
+    return jax_triton
+
+
+def jax_triton_api(jax_triton) -> str:
+    """``"0.3"`` or ``"0.4"``: how the installed ``triton_call`` binds outputs (its public signature says)."""
+    return "0.4" if "out_type" in inspect.signature(jax_triton.triton_call).parameters else "0.3"
+
+
+def allocate(buffer: Buffer, fill):
+    """The executor's ``allocate``: unfilled buffers are placeholders (the launch that writes one gets
+    its shape and dtype as an out_shape and returns the array)."""
+    if fill is None:
+        return jax.ShapeDtypeStruct(buffer.shape, jnp.dtype(buffer.dtype))
+    return jnp.full(buffer.shape, fill, jnp.dtype(buffer.dtype))
+
+
+def out_types(outputs: list) -> list:
+    return [jax.ShapeDtypeStruct(value.shape, value.dtype) for value in outputs]
+
+
+def call_03(jax_triton, launch: Launch, inputs: list, outputs: list, name: str | None = None) -> list:
+    """jax-triton 0.3's ``triton_call``: a pointer per input, then per output (aliased ones too: the
+    kernels' layout, torch passing an in-place tensor twice), every keyword a constant.  ``name``:
+    the launch's (the accelerator's rule reads it); default ``qsa:<kernel>``."""
+    return jax_triton.triton_call(
+        *inputs, kernel=launch.kernel, out_shape=out_types(outputs), grid=launch.grid,
+        name=name or "qsa:" + kernel_name(launch.kernel), input_output_aliases=launch.aliases(),
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **launch.scalars, **launch.constexprs)
+
+
+def _call_04(jax_triton, launch: Launch, inputs: list, outputs: list) -> list:
+    """jax-triton 0.4's ``triton_call``, which gives an aliased output no pointer of its own: it binds
+    launches without in-place arrays only (the accelerator binds the others)."""
+    if launch.aliases():
+        raise NotImplementedError(
+            f"{kernel_name(launch.kernel)} updates arrays in place, which jax-triton {jax_triton.__version__}'s "
+            f"triton_call cannot bind for this package's kernels (an aliased output gets no pointer of its own): "
+            f"install jax-triton 0.3.1, or leave the accelerator on (QSA_ACCELERATE unset), which binds them "
+            f"for the jax-triton releases it lists (qsa_jax._lowering.VERIFIED)")
+    return jax_triton.triton_call(
+        *inputs, kernel=launch.kernel, out_type=out_types(outputs), grid=launch.grid,
+        name="qsa:" + kernel_name(launch.kernel), num_warps=launch.num_warps, num_stages=launch.num_stages,
+        **launch.scalars, **launch.constexprs)
+
+
+_jax_triton = None
+
+
+def _run_compiled(program: Program, names, arrays):
+    global _jax_triton
+    if _jax_triton is None:
+        _jax_triton = import_jax_triton()
+    launch = hook.launcher(_jax_triton) if hook is not None else None
+    if launch is None:
+        bind = call_03 if jax_triton_api(_jax_triton) == "0.3" else _call_04
+        launch = functools.partial(bind, _jax_triton)
+    return execute(program, dict(zip(names, arrays)), adapter="jax", allocate=allocate, launch=launch)
+
+
+# How launches reach XLA: the accelerator's choice, else jax-triton's own lowering.
+
+def triton_lowering() -> str:
+    """How Triton launches traced from now on reach XLA: ``"ffi"``, ``"legacy"`` or
+    ``"jax-triton"`` (``"interpreter"`` in a process without a CUDA device, where every
+    launch runs from a host callback instead)."""
+    if runtime.INTERPRETED:
+        return "interpreter"
+    return hook.lowering() if hook is not None else "jax-triton"
+
+
+def triton_lowering_available(name: str) -> bool:
+    """Whether launches can lower the ``name`` way here without forcing: ``"auto"`` and
+    ``"jax-triton"`` in any compiled process; ``"legacy"`` and ``"ffi"`` where the accelerator
+    is on and the installed jax-triton and jaxlib are verified (``"ffi"``: and jaxlib registers
+    its FFI handler)."""
+    if hook is not None:
+        return hook.lowering_available(name)
+    _check_lowering(name)
+    return not runtime.INTERPRETED and name in ("auto", "jax-triton")
+
+
+@contextlib.contextmanager
+def use_triton_lowering(name: str) -> Iterator[None]:
+    """Lower the Triton launches traced inside the block the ``name`` way (``"auto"``, ``"ffi"``,
+    ``"legacy"`` or ``"jax-triton"``; the default is the ``QSA_JAX_LOWERING`` environment
+    variable, else ``"auto"``).  A context variable: it holds for the current thread (and
+    context), nested blocks restore the outer choice on exit.  A jitted function is traced at
+    its first call for given shapes: call (or ``.lower()``) it inside the block.  Raises at entry
+    if ``name`` cannot be used here (``"ffi"`` and ``"legacy"`` need the accelerator).  No
+    effect in a process without a CUDA device."""
+    if hook is not None:
+        with hook.use_lowering(name):
+            yield
+        return
+    _check_lowering(name)
+    if name not in ("auto", "jax-triton") and not runtime.INTERPRETED:
+        raise RuntimeError(f"the {name!r} lowering is the accelerator's, which QSA_ACCELERATE=0 turned off: use "
+                           f"'jax-triton' or 'auto'")
+    yield
+
+
+LOWERINGS = ("auto", "ffi", "legacy", "jax-triton")
+
+
+def _check_lowering(name: str) -> None:
+    if name not in LOWERINGS:
+        raise ValueError(f"lowering must be one of {', '.join(map(repr, LOWERINGS))}, got {name!r}")
 
 
 def _read_scale(function: str, name: str, array) -> list[float] | None:
@@ -261,8 +427,13 @@ def plan(stage: Stage, arguments: Mapping[str, object]) -> Program:
     return _program(stage, arguments)[1]
 
 
-#: ``public(stage)``: the stage's public function for jax (with its ``.plan``).
-public = functools.partial(make_public, call=call, plan=plan, framework="jax", module="qsa_jax")
+def plan_seam(stage: Stage):
+    """``function.plan``: the Program a call with the same arguments runs (nothing launched)."""
+    seam = make_function(stage, plan, framework="jax", module="qsa_jax")
+    seam.__qualname__ = f"{stage.name}.plan"
+    seam.__doc__ = (f"The Program ``{stage.name}`` runs for these arguments (validated and memoised as a "
+                    "call's; nothing is launched).")
+    return seam
 
 
 def run_program(program: Program, arrays: Mapping[str, ArrayLike | None]) -> tuple[Array, ...]:

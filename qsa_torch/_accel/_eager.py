@@ -1,6 +1,6 @@
 """Eager calls at the host cost of their launches: a call's Program, prepared once per call key.
 
-The general eager path (``qsa_torch._launch``) reads every array's metadata
+The general eager path (``qsa_torch._binding``) reads every array's metadata
 into an :class:`~qsa_kernels.launch.ArrayInfo`, looks the plan up, allocates
 each buffer and launches each kernel through the fast launcher, which keys
 every launch again on its arguments.  With steady shapes all of that repeats
@@ -28,7 +28,7 @@ A key the general path has run (validated, planned and built) maps to a
 :class:`Prepared` program: its :class:`~qsa_kernels.launch.Schedule`
 (launches over numbered slots, workspaces carved from one allocation) and,
 per alignment class of the call's pointers, every launch bound to its
-compiled kernel (:class:`qsa_torch._fast_launch.Binding`).  A call with that
+compiled kernel (:class:`qsa_torch._accel._fast_launch.Binding`).  A call with that
 key then reads each tensor's pointer, allocates, and calls the launchers
 with integer pointers (Triton's launcher takes an int as the pointer itself,
 so no ``data_ptr()`` call or pointer query per argument).
@@ -38,7 +38,7 @@ What is still checked on every call: that every tensor is a plain tensor
 torch-function mode is active, no argument requires grad while grad mode is
 on, no updated argument is an inference tensor outside inference mode, no
 launch observer is registered, and that nothing Triton keys a launch on in
-the process changed (:func:`qsa_torch._fast_launch.environment`, the
+the process changed (:func:`qsa_torch._accel._fast_launch.environment`, the
 kernels' globals).  Anything else -- a new key, a failed check -- takes the
 general path, which raises the errors.
 """
@@ -57,12 +57,13 @@ from qsa_kernels import runtime, tuning as _tuning
 from qsa_kernels.launch import Program, Schedule
 from qsa_kernels.stage import Stage
 
+from .._binding import DTYPES
 from . import _fast_launch
 from ._internals import any_requires_grad as _any_requires_grad, increment_version as _increment_version, \
     tensor_guards as _tensor_guards
 
 _ABSENT = object()  # an option the arguments do not hold
-__all__ = ["MISS", "Prepared", "call", "clear", "remember", "run"]
+__all__ = ["MISS", "Prepared", "clear", "remember", "run_prepared"]
 
 #: What :func:`call` returns when the call must take the general path.
 MISS = object()
@@ -86,6 +87,13 @@ _ONLY_TENSORS = {torch.Tensor}
 _is, _is_not, _grad_enabled = operator.is_, operator.is_not, torch.is_grad_enabled
 _get_device, _stride, _is_meta = torch.Tensor.get_device, torch.Tensor.stride, operator.attrgetter("is_meta")
 _shape, _dtype = operator.attrgetter("shape"), operator.attrgetter("dtype")
+_strided = torch.strided
+
+
+def _odd(value) -> bool:
+    """A tensor the binding must see (nested, sparse: its errors name them), or not a tensor at all."""
+    return value is not None and (value.__class__ is not torch.Tensor or value.is_nested or
+                                  value.layout is not _strided)
 
 
 def _spec(stage: Stage) -> tuple:
@@ -105,6 +113,8 @@ def _key(stage: Stage, arguments) -> tuple | None:
         tensors = take(arguments)  # the public functions give every array argument (None where absent)
     except KeyError:
         tensors = tuple(map(arguments.get, array_names))
+    if True in map(_odd, tensors):  # (before any guard: torch's C check throws on a nested tensor)
+        return None
     if option_names:
         options = tuple(map(arguments.get, option_names, absents))
         option_types = tuple(map(type, options))
@@ -148,26 +158,18 @@ def _keep_recent(stage: Stage, key: tuple, prepared: "Prepared", present: tuple)
                       *_RECENT.get(stage, ())[:_RECENT_KEPT - 1])
 
 
-def run(stage: Stage, arguments) -> tuple:
-    """Run a plain eager call through its prepared program: ``(program, results)``, or ``(MISS, key)``.
+def run_prepared(stage: Stage, arguments, keep: bool) -> tuple:
+    """Run a plain eager call through its prepared program: ``(prepared, results, tensors)`` -- results in
+    ``program.results`` order, the call's array arguments --, or ``(MISS, key, None)``.
 
-    ``results`` are in ``program.results`` order.  With ``MISS`` the call has
-    done nothing and must take the general path; ``key`` is then ``None`` for
-    a call that is not a plain eager one, else what :func:`remember` takes
-    once the general path has run the call.  No version counter is bumped
-    here (:func:`call` bumps them; an op's own dispatcher kernels do for the op).
-    """
-    prepared, results, _ = _run(stage, arguments, keep=False)
-    return (MISS, results) if prepared is MISS else (prepared.program, results)
-
-
-def _run(stage: Stage, arguments, keep: bool) -> tuple:
-    """:func:`run`, with the Prepared program and the call's array arguments: ``(prepared, results, tensors)``.
-
-    ``keep``: the call may use the workspaces kept for its stream (a plain
-    eager call; an op's implementation never does: under
-    ``torch.compile(mode="reduce-overhead")`` it runs inside the CUDA-graph
-    tree's memory pool, which must hold no allocation but the graph's outputs)."""
+    With ``MISS`` the call has done nothing and must take the binding's
+    path; ``key`` is then ``None`` for a call that is not a plain eager one,
+    else what :func:`remember` takes once that path has run the call.  No
+    version counter is bumped here.  ``keep``: the call may use the
+    workspaces kept for its stream (a plain eager call; an op's
+    implementation never does: under ``torch.compile(mode="reduce-overhead")``
+    it runs inside the CUDA-graph tree's memory pool, which must hold no
+    allocation but the graph's outputs)."""
     found = _key(stage, arguments)
     if found is None:
         return MISS, None, None
@@ -175,30 +177,16 @@ def _run(stage: Stage, arguments, keep: bool) -> tuple:
     if prepared is None:
         try:
             prepared = _PREPARED.get(key)
-        except TypeError:  # an unhashable option: the general path rejects it
+        except TypeError:  # an unhashable option: the binding rejects it
             return MISS, None, None
         if prepared is not None:
             _keep_recent(stage, key, prepared, present)
-    if prepared is None or _launch_module._observers or runtime.CHECK_SCALES:  # (the general path reads scales)
+    if prepared is None or _launch_module._observers or runtime.CHECK_SCALES:  # (the binding reads scales)
         return MISS, key, None
     results = prepared.run(tensors, present, keep)
     if results is MISS:
         return MISS, None, None
     return prepared, results, tensors
-
-
-def call(stage: Stage, arguments) -> tuple:
-    """:func:`run`, the results as the public function returns them: ``(returned, None)`` or ``(MISS, key)``.
-
-    As torch's own in-place ops do, the arrays the call updated in place
-    have their version counter bumped (``tensor._version``).
-    """
-    prepared, results, tensors = _run(stage, arguments, keep=True)
-    if prepared is MISS:
-        return MISS, results
-    if prepared.updated:
-        _increment_version(prepared.take_updated(tensors))
-    return prepared.program.returned(results), None
 
 
 def remember(key, stage: Stage, program: Program, device: torch.device) -> None:
@@ -230,21 +218,19 @@ class Prepared:
                  "take_updated", "take_results", "own_pointers", "workspaces", "last_views")
 
     def __init__(self, program: Program, arguments: tuple[str, ...], device: torch.device, absent: tuple[bool, ...]):
-        from . import _launch
-
         self.program = program
         self.schedule = schedule = Schedule.of(program, arguments)
         self.device = device
         self.index = device.index if device.type == "cuda" else -1
         # (shape, torch dtype, fill or None) of each buffer allocated on its own.
-        self.allocations = tuple((buffer.shape, _launch.DTYPES[buffer.dtype], fill)
+        self.allocations = tuple((buffer.shape, DTYPES[buffer.dtype], fill)
                                  for _, buffer, fill in schedule.allocated)
         # (slot, byte offset, byte count, torch dtype, shape) of each workspace carved from the scratch.
         # (slot, byte offset, byte count, torch dtype, shape) of each workspace carved from the
         # zeroed allocation.
         self.scratch_views, self.zeroed_views = (tuple(
             (slot, offset, _launch_module.ITEMSIZE[buffer.dtype] * _count(buffer.shape),
-             _launch.DTYPES[buffer.dtype], buffer.shape)
+             DTYPES[buffer.dtype], buffer.shape)
             for slot, buffer, offset in carved) for carved in (schedule.scratch, schedule.zeroed))
         self.scratch_offsets = tuple(offset for _, _, offset in schedule.scratch)
         self.zeroed_offsets = tuple(offset for _, _, offset in schedule.zeroed)
