@@ -38,7 +38,7 @@ at 128K the QSA layer at least 15x faster than the dense layer for every batch.
 ``--cache-dtype fp8``: the K/V and compressed-key caches are fp8 e4m3 with
 per-tensor scales in ``QSAState`` (results in step_fp8.json by default).  The
 dense baseline is not rerun (it reads bf16 caches): ``dense_bf16_graph_us``
-comes from a bf16 run's JSON (``--dense-json``, default results/step.json)
+comes from a bf16 run's JSON (``--dense-json``, default results/<card>/step.json)
 where it has the shape, with the goal: at 128K, the fp8 QSA layer at least
 25x faster than the dense bf16 layer at 64 and 256 requests.
 ``launches``: kernel launches per step (observed on one eager step).
@@ -536,7 +536,7 @@ def main():
     p.add_argument("--budget", type=float, default=TIME_BUDGET_S, help="seconds after which no new shape starts")
     p.add_argument("--cache-dtype", choices=("bf16", "fp8"), default="bf16",
                    help="K/V and compressed-key caches: bf16, or fp8 e4m3 with per-tensor scales")
-    p.add_argument("--dense-json", default=os.path.join(common.ROOT, "benchmarks", "results", "step.json"),
+    p.add_argument("--dense-json", default=os.path.join(common.results_dir(), "step.json"),
                    help="with --cache-dtype fp8: the bf16 run whose dense_graph_us the fp8 step is compared with")
     p.add_argument("--jax-lowerings", nargs="*", default=None, choices=("legacy", "ffi", "jax-triton"),
                    help="also measure JAX with each of these Triton lowerings (default: legacy and ffi where "

@@ -42,12 +42,12 @@ whole grids); with a sweep, its shapes instead of the sweep's own.
 the ticketed path's (``ticketed_slice`` x ``ticketed_warps`` x ``ticketed_bound``);
 ``--stream-sweep`` the ticketed path's slice programs' warps a launch
 (``ticketed_stream_warps``: wider slices streamed past it) beside the row and sliced paths, with ``torch.topk``,
-from 1 to 256 rows (results/topk_stream_sweep.json);
+from 1 to 256 rows (results/<card>/topk_stream_sweep.json);
 ``--wide-sweep`` the sliced path's programs a row (``target_programs`` x
 ``tile``) beside the row path (and its warps) on many wide rows, with
 ``torch.topk``; ``--ticketed-select`` the ticketed path's selections (``ticketed_select``
 "last", "shared" with 11- and 12-bit histograms, and "fitted") on the shapes where the
-plan takes the ticketed path or forced beside it (results/topk_ticketed_select.json);
+plan takes the ticketed path or forced beside it (results/<card>/topk_ticketed_select.json);
 ``--bits-sweep`` the plan's path with 8-bit and with 4-bit radix digits (``register_radix_bits``,
 ``radix_bits``; the bound's passes doubled to keep its bits, or not), from 1 to 2048 rows.
 """
@@ -174,7 +174,8 @@ def sweep(args, path="row", grid=SWEEP, sweep_shapes=SWEEP_SHAPES, name=None, wi
             results.append(result)
             common.print_table([result], list(result))
     name = name or ("topk_sweep.json" if path == "row" else f"topk_{path}_sweep.json")
-    out = args.json.replace("topk.json", name) if args.json.endswith("results/topk.json") else args.json
+    default = args.json == os.path.join(common.results_dir(), "topk.json")
+    out = args.json.replace("topk.json", name) if default else args.json
     common.write_json(out, f"topk_blocks {path}-path tuning sweep", results,
                       [f"defaults {defaults}; CUDA-graph replay, median us per call; logits |N(0,1)|"])
 
