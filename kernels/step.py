@@ -49,7 +49,7 @@ from .compress import plan_compress_groups, plan_store_rows_in_table
 from .fused import plan_compress_rotate_store, rope_compress_store
 from .launch import ArrayInfo, Buffer, Launch, Program
 from .paging import METADATA_FIELDS, STATE_FIELDS
-from .rope_cache import plan_rope_reshape_and_cache, plan_rope_rows
+from .rope_cache import bound_positions, plan_rope_reshape_and_cache, plan_rope_rows
 from .select import plan_select_paged_tokens
 from .stage import Stage, stage, when
 from .tuning import StepTuning
@@ -348,7 +348,7 @@ def _check_step(check: Checker, arrays: dict[str, ArrayInfo | None], compress_ra
     # queries and pooled keys, which top-k ranks last: a wrong selection that
     # no output shows.  So index_cos_sin covers every position cos_sin does.
     cos_sin, index_cos_sin = arrays["cos_sin"], arrays["index_cos_sin"]
-    if cos_sin.ndim == 2 and index_cos_sin.ndim == 2 and index_cos_sin.shape[0] < cos_sin.shape[0]:
+    if cos_sin is not None and cos_sin.ndim == 2 and index_cos_sin.ndim == 2 and index_cos_sin.shape[0] < cos_sin.shape[0]:
         check.fail("index_cos_sin", f"must have at least cos_sin's {cos_sin.shape[0]} rows (positions): a position "
                    "past it alone would give NaN index keys that no output shows", f"shape {index_cos_sin.shape}")
 
@@ -430,7 +430,7 @@ def _check_metadata_shapes(check: Checker, arrays: dict[str, ArrayInfo], rows: i
                  softmax_scale=FINITE_NUMBER.or_none(), return_token_indices=BOOL),
     results=("out", *STATE_FIELDS, when("return_token_indices", "token_indices")),
     doc=STEP_DOC, returns="tuple[Array, QSAState] | tuple[Array, QSAState, Array]",
-    tuning=dict(tuning="step"), labels=LABELS)
+    tuning=dict(tuning="step"), labels=LABELS, nullable=("cos_sin",))
 def plan_qsa_attention_step(
     q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, index_q: ArrayInfo, index_k: ArrayInfo,
     key_cache: ArrayInfo, value_cache: ArrayInfo, compressor_state_cache: ArrayInfo,
@@ -439,7 +439,7 @@ def plan_qsa_attention_step(
     query_start_loc: ArrayInfo, sequence_lengths: ArrayInfo, block_table: ArrayInfo,
     compressed_block_table: ArrayInfo, compressed_slots: ArrayInfo,
     compressor_state_block_table: ArrayInfo, compressor_state_slots: ArrayInfo,
-    cos_sin: ArrayInfo, index_cos_sin: ArrayInfo,
+    cos_sin: ArrayInfo | None, index_cos_sin: ArrayInfo,
     *, compress_ratio: int, token_topk: int, is_neox: bool = True, softmax_scale=None,
     return_token_indices: bool = False,
     k_scale: ArrayInfo | None = None, v_scale: ArrayInfo | None = None,
@@ -468,12 +468,17 @@ def plan_qsa_attention_step(
     rope = step.stage("rope", plan_rope_reshape_and_cache, q=a.q, k=a.k, v=a.v, key_cache=a.key_cache,
                       value_cache=a.value_cache, slot_mapping=a.slot_mapping, positions=a.positions,
                       cos_sin=a.cos_sin, k_scale=a.k_scale, v_scale=a.v_scale, is_neox=is_neox)
+    # cos_sin=None: q and k arrive rotated; positions are bounded by index_cos_sin's rows,
+    # bit for bit an identity table (cos 1, sin 0) of that many rows.
+    table = cos_sin if cos_sin is not None else index_cos_sin
+    max_row_position = table.shape[0] if table.ndim else 0  # (a rank error is the stages')
+    if cos_sin is None:
+        step.launches[-1] = bound_positions(step.launches[-1], max_row_position)
 
     # 2. Pool first, then overwrite the ring with this step's raw keys; and
     # 3a. RoPE on the index queries: one launch for a few rows, in that order
     # (_fuses_compression), else four.  A row past cos_sin stores nothing (no
     # ring slot, no compressed key), as stage 1 writes no K/V for it.
-    max_row_position = cos_sin.shape[0]
     if _fuses_compression(rows, tuning):
         index_q_rotated = step.stage(
             "compress_rotate_store", plan_compress_rotate_store, raw_keys=a.index_k, raw_positions=a.raw_positions,
