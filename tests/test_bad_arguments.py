@@ -258,14 +258,14 @@ def _rope_rows():
         r("cos_sin_dtype", lambda a: dict(cos_sin=a["cos_sin"].half()), "cos_sin must have dtype bfloat16 or float32"),
         r("cos_sin_width", lambda a: dict(cos_sin=a["cos_sin"][:, :6]), "cos_sin must have width 2*F with F = D/2 or D, i.e. 8 or 16"),
         r("cos_sin_width_zero", lambda a: dict(cos_sin=a["cos_sin"][:, :0]), "cos_sin must have width 2*F"),
-        # Scales: attention's rule (issue 28): both for fp8 caches, none for 16-bit ones.
+        # Scales: the source's rule (issue 56): both for fp8 caches, optional (applied) for the others.
         fp8("k_scale_two_elements", lambda a: dict(k_scale=torch.ones(2, device=DEVICE)), "k_scale must be a 0-d or 1-element tensor"),
         fp8("k_scale_empty", lambda a: dict(k_scale=torch.ones(0, device=DEVICE)), "k_scale must be a 0-d or 1-element tensor"),
         fp8("v_scale_rank_2", lambda a: dict(v_scale=torch.ones(1, 1, device=DEVICE)), "v_scale must be a 0-d or 1-element tensor"),
         fp8("v_scale_dtype", lambda a: dict(v_scale=ints([1])), "v_scale must have dtype bfloat16 or float16 or float32"),
-        r("k_scale_for_bf16_caches", lambda a: dict(k_scale=torch.ones((), device=DEVICE)), "k_scale must be None for bfloat16 caches (scales are for float8_e4m3fn caches), got an array of shape ()"),
-        r("v_scale_for_bf16_caches", lambda a: dict(v_scale=torch.ones(1, device=DEVICE)), "v_scale must be None for bfloat16 caches (scales are for float8_e4m3fn caches), got an array of shape (1,)"),
-        paged("k_scale_for_paged_bf16_caches", lambda a: dict(k_scale=torch.ones((), device=DEVICE), v_scale=torch.ones((), device=DEVICE)), "k_scale must be None for bfloat16 caches"),
+        r("k_scale_two_elements_bf16_caches", lambda a: dict(k_scale=torch.ones(2, device=DEVICE)), "k_scale must be a 0-d or 1-element tensor, got shape (2,)"),
+        r("v_scale_dtype_bf16_caches", lambda a: dict(v_scale=ints([1])), "v_scale must have dtype bfloat16 or float16 or float32, got int32"),
+        paged("k_scale_rank_2_paged_bf16_caches", lambda a: dict(k_scale=torch.ones(1, 1, device=DEVICE), v_scale=torch.ones((), device=DEVICE)), "k_scale must be a 0-d or 1-element tensor"),
         fp8("k_scale_missing", lambda a: dict(k_scale=None), "k_scale must be given (a 0-d or 1-element float tensor) for float8_e4m3fn caches, got None"),
         fp8("v_scale_missing", lambda a: dict(v_scale=None), "v_scale must be given (a 0-d or 1-element float tensor) for float8_e4m3fn caches, got None"),
         fp8("both_scales_missing", lambda a: dict(k_scale=None, v_scale=None), "k_scale must be given (a 0-d or 1-element float tensor) for float8_e4m3fn caches, got None"),
@@ -550,7 +550,7 @@ def _non_contiguous_rows():
 
 
 #: Optional array arguments (``None`` is valid for them).
-OPTIONAL_ARRAYS = {"rope_reshape_and_cache": {"k_scale", "v_scale", "offsets", "swa_slot_mapping"},
+OPTIONAL_ARRAYS = {"rope_reshape_and_cache": {"k_scale", "v_scale", "offsets", "swa_slot_mapping", "cos_sin"},
                    "compress_groups": {"rope_cache"}}
 
 
@@ -767,6 +767,9 @@ VALID_EMPTY = [
     ("rope_reshape_and_cache", "no_pages", lambda a: dict(key_cache=a["key_cache"][:0], value_cache=a["value_cache"][:0]),
      [(3, 4, 8), (4, 2, 8), (0, 4, 2, 8), (0, 4, 2, 8)]),
     ("rope_reshape_and_cache", "no_cos_sin_rows", lambda a: dict(cos_sin=a["cos_sin"][:0]), [(3, 4, 8), (4, 2, 8), (3, 4, 2, 8), (3, 4, 2, 8)]),
+    ("rope_reshape_and_cache", "no_cos_sin", lambda a: dict(cos_sin=None), [(3, 4, 8), (4, 2, 8), (3, 4, 2, 8), (3, 4, 2, 8)]),
+    ("rope_reshape_and_cache", "scales_on_bf16_caches", lambda a: dict(k_scale=torch.full((), 0.5, device=DEVICE), v_scale=torch.full((1,), 2.0, device=DEVICE)),
+     [(3, 4, 8), (4, 2, 8), (3, 4, 2, 8), (3, 4, 2, 8)]),
     ("rope_reshape_and_cache", "empty_swa_table", lambda a: dict(swa_slot_mapping=a["swa_slot_mapping"][:0]),
      [(3, 4, 8), (4, 2, 8), (3, 4, 2, 8), (3, 4, 2, 8)]),
     ("compress_groups", "no_rows", lambda a: {n: a[n][:0] for n in ("raw_keys", "raw_positions", "token_to_req", "logical_positions", "compressed_slots")},
