@@ -46,14 +46,17 @@ Args:
     positions: ``[T]`` int32/int64 rotary positions.
     cos_sin: ``[max_position, 2*F]``, cos then sin, ``F`` = D/2 or D; q's
         dtype or fp32.  A position outside its rows gives NaN ``q_out`` and
-        ``k_out`` rows and no cache write.
+        ``k_out`` rows and no cache write.  ``None`` (still positional): q and
+        k arrive rotated; no table is read, bit for bit an identity table (cos
+        1, sin 0) covering every non-negative position.
     is_neox: NeoX (split halves) if true, GPT-J (interleaved pairs) if false.
-    k_scale, v_scale: for ``float8_e4m3fn`` caches only, and then both (else
-        None): 0-d / 1-element float scales; k and v are divided by them in
+    k_scale, v_scale: 0-d / 1-element float scales, as the source takes them.
+        ``float8_e4m3fn`` caches need both: k and v are divided by them in
         float32 (correctly rounded) before the cast to fp8, which saturates
-        finite values and +-inf at +-448 and keeps NaN a NaN.  Valid scales
-        (finite, > 0) are the caller's contract: device values are never
-        checked (no host synchronisation).
+        finite values and +-inf at +-448 and keeps NaN a NaN.  Other caches
+        take each optionally and store ``x * (1 / scale)`` (float32), which
+        no reader undoes.  Valid scales (finite, > 0) are the caller's
+        contract: device values are never checked (no host synchronisation).
     offsets: optional ``[T]`` added to ``positions``.
     swa_slot_mapping: optional table: the final slot is
         ``swa_slot_mapping[slot_mapping[t]]``.

@@ -55,6 +55,9 @@ from .stage import Stage, stage, when
 from .tuning import StepTuning
 from .validate import BOOL, FINITE_NUMBER, FINITE_POSITIVE_NUMBER, FP8_DTYPE, POSITIVE_INT, Checker, describe
 
+#: The dtypes of the step's q, k and v (the attention's).
+ATTENTION_DTYPES = ("bfloat16", "float16")
+
 if TYPE_CHECKING:  # annotations only
     from .paging import CacheGeometry, HostStepMetadata
 
@@ -93,7 +96,10 @@ Args:
     metadata: a ``StepMetadata`` for this step (``StepMetadata.from_host`` of
         ``qsa_kernels.paging.PagedRequests.step``).
     cos_sin: ``[max_position, 2*F]`` RoPE table of the attention heads (see
-        ``rope_reshape_and_cache``).
+        ``rope_reshape_and_cache``), or ``None`` (still positional): q and k
+        arrive rotated, no RoPE is applied to them, and positions are bounded
+        by ``index_cos_sin``'s rows (bit for bit an identity table of that
+        many rows).
     index_cos_sin: ``[max_position_i, 2*FI]`` RoPE table of the indexer heads,
         ``max_position_i >= max_position`` (cos_sin's rows).  A position past
         cos_sin gives a NaN ``out`` row and writes nothing: no K/V, no ring
@@ -194,12 +200,16 @@ class StateFields:
         compressed_key_dtype = index_dtype if compressed_key_dtype is None else compressed_key_dtype
         dtypes = dict(key_cache=cache_dtype, value_cache=cache_dtype, compressor_state_cache=index_dtype,
                       compressed_key_cache=compressed_key_dtype)
-        caches = {name: cls._zeros(shape, dtypes[name], device) for name, shape in shapes.items()}
-        scales = {}
-        if _is_fp8(cache_dtype):
-            scales.update(k_scale=cls._scale(k_scale, device), v_scale=cls._scale(v_scale, device))
-        if _is_fp8(compressed_key_dtype):
-            scales.update(compressed_key_scale=cls._scale(compressed_key_scale, device))
+        try:
+            caches = {name: cls._zeros(shape, dtypes[name], device) for name, shape in shapes.items()}
+            scales = {}
+            if _is_fp8(cache_dtype):
+                scales.update(k_scale=cls._scale(k_scale, device), v_scale=cls._scale(v_scale, device))
+            if _is_fp8(compressed_key_dtype):
+                scales.update(compressed_key_scale=cls._scale(compressed_key_scale, device))
+        except Exception as error:  # the framework's own error (torch: a bare AssertionError without CUDA)
+            raise ValueError(f"QSAState.zeros: cannot allocate the caches on device={device!r} (the device "
+                             f"argument): the framework raised {type(error).__name__}: {error}") from error
         return cls(**caches, **scales)
 
 
@@ -337,10 +347,12 @@ def _check_step(check: Checker, arrays: dict[str, ArrayInfo | None], compress_ra
         if info.ndim != 3 or info.shape[0] != rows:
             check.fail(name, f"must be [T, heads, dim] with T = {rows} rows like metadata.positions",
                        f"shape {info.shape}")
+    _check_attention_inputs(check, arrays)
     if arrays["index_k"].shape[1] != 1:
         check.fail("index_k", "must have one head ([T, 1, DI])", f"shape {arrays['index_k'].shape}")
     if arrays["index_k"].dtype != arrays["index_q"].dtype:
         check.fail("index_k", f"must have index_q's dtype {arrays['index_q'].dtype}", arrays["index_k"].dtype)
+    _check_kv_layout(check, arrays)
     _check_metadata_shapes(check, arrays, rows)
     _check_compressed_table_width(check, arrays, compress_ratio)
     # A position past cos_sin gives NaN q rows and so NaN out rows (stage 1's
@@ -351,6 +363,35 @@ def _check_step(check: Checker, arrays: dict[str, ArrayInfo | None], compress_ra
     if cos_sin is not None and cos_sin.ndim == 2 and index_cos_sin.ndim == 2 and index_cos_sin.shape[0] < cos_sin.shape[0]:
         check.fail("index_cos_sin", f"must have at least cos_sin's {cos_sin.shape[0]} rows (positions): a position "
                    "past it alone would give NaN index keys that no output shows", f"shape {index_cos_sin.shape}")
+
+
+def _check_attention_inputs(check: Checker, arrays: dict[str, ArrayInfo]) -> None:
+    """q, k and v as the step takes them, before anything of the state (the order a caller reads
+    the signature in): bf16 or fp16 (the attention's dtypes; stage 1 alone takes fp32 too), one
+    dtype, one head dim, GQA heads.  Otherwise an fp32 q/k/v with a bf16 state would be reported
+    as a wrong ``state.key_cache`` by stage 1, which sees the caches before the attention sees q."""
+    q, k, v = arrays["q"], arrays["k"], arrays["v"]
+    check.dtype("q", q, ATTENTION_DTYPES)
+    check.same_dtype("k", k, "q", q)
+    check.same_dtype("v", v, "q", q)
+    if k.shape[2] != q.shape[2]:
+        check.fail("k", f"must have q's head dim D = {q.shape[2]}", f"shape {k.shape}")
+    if v.shape != k.shape:
+        check.fail("v", f"must have k's shape {k.shape}", f"shape {v.shape}")
+    if k.shape[1] < 1 or q.shape[1] % k.shape[1]:
+        check.fail("q", f"must have a number of heads QH divisible by k's KH = {k.shape[1]}", f"QH = {q.shape[1]}")
+
+
+def _check_kv_layout(check: Checker, arrays: dict[str, ArrayInfo]) -> None:
+    """The state's K/V caches in the flash layout, the one the step reads (stage 1 alone also
+    takes the paged layouts, which it tells apart by the caches' shapes, so a head-major cache
+    would reach it as a "paged" or mis-sized one and be blamed on the wrong dimension or cache)."""
+    key_cache, k = arrays["key_cache"], arrays["k"]
+    kv_heads, head_dim = k.shape[1], k.shape[2]
+    layout = "[num_pages, page_size, kv_heads, head_dim] (flash layout)"
+    if key_cache.ndim != 4 or key_cache.shape[2] != kv_heads or key_cache.shape[3] != head_dim:
+        check.fail("state.key_cache", f"must be {layout} with kv_heads = {kv_heads} and head_dim = {head_dim} like k",
+                   f"shape {key_cache.shape}")
 
 
 def _check_compressed_table_width(check: Checker, arrays: dict[str, ArrayInfo], compress_ratio: int) -> None:
