@@ -379,32 +379,10 @@ class TopkTuning:
     #: than k group maxima the plan takes "fixed" whatever this says.
     ticketed_bound: str = "scaled"
     ticketed_bound_passes: int = 1
-    #: How the ticketed path (and the fused selection) finds the k-th largest
-    #: candidate: "last" (the last compaction program's radix passes over all
-    #: the row's candidates, ``radix_bits`` a pass, fixed digits from the top
-    #: bit), "fitted" (the same passes with digits of ``key - L`` fitted to
-    #: the candidates' span ``[L, T]`` from the first pass, as "shared" fits
-    #: its later ones: fewer passes where the span straddles a fixed digit's
-    #: boundary; the default, faster at every timed shape, ``bench_topk.py
-    #: --ticketed-select``, 2026-12-02, µs last / fitted: 1 x 8192 16.1 / 14.4,
-    #: 1 x 32768 16.3 / 15.9, 8 x 32768 19.4 / 19.2, 64 x 32768 46.0 / 45.5,
-    #: 1 x 131072 21.7 / 20.4, 8 x 131072 32.4 / 30.9) or
-    #: "shared" (every compaction program counts its own candidates, keys >=
-    #: the bound L, into one histogram per row of ``2**ticketed_shared_bits``
-    #: digits of ``key - L`` fitted to the candidates' span ``[L, T]``, by
-    #: atomic adds whose order cannot matter; the last program reads it, takes
-    #: the digit holding the k-th largest, and runs ``radix_bits`` passes of
-    #: digits fitted to that digit's range only while its keys are not yet
-    #: resolved: often none).  Bit for bit the same selection, but slower on the
-    #: H200 where it matters (``bench_topk.py --ticketed-select``: 1 x 32768,
-    #: k 512, 17.9 us against 16.3 for "last"; docs/performance.md).  All
-    #: three select the same columns, bit for bit.
-    ticketed_select: str = "fitted"
-    ticketed_shared_bits: int = 11
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
-            if field.name not in ("path", "ticketed_bound", "ticketed_select"):  # the choices, below
+            if field.name not in ("path", "ticketed_bound"):  # the choices, below
                 _positive_int("TopkTuning", field.name, getattr(self, field.name))
         for name in ("radix_bits", "register_radix_bits"):
             value = getattr(self, name)
@@ -412,8 +390,7 @@ class TopkTuning:
                 raise ValueError(f"TopkTuning: {name} must divide 32, got {value!r}")
             if value > 8:  # a digit's counts (up to 2**bits) are packed in 16 bits
                 raise ValueError(f"TopkTuning: {name} must be at most 8, got {value!r}")
-        for name, choices in (("ticketed_bound", TICKETED_BOUNDS), ("path", TOPK_PATHS),
-                              ("ticketed_select", TICKETED_SELECTS)):
+        for name, choices in (("ticketed_bound", TICKETED_BOUNDS), ("path", TOPK_PATHS)):
             value = getattr(self, name)
             if not isinstance(value, str) or value not in choices:
                 raise ValueError(f"TopkTuning: {name} must be one of {', '.join(map(repr, choices))}, "
@@ -432,11 +409,6 @@ class TopkTuning:
                 raise ValueError(f"TopkTuning: {name} must be at most 32, got {getattr(self, name)!r}")
         if not 16 <= self.ticketed_slice <= 4096:  # registers: 8 keys a thread at 16 warps
             raise ValueError(f"TopkTuning: ticketed_slice must be from 16 to 4096, got {self.ticketed_slice!r}")
-        # The shared histogram: shifts below 32 (spans to 33 bits), 16-bit packed digit counts, and
-        # at most 4096 counts in the last program's registers.
-        if not 4 <= self.ticketed_shared_bits <= 12:
-            raise ValueError(f"TopkTuning: ticketed_shared_bits must be from 4 to 12, "
-                             f"got {self.ticketed_shared_bits!r}")
         for name in ("bound_passes", "ticketed_bound_passes"):
             if getattr(self, name) > 32 // self.radix_bits:
                 raise ValueError(f"TopkTuning: {name} must be at most 32 // radix_bits = "
@@ -450,8 +422,6 @@ ROW_ADDRESSING_MODES = ("slot", "page")
 TOPK_PATHS = ("auto", "register", "row", "ticketed", "sliced")
 #: The values of ``TopkTuning.ticketed_bound``.
 TICKETED_BOUNDS = ("scaled", "fixed")
-#: The values of ``TopkTuning.ticketed_select``.
-TICKETED_SELECTS = ("last", "shared", "fitted")
 
 
 @_tuning_value
