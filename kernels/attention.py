@@ -65,7 +65,7 @@ positions of its request ``token_to_req[r]``, whose pages are
 exact log-sum-exp (the split count changes only rounding).
 
 Args:
-    q: ``[R, QH, D]`` bf16 or fp16; D a power of two >= 16.
+    q: ``[R, QH, D]`` bf16 or fp16; D a multiple of 16 from 16 to 256.
     k_cache, v_cache: ``[num_blocks, P, KH, D]`` (the flash layout of
         ``rope_reshape_and_cache``) of q's dtype, or both ``float8_e4m3fn``
         (then ``k_scale`` and ``v_scale`` are required); ``QH % KH == 0``.
@@ -87,12 +87,22 @@ Args:
         split is multiplied by ``v_scale`` once.  Both NaN codes (0x7f,
         0xff) are read as NaN, as a 16-bit cache's NaN (stage 1 writes a NaN
         of k or v as a NaN code).
+    sinks: ``[QH]`` float32 or None: one extra logit per query head in the
+        softmax's denominator, with no value, in the units of
+        ``softmax_scale * q.k`` (gpt-oss's attention sinks).
+    return_lse: also return each row's log-sum-exp.
 
 Returns:
     ``out [R, QH, D]`` of q's dtype; rows with no valid token are zeros.
     NaN and inf propagate as in a float64 softmax: a NaN in q, or in a
     selected K row, or a +inf score, gives NaN heads (all of a KV group's
-    heads for a K row); a valid token set whose scores are all -inf gives NaN.
+    heads for a K row); a valid token set whose scores are all -inf gives NaN
+    (with a finite sink: zeros).  Very negative finite scores are finite.
+    With ``return_lse``, ``(out, lse)``: ``lse [R, QH]`` float32, the natural
+    log of the softmax's denominator (the sum over the row's valid tokens of
+    ``exp(softmax_scale * q.k)``, fp8 with ``k_scale`` folded in, plus
+    ``exp(sink)``); -inf for a row with no valid token and no sink (the sink
+    with one), so ``merge_attention_states`` can merge it with another pass.
 """
 
 LOG2_E = 1.4426950408889634
