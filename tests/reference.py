@@ -489,9 +489,12 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
     for index in np.ndindex(*lse.shape):
         if lse[index] == -np.inf:
             continue
-        total = 0.0
+        # Weights against the larger lse (lse - logaddexp would lose log 2 next to -1e30).
+        top = max(lse_a[index], lse_b[index])
+        total, weights = 0.0, 0.0
         for o, l in ((out_a, lse_a), (out_b, lse_b)):
             if l[index] != -np.inf:
-                total = total + o[index] * np.exp(l[index] - lse[index])
-        out[index] = total
+                total = total + o[index] * np.exp(l[index] - top)
+                weights += np.exp(l[index] - top)
+        out[index] = total / weights
     return out, lse
