@@ -112,11 +112,17 @@ Args:
     is_neox: NeoX (split halves) or GPT-J (interleaved) RoPE, for both tables.
     softmax_scale: attention scale, default ``D ** -0.5``.
     return_token_indices: also return the selected tokens.
+    sinks: keyword-only ``[QH]`` float32 or None: one extra logit per query
+        head in the attention's softmax denominator (``sparse_paged_attention``'s).
+    return_lse: keyword-only; also return each row's log-sum-exp
+        ``lse [T, QH]`` float32 (``sparse_paged_attention``'s), to merge the
+        step's attention with another pass (a window, a shared prefix).
 
 Returns:
     ``(out [T, QH, D], state)`` and, with ``return_token_indices``,
     ``token_indices [T, token_topk + compress_ratio - 1]`` int32 last (logical
-    positions of each row's request, ``-1`` padding).[torch:  ``state`` holds
+    positions of each row's request, ``-1`` padding), then with ``return_lse``
+    ``lse [T, QH]`` float32 last.[torch:  ``state`` holds
     the same tensors, updated in place.][jax:  ``state`` holds the updated
     caches (aliasing the inputs).]
 """
@@ -270,7 +276,9 @@ assert tuple(f.name for f in dataclasses.fields(MetadataFields)) == METADATA_FIE
 #: metadata's fields (flattened: the adapters pass them by field name).
 STEP_ARRAYS = ("q", "k", "v", "index_q", "index_k") + STATE_FIELDS + METADATA_FIELDS + ("cos_sin", "index_cos_sin")
 #: How errors name each array argument: as the caller wrote it.
-LABELS = {**{name: name for name in STEP_ARRAYS},
+#: The step's keyword-only arrays after the state's scales (issue 50).
+OPTION_ARRAYS = ("sinks",)
+LABELS = {**{name: name for name in STEP_ARRAYS + OPTION_ARRAYS},
           **{name: f"state.{name}" for name in STATE_FIELDS + SCALE_FIELDS},
           **{name: f"metadata.{name}" for name in METADATA_FIELDS}}
 
@@ -466,11 +474,11 @@ def _check_metadata_shapes(check: Checker, arrays: dict[str, ArrayInfo], rows: i
 
 
 @stage(
-    arrays=STEP_ARRAYS + SCALE_FIELDS,
+    arrays=STEP_ARRAYS + SCALE_FIELDS + OPTION_ARRAYS,
     options=dict(compress_ratio=POSITIVE_INT, token_topk=POSITIVE_INT, is_neox=BOOL,
-                 softmax_scale=FINITE_NUMBER.or_none(), return_token_indices=BOOL),
-    results=("out", *STATE_FIELDS, when("return_token_indices", "token_indices")),
-    doc=STEP_DOC, returns="tuple[Array, QSAState] | tuple[Array, QSAState, Array]",
+                 softmax_scale=FINITE_NUMBER.or_none(), return_token_indices=BOOL, return_lse=BOOL),
+    results=("out", *STATE_FIELDS, when("return_token_indices", "token_indices"), when("return_lse", "lse")),
+    doc=STEP_DOC, returns="tuple[Array, QSAState] | tuple[Array, QSAState, Array] | tuple[Array, QSAState, Array, Array]",
     tuning=dict(tuning="step"), labels=LABELS, nullable=("cos_sin",))
 def plan_qsa_attention_step(
     q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, index_q: ArrayInfo, index_k: ArrayInfo,
@@ -485,13 +493,16 @@ def plan_qsa_attention_step(
     return_token_indices: bool = False,
     k_scale: ArrayInfo | None = None, v_scale: ArrayInfo | None = None,
     compressed_key_scale: ArrayInfo | None = None,
+    sinks: ArrayInfo | None = None, return_lse: bool = False,
     tuning: StepTuning | None = None,
 ) -> Program:
     """Validate every stage of the step and compose their launches into one Program.
 
     Nothing is launched before every stage is planned, so a call that raises
     leaves every cache as it was.  Results: ``out``, the four caches (updated
-    in place) and, with ``return_token_indices``, ``token_indices``.
+    in place), with ``return_token_indices`` ``token_indices``, then with
+    ``return_lse`` the attention's ``lse`` ``[T, QH]`` float32 (``sinks``:
+    ``[QH]`` float32, the attention's, issue 50).
     ``tuning.fuse_stages``: stage 2 and the index queries' RoPE in one launch
     where that is safe (:func:`_fuses_compression`).
     """
@@ -502,6 +513,7 @@ def plan_qsa_attention_step(
     # The step's arguments, as the caller wrote them; None for absent scales.
     a = types.SimpleNamespace(**{name: None if info is None else Handle(name, info, LABELS[name])
                                  for name, info in given.items()})
+    a.sinks = None if sinks is None else Handle("sinks", sinks, LABELS["sinks"])
     rows = index_k.shape[0]
     step = _Composer()
 
@@ -560,14 +572,15 @@ def plan_qsa_attention_step(
                         token_topk=token_topk, compress_ratio=compress_ratio).out
 
     # 4. Attention over the selected tokens (this step's K/V included).
-    out = step.stage("attention", plan_sparse_paged_attention, q=rope.q_out.named("q"), k_cache=a.key_cache,
-                     v_cache=a.value_cache, token_indices=tokens.named("token_topk"), block_table=a.block_table,
-                     token_to_req=a.token_to_req, k_scale=a.k_scale, v_scale=a.v_scale,
-                     softmax_scale=softmax_scale).out
+    attention = step.stage("attention", plan_sparse_paged_attention, q=rope.q_out.named("q"), k_cache=a.key_cache,
+                           v_cache=a.value_cache, token_indices=tokens.named("token_topk"), block_table=a.block_table,
+                           token_to_req=a.token_to_req, k_scale=a.k_scale, v_scale=a.v_scale, sinks=a.sinks,
+                           softmax_scale=softmax_scale, return_lse=return_lse)
 
     _check_table_geometry(check, given, compress_ratio)
     caches = (a.key_cache, a.value_cache, a.compressor_state_cache, a.compressed_key_cache)
-    return step.program((out, *caches) + ((tokens,) if return_token_indices else ()))
+    return step.program((attention.out, *caches) + ((tokens,) if return_token_indices else ())
+                        + ((attention.lse,) if return_lse else ()))
 
 
 def _fuses_compression(rows: int, tuning: StepTuning) -> bool:
@@ -622,13 +635,14 @@ def state_arguments(function_arguments: dict, state_type: type, metadata_type: t
     return arguments
 
 
-def step_results(results: tuple, state, return_token_indices: bool):
-    """``(out, state[, token_indices])`` from the plan's results (``state`` itself where every cache
-    is the one it holds: torch's, updated in place)."""
+def step_results(results: tuple, state, return_token_indices: bool = False, return_lse: bool = False):
+    """``(out, state[, token_indices][, lse])`` from the plan's results (``state`` itself where every
+    cache is the one it holds: torch's, updated in place).  The optional results are those the
+    plan returned, in its order (the flags are not needed: kept for the adapters' calls)."""
     out, caches = results[0], results[1:1 + len(STATE_FIELDS)]
     if not all(map(operator.is_, caches, map(getattr, (state,) * len(STATE_FIELDS), STATE_FIELDS))):
         state = dataclasses.replace(state, **dict(zip(STATE_FIELDS, caches)))
-    return (out, state, results[-1]) if return_token_indices else (out, state)
+    return (out, state, *results[1 + len(STATE_FIELDS):])
 
 
 def _type_name(cls: type) -> str:
