@@ -30,7 +30,7 @@ file).
 * ``step``: the step as above with each PTX form (``qsa_jax._lowering.ptx_form``:
   ``"full"``, Triton's PTX, and ``"minified"``, the default), per lowering and batch.
 
-    python benchmarks/bench_jax_calls.py --payload --batches 1 8 --json benchmarks/results/jax_payload.json
+    python benchmarks/bench_jax_calls.py --payload --batches 1 8 --json benchmarks/results/h200/jax_calls_payload.json
 
 ``--arguments`` measures what a launch's argument count costs, in one process:
 the same chain with each launch given N more input buffers (distinct arrays,

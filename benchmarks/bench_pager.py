@@ -15,7 +15,7 @@ full-width block tables every step); ``after`` is ``qsa_kernels.paging``.
 Both are fed the same calls and their metadata are checked equal.  Median of
 repeated steps, microseconds of host (CPU) time; timings depend on the host.
 
-    PYTHONPATH=.:.pypath python benchmarks/bench_pager.py [--out benchmarks/results/pager.json]
+    PYTHONPATH=.:.pypath python benchmarks/bench_pager.py [--out benchmarks/results/h200/pager.json]
 """
 
 from __future__ import annotations

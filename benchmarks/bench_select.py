@@ -19,10 +19,6 @@ Per shape:
   per call (observed) and, where the fused selection runs (decode rows whose
   top-k is ticketed), the three launches it replaces (``SelectTuning(fused=
   False)``) timed in the same run, and whether both give the same bits.
-``--shared-topk``: the top-k and the selection also under
-``TopkTuning(ticketed_select="shared")`` (the ticketed top-k's selection
-spread over its compaction programs; the fused selection's too), with
-``_equal``: the default's bits.
 ``--fp8``: on decode 1/8/64/256 at 32K/128K and the 2048-row prefill, the
 scorer and the selection also read an fp8 e4m3 copy of the key pool (one
 per-tensor scale, pool amax / 448), side by side: ``fp8_*`` columns,
@@ -48,7 +44,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX
 
 import common  # noqa: E402
 from qsa_kernels import tuning  # noqa: E402
-from qsa_kernels.tuning import SelectTuning, TopkTuning  # noqa: E402
+from qsa_kernels.tuning import SelectTuning  # noqa: E402
 
 HEADS, D, RATIO, PAGE, TOKEN_TOPK = 4, 128, 4, 64, 2048
 DECODE_ROWS = [1, 8, 64, 256]
@@ -72,7 +68,6 @@ FP8_EXTRA_S = 60.0  # --fp8: added to DEADLINE_S and HARD_STOP_S
 #: --fused-sweep: the fused selection's (fused_score_columns, fused_warps) variants.
 FUSED_SWEEP = [(columns, warps) for warps in (8, 16) for columns in (128, 256, 512, 1024)]
 FUSED_SWEEP_EXTRA_S = 150.0  # --fused-sweep: added to the deadlines
-SHARED_TOPK_EXTRA_S = 60.0  # --shared-topk: added to the deadlines
 #: --fp8: the scorer also under these SelectTuning variants (fp8_scorer_<name>_* columns).
 FP8_SCORER_VARIANTS = {
     "256_columns": dict(fp8_row_columns=256),
@@ -239,9 +234,6 @@ def main():
     parser.add_argument("--fused-sweep", action="store_true",
                         help="where the selection is fused: also time it under every FUSED_SWEEP variant "
                              "(fused_<columns>c_<warps>w_graph_us, _equal: the three launches' bits)")
-    parser.add_argument("--shared-topk", action="store_true",
-                        help="also time the top-k and the selection with TopkTuning(ticketed_select='shared') "
-                             "(topk_shared_graph_us, select_shared_graph_us, _equal: the default's bits)")
     parser.add_argument("--fp8", action="store_true",
                         help="also score an fp8 e4m3 key pool (per-tensor scale) on FP8_SHAPES, side by side")
     parser.add_argument("--fp8-sweep", action="store_true",
@@ -267,8 +259,7 @@ def main():
     page_bytes = g["PAGE"] * D * 2
     pool_pages = max(g["POOL_BYTES"] // page_bytes, max(g["CONTEXTS"]) // RATIO // g["PAGE"])
     pool = torch.empty(pool_pages, g["PAGE"], 1, D, device=device, dtype=torch.bfloat16).normal_()
-    extra_s = (FP8_EXTRA_S if args.fp8 else 0.0) + (FUSED_SWEEP_EXTRA_S if args.fused_sweep else 0.0) \
-        + (SHARED_TOPK_EXTRA_S if args.shared_topk else 0.0)
+    extra_s = (FP8_EXTRA_S if args.fp8 else 0.0) + (FUSED_SWEEP_EXTRA_S if args.fused_sweep else 0.0)
     deadline_s, hard_stop_s = DEADLINE_S + extra_s, HARD_STOP_S + extra_s
     if args.fp8_sweep:
         started = time.perf_counter()
@@ -339,16 +330,6 @@ def main():
                                                        compress_ratio=RATIO)
         row["select_graph_us"] = graph_us(select, args.smoke)
         row["select_launches"], row["select_fused"] = select_launches(select)
-        if args.shared_topk:
-            # The ticketed top-k's shared selection (where the top-k, fused or not, is ticketed).
-            expected_blocks, expected_tokens = qsa_torch.topk_blocks(logits, visible, k), select()
-            with tuning.override(topk=TopkTuning(ticketed_select="shared")):
-                row["topk_shared_graph_us"] = graph_us(lambda: qsa_torch.topk_blocks(logits, visible, k),
-                                                       args.smoke)
-                row["topk_shared_equal"] = bool(torch.equal(qsa_torch.topk_blocks(logits, visible, k),
-                                                            expected_blocks))
-                row["select_shared_graph_us"] = graph_us(select, args.smoke)
-                row["select_shared_equal"] = bool(torch.equal(select(), expected_tokens))
         if row["select_fused"]:
             # The same selection as three launches (score, top-k, expand), in the same process.
             with tuning.override(select=SelectTuning(fused=False)):

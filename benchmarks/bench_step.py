@@ -38,7 +38,7 @@ at 128K the QSA layer at least 15x faster than the dense layer for every batch.
 ``--cache-dtype fp8``: the K/V and compressed-key caches are fp8 e4m3 with
 per-tensor scales in ``QSAState`` (results in step_fp8.json by default).  The
 dense baseline is not rerun (it reads bf16 caches): ``dense_bf16_graph_us``
-comes from a bf16 run's JSON (``--dense-json``, default results/step.json)
+comes from a bf16 run's JSON (``--dense-json``, default results/<card>/step.json)
 where it has the shape, with the goal: at 128K, the fp8 QSA layer at least
 25x faster than the dense bf16 layer at 64 and 256 requests.
 ``launches``: kernel launches per step (observed on one eager step).
@@ -55,6 +55,12 @@ forced each way; on by default on sm_90).
 ``--rope-paths``: also the step's launches, CUDA-graph µs and eager wall
 with stage 1 in stage 2's launch and in its own (``StepTuning.fuse_rope``
 each way, alternating: separate, fused, separate again, fused again).
+``--multi-token-rows N``: also the step with ``N`` new rows per request
+(speculative decoding / MTP: each row its own causal tail, a short prefill
+chunk per request; docs/api.md) at 8 and 64 requests (both smoke batches with
+``--smoke``): ``multi_token_*`` columns, its launches, CUDA-graph µs (per
+step of ``B x N`` rows) and eager µs, and ``multi_token_over_one_row``, its
+graph time over the one-row step's.  The rows' positions end at ``L - 1``.
 ``--unfused``: the step's stage 2 and index-query RoPE as separate launches
 (``StepTuning(fuse_stages=False)``; results in step_unfused.json by default),
 to compare with the fused default.
@@ -99,6 +105,7 @@ MEMORY_MARGIN = 4 << 30  # bytes left free for workspaces, graphs and JAX
 
 SMOKE = Geometry(QH=4, KH=2, D=32, IH=2, DI=32, PAGE=8, RATIO=4, CPAGE=8, TOKEN_TOPK=16)
 SMOKE_BATCHES, SMOKE_CONTEXTS = [1, 2], [64]
+MULTI_TOKEN_BATCHES = (8, 64)  # --multi-token-rows: the batches it is measured at
 
 
 def cache_bytes(g: Geometry, batch: int, context: int, element_bytes: int = 2) -> int:
@@ -118,7 +125,7 @@ def random_fp8(torch, shape, device):
 class Shape:
     """Caches, metadata and inputs of one (batch, context) decode step, on torch's device."""
 
-    def __init__(self, g: Geometry, batch: int, context: int, device, fp8: bool = False):
+    def __init__(self, g: Geometry, batch: int, context: int, device, fp8: bool = False, rows_per_request: int = 1):
         import numpy as np
         import torch
 
@@ -131,9 +138,12 @@ class Shape:
             compressed_page_size=g.CPAGE, num_compressed_pages=batch * -(-(context // g.RATIO) // g.CPAGE),
             max_context=context, max_requests=batch)
         pager = PagedRequests(geometry)  # no shuffle: request r owns pages r*W .. r*W + W - 1
+        self.rows_per_request = rows_per_request
         for request in range(batch):
-            pager.admit(request, context - 1)
-        self.host_meta = pager.step({request: 1 for request in range(batch)})  # row at position context - 1
+            pager.admit(request, context - rows_per_request)
+        # Each request's rows at positions context - rows_per_request .. context - 1.
+        self.host_meta = pager.step({request: rows_per_request for request in range(batch)})
+        rows = batch * rows_per_request
         self.meta = qsa_torch.StepMetadata.from_host(self.host_meta, device)
         shapes = geometry.state_shapes(g.KH, g.D, g.DI)
         self.fp8 = fp8
@@ -152,15 +162,16 @@ class Shape:
                 for name, shape in shapes.items()})
         gen = torch.Generator(device).manual_seed(0)
         rnd = lambda *s: torch.randn(*s, generator=gen, device=device).to(torch.bfloat16)  # noqa: E731
-        self.inputs = dict(q=rnd(batch, g.QH, g.D), k=rnd(batch, g.KH, g.D), v=rnd(batch, g.KH, g.D),
-                           index_q=rnd(batch, g.IH, g.DI), index_k=rnd(batch, 1, g.DI))
+        self.inputs = dict(q=rnd(rows, g.QH, g.D), k=rnd(rows, g.KH, g.D), v=rnd(rows, g.KH, g.D),
+                           index_q=rnd(rows, g.IH, g.DI), index_k=rnd(rows, 1, g.DI))
         def table(d):
             angles = torch.arange(context, device=device)[:, None] * torch.rand(d // 2, device=device)
             return torch.cat([angles.cos(), angles.sin()], 1)
 
         self.cos_sin, self.index_cos_sin = table(g.D), table(g.DI)
         self.options = dict(compress_ratio=g.RATIO, token_topk=g.TOKEN_TOPK)
-        assert np.all(self.host_meta.positions == context - 1)
+        assert np.array_equal(self.host_meta.positions,
+                              np.tile(np.arange(context - rows_per_request, context), batch))
 
     def torch_step(self):
         import qsa_torch
@@ -355,6 +366,7 @@ class Runner:
         self.merge_paths = False
         self.pdl_paths = False
         self.rope_paths = False
+        self.multi_token_rows = 0  # --multi-token-rows: 0, no multi-token columns
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.share = "dlpack"
         self.notes: list[str] = []
@@ -381,6 +393,8 @@ class Runner:
             row.update(self.pdl_path_columns(shape))
         if self.rope_paths:
             row.update(self.rope_path_columns(shape))
+        if self.multi_token_rows and (self.smoke or batch in MULTI_TOKEN_BATCHES):
+            row.update(self.multi_token_columns(g, batch, context, row["torch_graph_us"]))
         if not self.fp8:  # compiled columns and the dense layer (it reads bf16 caches) come from a bf16 run
             if not self.skip_compile:
                 row.update(self.compiled(shape, label))
@@ -409,6 +423,20 @@ class Runner:
     def _free(self) -> None:
         if self.device.type == "cuda":
             self.torch.cuda.empty_cache()
+
+    def multi_token_columns(self, g: Geometry, batch: int, context: int, one_row_graph_us: float | None) -> dict:
+        """``--multi-token-rows N``: the step with N new rows per request (B x N rows), its own caches
+        (the one-row shape's are freed first)."""
+        rows = self.multi_token_rows
+        self._free()
+        shape = Shape(g, batch, context, self.device, fp8=self.fp8, rows_per_request=rows)
+        columns = dict(multi_token_rows=rows, multi_token_launches=launches(shape))
+        columns["multi_token_eager_us"] = common.torch_median_us(shape.torch_step, self.smoke)
+        columns["multi_token_graph_us"] = common.torch_graph_us(shape.torch_step, calls=LOOP_CALLS, smoke=self.smoke)
+        columns["multi_token_over_one_row"] = _ratio(columns["multi_token_graph_us"], one_row_graph_us)
+        del shape
+        self._free()
+        return columns
 
     def merge_path_columns(self, shape: Shape) -> dict:
         """``--merge-paths``: launches and CUDA-graph µs of the step with the attention's split-K
@@ -536,7 +564,7 @@ def main():
     p.add_argument("--budget", type=float, default=TIME_BUDGET_S, help="seconds after which no new shape starts")
     p.add_argument("--cache-dtype", choices=("bf16", "fp8"), default="bf16",
                    help="K/V and compressed-key caches: bf16, or fp8 e4m3 with per-tensor scales")
-    p.add_argument("--dense-json", default=os.path.join(common.ROOT, "benchmarks", "results", "step.json"),
+    p.add_argument("--dense-json", default=os.path.join(common.results_dir(), "step.json"),
                    help="with --cache-dtype fp8: the bf16 run whose dense_graph_us the fp8 step is compared with")
     p.add_argument("--jax-lowerings", nargs="*", default=None, choices=("legacy", "ffi", "jax-triton"),
                    help="also measure JAX with each of these Triton lowerings (default: legacy and ffi where "
@@ -559,6 +587,9 @@ def main():
     p.add_argument("--rope-paths", action="store_true",
                    help="also the step's launches, graph us and eager wall with stage 1 in its own launch and in "
                         "stage 2's (StepTuning.fuse_rope each way, alternating)")
+    p.add_argument("--multi-token-rows", type=int, default=0, metavar="N",
+                   help="also time the step with N new rows per request (speculative decoding, e.g. 4) at "
+                        f"{' and '.join(map(str, MULTI_TOKEN_BATCHES))} requests: multi_token_* columns")
     p.add_argument("--merge-paths", action="store_true",
                    help="also time the step with the attention's split-K merged in its launch and by a merge "
                         "launch (AttentionTuning.fused_merge forced each way): fused_merge_* and merge_launch_* "
@@ -606,6 +637,9 @@ def run(args, fp8: bool) -> None:
     runner.merge_paths = args.merge_paths
     runner.pdl_paths = args.pdl_paths
     runner.rope_paths = args.rope_paths
+    if args.multi_token_rows < 0 or args.multi_token_rows == 1:
+        raise SystemExit("bench_step --multi-token-rows: N >= 2 (rows per request), or 0 for none")
+    runner.multi_token_rows = args.multi_token_rows
     rows = []
     chosen = None
     if args.shapes and not args.smoke:  # decode:B:L entries only (a step decodes one row a request)
@@ -651,6 +685,10 @@ def run(args, fp8: bool) -> None:
         columns[columns.index("torch_graph_us") + 1:1] = [
             f"{name}_{kind}" for name in ("rope_launch", "rope_fused", "rope_launch_again", "rope_fused_again")
             for kind in ("launches", "graph_us", "eager_wall_us")]
+    if args.multi_token_rows:
+        columns[columns.index("torch_graph_us") + 1:1] = [
+            "multi_token_rows", "multi_token_launches", "multi_token_eager_us", "multi_token_graph_us",
+            "multi_token_over_one_row"]
     if args.merge_paths:
         columns[columns.index("torch_graph_us") + 1:1] = [
             "fused_merge_launches", "fused_merge_graph_us", "merge_launch_launches", "merge_launch_graph_us"]
@@ -679,7 +717,12 @@ def run(args, fp8: bool) -> None:
         + ("; the attention's split-K merged in its launch where AttentionTuning allows" if args.fused_merge == "default"
            else f"; the attention's split-K merge in its launch forced {args.fused_merge} (--fused-merge)")
         + ("; fused_merge_* / merge_launch_*: the step with AttentionTuning.fused_merge forced on / off "
-           "(--merge-paths)" if args.merge_paths else ""),
+           "(--merge-paths)" if args.merge_paths else "")
+        + (f"; multi_token_*: the step with {args.multi_token_rows} new rows per request (speculative decoding, "
+           f"positions L - {args.multi_token_rows} .. L - 1; --multi-token-rows) at "
+           f"{' and '.join(map(str, MULTI_TOKEN_BATCHES))} requests, its own caches; multi_token_graph_us: "
+           "CUDA graph per step of B x N rows; multi_token_over_one_row: over torch_graph_us"
+           if args.multi_token_rows else ""),
         f"torch_graph_us: CUDA graph of {LOOP_CALLS} steps, per step; torch_eager_us: do_bench median",
         "torch_compile_us: torch.compile(fullgraph=True) of the step, Inductor default mode, do_bench median",
         f"torch_compile_graph_us: the same with mode='reduce-overhead' (caches marked static), {LOOP_CALLS} "

@@ -14,10 +14,6 @@ Per shape, CUDA-graph replay (device time, L2 warm), median µs per call:
   streaming path, the one-launch ticketed path (several programs a row)
   and the four-launch sliced path, each forced
   (``tuning.override`` of ``TopkTuning.path``), in the same run;
-- ``ticketed_shared_us``: the ticketed path forced with its shared
-  selection (``TopkTuning.ticketed_select = "shared"``: the compaction
-  programs' histogram), beside ``ticketed_us`` (the default: the last
-  program's fitted passes);
 - ``torch_topk_us``: ``torch.topk(logits, k, sorted=False)`` (values and
   indices, unordered; ours also orders the columns);
 - ``lax_topk_us``: ``jax.lax.top_k`` on the same logits (a jitted fori_loop
@@ -28,8 +24,7 @@ row once, the row and ticketed paths twice (group maxima, compaction) plus
 ~1.4k candidates a row, the sliced path three times.  ``*_gbps`` is one pass's bytes over the time (a lower bound of
 the achieved bandwidth).  The summary gives median speedups over the grid.
 
-    python benchmarks/bench_topk.py [--json PATH] [--smoke] [--sweep | --register-sweep | --ticketed-sweep |
-                                                             --ticketed-select]
+    python benchmarks/bench_topk.py [--json PATH] [--smoke] [--sweep | --register-sweep | --ticketed-sweep]
 
 ``--shapes decode:R:C,...`` times only those rows x columns, in
 ``topk_shapes.json`` unless ``--json`` names another (the grid's JSON holds
@@ -42,12 +37,10 @@ whole grids); with a sweep, its shapes instead of the sweep's own.
 the ticketed path's (``ticketed_slice`` x ``ticketed_warps`` x ``ticketed_bound``);
 ``--stream-sweep`` the ticketed path's slice programs' warps a launch
 (``ticketed_stream_warps``: wider slices streamed past it) beside the row and sliced paths, with ``torch.topk``,
-from 1 to 256 rows (results/topk_stream_sweep.json);
+from 1 to 256 rows (results/<card>/topk_stream_sweep.json);
 ``--wide-sweep`` the sliced path's programs a row (``target_programs`` x
 ``tile``) beside the row path (and its warps) on many wide rows, with
-``torch.topk``; ``--ticketed-select`` the ticketed path's selections (``ticketed_select``
-"last", "shared" with 11- and 12-bit histograms, and "fitted") on the shapes where the
-plan takes the ticketed path or forced beside it (results/topk_ticketed_select.json);
+``torch.topk``;
 ``--bits-sweep`` the plan's path with 8-bit and with 4-bit radix digits (``register_radix_bits``,
 ``radix_bits``; the bound's passes doubled to keep its bits, or not), from 1 to 2048 rows.
 """
@@ -130,11 +123,6 @@ BITS_SWEEP_SHAPES = [(1, 2048), (64, 2048), (2048, 2048), (1, 8192), (64, 8192),
                      (64, 32768), (1, 131072), (8, 262144), (256, 32768), (2048, 8192), (2048, 32768)]
 BITS_SWEEP = [dict(), dict(register_keys_per_thread=16, register_radix_bits=8),
               dict(radix_bits=4, bound_passes=4, ticketed_bound_passes=2), dict(radix_bits=4)]
-TICKETED_SELECT_SHAPES = [(1, 8192), (1, 32768), (8, 32768), (64, 32768), (1, 131072), (8, 131072)]
-#: The variants of --ticketed-select (TopkTuning fields), the first the default.
-TICKETED_SELECTS = [dict(ticketed_select="fitted"), dict(ticketed_select="last"),
-                    dict(ticketed_select="shared", ticketed_shared_bits=11),
-                    dict(ticketed_select="shared", ticketed_shared_bits=12)]
 
 
 def sweep(args, path="row", grid=SWEEP, sweep_shapes=SWEEP_SHAPES, name=None, with_torch=False):
@@ -174,7 +162,8 @@ def sweep(args, path="row", grid=SWEEP, sweep_shapes=SWEEP_SHAPES, name=None, wi
             results.append(result)
             common.print_table([result], list(result))
     name = name or ("topk_sweep.json" if path == "row" else f"topk_{path}_sweep.json")
-    out = args.json.replace("topk.json", name) if args.json.endswith("results/topk.json") else args.json
+    default = args.json == os.path.join(common.results_dir(), "topk.json")
+    out = args.json.replace("topk.json", name) if default else args.json
     common.write_json(out, f"topk_blocks {path}-path tuning sweep", results,
                       [f"defaults {defaults}; CUDA-graph replay, median us per call; logits |N(0,1)|"])
 
@@ -190,8 +179,6 @@ def main():
                         help="time the sliced path's programs a row and the row path's warps on many wide rows")
     parser.add_argument("--stream-sweep", action="store_true",
                         help="time the ticketed path's streamed slices beside the row and sliced paths instead")
-    parser.add_argument("--ticketed-select", action="store_true",
-                        help="time the ticketed path's selections (last program, shared histogram, fitted) instead")
     parser.add_argument("--bits-sweep", action="store_true",
                         help="time the plan's path with its default radix digits, the register path's "
                              "old 8-bit ones, and 4-bit ones for the other paths instead")
@@ -202,8 +189,6 @@ def main():
         return sweep(args, "ticketed", STREAM_SWEEP, STREAM_SWEEP_SHAPES, "topk_stream_sweep.json", with_torch=True)
     if args.bits_sweep:
         return sweep(args, "auto", BITS_SWEEP, BITS_SWEEP_SHAPES, "topk_bits_sweep.json", with_torch=True)
-    if args.ticketed_select:
-        return sweep(args, "ticketed", TICKETED_SELECTS, TICKETED_SELECT_SHAPES, "topk_ticketed_select.json")
     if args.wide_sweep:
         return sweep(args, "row", WIDE_SWEEP, WIDE_SWEEP_SHAPES, "topk_wide_sweep.json", with_torch=True)
     if args.ticketed_sweep:
@@ -236,8 +221,7 @@ def main():
     notes = [
         f"k = {k}; logits |N(0,1)| fp32, every column visible; CUDA-graph replay, median us per call",
         "ours_us: TopkTuning.path auto (path = the plan's choice); register_us / row_us / ticketed_us / sliced_us: "
-        f"each path forced (register_us up to {topk_plans.REGISTER_MAX_TILE} columns); ticketed_shared_us: "
-        "the ticketed path forced with ticketed_select 'shared'",
+        f"each path forced (register_us up to {topk_plans.REGISTER_MAX_TILE} columns)",
         "torch_topk_us: torch.topk(sorted=False); lax_topk_us: jax.lax.top_k, jitted fori_loop per call",
         "one pass = R x C x 4 bytes; *_gbps = one pass / time; register path reads a row once, row and "
         "ticketed paths twice, sliced thrice",
@@ -268,15 +252,11 @@ def main():
             forced = dataclasses.replace(auto, path=path)
             row[f"{path}_us"], out = ours_us(qsa_torch, forced, logits, visible, k, args.smoke)
             row[f"{path}_matches"] = bool(torch.equal(out, expected))
-        shared = dataclasses.replace(auto, path="ticketed", ticketed_select="shared")
-        row["ticketed_shared_us"], out = ours_us(qsa_torch, shared, logits, visible, k, args.smoke)
-        row["ticketed_shared_matches"] = bool(torch.equal(out, expected))
         row["torch_topk_us"] = timed_us(lambda: torch.topk(logits, k, dim=1, sorted=False), args.smoke)
         if jax_gpu and nbytes <= g["MAX_LAX_BYTES"]:
             torch.cuda.synchronize()
             row["lax_topk_us"] = lax_topk_us(jax, common.to_jax(logits), k, args.smoke)
-        for name in ("ours", "register", "row", "ticketed", "ticketed_shared", "sliced", "torch_topk",
-                     "lax_topk"):
+        for name in ("ours", "register", "row", "ticketed", "sliced", "torch_topk", "lax_topk"):
             row[f"{name}_gbps"] = common.gbps(nbytes, row.get(f"{name}_us"))
         for name in ("torch_topk", "sliced", "lax_topk"):
             if row.get(f"{name}_us") and row["ours_us"]:
@@ -293,10 +273,9 @@ def main():
     notes.append("summary: " + ", ".join(f"{key} {value:.2f}" for key, value in summary.items()))
     notes.append(f"total run time {time.perf_counter() - started:.0f} s")
     common.print_table(results, ["rows", "columns", "path", "ours_us", "register_us", "row_us", "ticketed_us",
-                                 "ticketed_shared_us", "sliced_us",
-                                 "torch_topk_us", "lax_topk_us", "speedup_vs_torch_topk", "speedup_vs_sliced",
-                                 "ours_gbps", "register_matches", "row_matches", "ticketed_shared_matches",
-                                 "sliced_matches"])
+                                 "sliced_us", "torch_topk_us", "lax_topk_us", "speedup_vs_torch_topk",
+                                 "speedup_vs_sliced", "ours_gbps", "register_matches", "row_matches",
+                                 "ticketed_matches", "sliced_matches"])
     print(notes[-2])
     common.write_json(args.json, "topk_blocks paths vs torch.topk and jax.lax.top_k", results, notes)
 

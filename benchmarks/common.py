@@ -33,9 +33,28 @@ def fused_merge_attention(on: bool):
     return dataclasses.replace(tuning.current().attention, fused_merge=on)
 
 
+def card() -> str:
+    """This machine's results folder, ``benchmarks/results/<card>``: ``h100``, ``h200``, another GPU's
+    lowercase name, or ``cpu``."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "cpu"
+        name = torch.cuda.get_device_name().lower()
+    except Exception:
+        return "cpu"
+    known = [c for c in ("h100", "h200") if c in name]
+    return known[0] if known else "_".join(name.replace("nvidia", "").split()) or "gpu"
+
+
+def results_dir() -> str:
+    return os.path.join(ROOT, "benchmarks", "results", card())
+
+
 def parser(description: str, default_json: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", default_json),
+    p.add_argument("--json", default=os.path.join(results_dir(), default_json),
                    help="where to write the results")
     p.add_argument("--shapes", type=parse_shapes, default=None,
                    help="only these shapes, e.g. decode:256:131072,prefill:2048:131072 (mode:rows:context)")

@@ -1,4 +1,4 @@
-"""Plot benchmarks/results/step.json (bench_step.py): step time against context, one line per path.
+"""Plot benchmarks/results/h200/step.json (bench_step.py): step time against context, one line per path.
 
     python benchmarks/plot_step.py [step.json [step.png]] [--overlay later.json ...]
 
@@ -78,11 +78,11 @@ def plot(json_path: str, png_path: str, overlays: tuple[str, ...] = ()) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("source", nargs="?", help="the grid's JSON (default: results/step.json)")
+    parser.add_argument("source", nargs="?", help="the grid's JSON (default: results/h200/step.json)")
     parser.add_argument("target", nargs="?", help="the PNG to write (default: the source's name, .png)")
     parser.add_argument("--overlay", action="append", help="a later run's JSON, drawn as stars (repeatable)")
     arguments = parser.parse_args()
-    source = arguments.source or os.path.join(RESULTS, "step.json")
+    source = arguments.source or os.path.join(RESULTS, "h200", "step.json")
     overlays = arguments.overlay
     if overlays is None:  # the committed figure: step.json's grid alone (the latest full run)
         overlays = []

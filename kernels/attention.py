@@ -49,10 +49,10 @@ from . import runtime
 from .fp8 import bit_trick, widen_e4m3
 from .launch import ArrayInfo, Buffer, Launch, Program
 from .pdl import dependent, wait_for_previous_kernel
-from .stage import stage
+from .stage import stage, when
 from .tickets import finish_ticket, publish, start_ticket, wait_for
 from .tuning import AttentionTuning
-from .validate import FINITE_NUMBER, FP8_DTYPE, Checker
+from .validate import BOOL, FINITE_NUMBER, FP8_DTYPE, Checker
 
 FUNCTION = "sparse_paged_attention"
 DOC = """\
@@ -65,7 +65,7 @@ positions of its request ``token_to_req[r]``, whose pages are
 exact log-sum-exp (the split count changes only rounding).
 
 Args:
-    q: ``[R, QH, D]`` bf16 or fp16; D a power of two >= 16.
+    q: ``[R, QH, D]`` bf16 or fp16; D a multiple of 16 from 16 to 256.
     k_cache, v_cache: ``[num_blocks, P, KH, D]`` (the flash layout of
         ``rope_reshape_and_cache``) of q's dtype, or both ``float8_e4m3fn``
         (then ``k_scale`` and ``v_scale`` are required); ``QH % KH == 0``.
@@ -87,15 +87,28 @@ Args:
         split is multiplied by ``v_scale`` once.  Both NaN codes (0x7f,
         0xff) are read as NaN, as a 16-bit cache's NaN (stage 1 writes a NaN
         of k or v as a NaN code).
+    sinks: ``[QH]`` float32 or None: one extra logit per query head in the
+        softmax's denominator, with no value, in the units of
+        ``softmax_scale * q.k`` (gpt-oss's attention sinks).
+    return_lse: also return each row's log-sum-exp.
 
 Returns:
     ``out [R, QH, D]`` of q's dtype; rows with no valid token are zeros.
     NaN and inf propagate as in a float64 softmax: a NaN in q, or in a
     selected K row, or a +inf score, gives NaN heads (all of a KV group's
-    heads for a K row); a valid token set whose scores are all -inf gives NaN.
+    heads for a K row); a valid token set whose scores are all -inf gives NaN
+    (with a finite sink: zeros).  Very negative finite scores are finite.
+    With ``return_lse``, ``(out, lse)``: ``lse [R, QH]`` float32, the natural
+    log of the softmax's denominator (the sum over the row's valid tokens of
+    ``exp(softmax_scale * q.k)``, fp8 with ``k_scale`` folded in, plus
+    ``exp(sink)``); -inf for a row with no valid token and no sink (the sink
+    with one), so ``merge_attention_states`` can merge it with another pass.
 """
 
 LOG2_E = 1.4426950408889634
+
+#: The largest head dim (a multiple of 16; other dims pad the tile to the next power of two).
+MAX_HEAD_DIM = 256
 
 # Launch configuration, decided from static shapes only (programs = R x KH,
 # selection width W, head dim D) by the measured table of
@@ -103,9 +116,23 @@ LOG2_E = 1.4426950408889634
 # fastest, so programs running together are neighbouring rows of one KV head,
 # whose overlapping selections L2 serves once.
 
-#: Score of a skipped token and initial running max: far below any real
-#: score, yet finite so that exp2(max_old - max_new) never sees inf - inf.
-MASKED_SCORE = tl.constexpr(-1.0e20)
+#: Score of a skipped token and the running max before the first finite
+#: score: -inf, so that no finite score, however negative, falls below it (a
+#: finite sentinel such as -1e20 turned rows whose scores all lie below it into
+#: 0 / 0).  While the running max is -inf the softmax subtracts 0 instead
+#: (``exp2(-inf - -inf)`` is NaN): see ``_attend_split``.
+MASKED_SCORE = tl.constexpr(-float("inf"))
+_LOG2_E = tl.constexpr(LOG2_E)
+_LN_2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _in_head_dim(mask, d, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``mask`` (``[X, 1]``) restricted to the head dim's lanes ``d < D`` of a tile padded to
+    BLOCK_D lanes; at a power-of-two D (BLOCK_D == D) ``mask`` itself: the same code as unpadded."""
+    if BLOCK_D != D:
+        mask = mask & (d < D)[None, :]
+    return mask
 
 
 @triton.jit
@@ -124,7 +151,7 @@ def _dot(a, b, acc, INTERPRET: tl.constexpr):
 @triton.jit
 def _attend_split(
     q_ptr, k_cache_ptr, v_cache_ptr, token_indices_ptr, block_table_ptr, token_to_req_ptr, k_scale_ptr, v_scale_ptr,
-    o_ptr, lse_ptr,  # as sparse_attention_partial_kernel's
+    sinks_ptr, o_ptr, lse_ptr,  # as sparse_attention_partial_kernel's
     row, split, kv_head,  # int64 row, int32 split, the KV head
     num_blocks, num_requests, table_width, scale_log2,
     q_sr, q_sh, k_sb, k_sp, k_sh, v_sb, v_sp, v_sh, ti_sr, bt_sr,
@@ -133,6 +160,7 @@ def _attend_split(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr, FP8_CACHE: tl.constexpr, BIT_TRICK: tl.constexpr,
     SLOT_ROWS: tl.constexpr, SAME_ROW_STRIDE: tl.constexpr,
+    BLOCK_D: tl.constexpr, SINKS: tl.constexpr, NATURAL_LSE: tl.constexpr,
 ):
     """Split ``split`` of row ``row``'s tokens for KV head ``kv_head``'s query heads:
     its normalised output and log2-sum-exp (the whole of sparse_attention_partial_kernel,
@@ -141,8 +169,11 @@ def _attend_split(
     group_offsets = tl.arange(0, BLOCK_M)
     head_ok = group_offsets < GROUP
     heads = kv_head * GROUP + group_offsets
-    d = tl.arange(0, D)
-    q = tl.load(q_ptr + row * q_sr + heads[:, None] * q_sh + d[None, :], mask=head_ok[:, None], other=0.0)
+    # The head dim padded to BLOCK_D lanes (a power of two): the padding loads as 0 (q, K and V
+    # alike), so it adds nothing to q.k and its output lanes are never stored.
+    d = tl.arange(0, BLOCK_D)
+    head_lanes = _in_head_dim(head_ok[:, None], d, D, BLOCK_D)
+    q = tl.load(q_ptr + row * q_sr + heads[:, None] * q_sh + d[None, :], mask=head_lanes, other=0.0)
 
     request = tl.load(token_to_req_ptr + row)
     request_ok = (request >= 0) & (request < num_requests)
@@ -157,7 +188,7 @@ def _attend_split(
 
     running_max = tl.full((BLOCK_M,), MASKED_SCORE, tl.float32)
     normaliser = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     # Validity is counted apart from the normaliser: a NaN normaliser (NaN or
     # +inf scores) or a zero one (every valid score -inf) must give NaN like
     # the float64 softmax, and only "no valid token" gives zeros.  Counted per
@@ -187,8 +218,9 @@ def _attend_split(
             offset = tl.where(valid, token % PAGE, 0)
             k_rows = k_head + page * k_sb + offset * k_sp
             v_rows = v_head + page * v_sb + offset * v_sp
-        keys = tl.load(k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        values = tl.load(v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        token_lanes = _in_head_dim(valid[:, None], d, D, BLOCK_D)
+        keys = tl.load(k_rows[:, None] + d[None, :], mask=token_lanes, other=0.0)
+        values = tl.load(v_rows[:, None] + d[None, :], mask=token_lanes, other=0.0)
         if FP8_CACHE:  # widened to q's dtype (exact) for the 16-bit dots; in registers when compiled
             keys = widen_e4m3(keys, q.dtype, BIT_TRICK, not INTERPRET)
 
@@ -197,8 +229,12 @@ def _attend_split(
         # max.f32 drops NaN on the GPU (NumPy's keeps it): either way a NaN
         # score reaches the normaliser and acc through exp2(NaN - max) below.
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        rescale = tl.math.exp2(running_max - new_max)
-        probabilities = tl.where(valid[None, :], tl.math.exp2(scores - new_max[:, None]), 0.0)
+        # The running max is -inf until a finite score comes (or for good, when every valid
+        # score is -inf): then 0 is subtracted, every weight so far is exp2(-inf) = 0, and
+        # no -inf - -inf appears.  Otherwise the shift is the max: the same bits as ever.
+        shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+        rescale = tl.math.exp2(running_max - shift)
+        probabilities = tl.where(valid[None, :], tl.math.exp2(scores - shift[:, None]), 0.0)
         if FP8_CACHE:
             # Widened only now: the in-register widening keeps its place in the loop
             # (not pure), so V's 16-bit tile is not live across q.K and the softmax
@@ -216,16 +252,30 @@ def _attend_split(
     # (The 1.0 stand-ins only keep the interpreter's NumPy from warning; a row
     # without valid tokens has acc = 0.)
     has_tokens = tl.sum(valid_tokens, axis=0) > 0
+    if SINKS:
+        # The head's sink joins the denominator once, in split 0 (the merge adds the splits'
+        # denominators): one more logit with no value, in log2 units like the scores.
+        sink = tl.load(sinks_ptr + heads, mask=head_ok & (split == 0), other=-float("inf")).to(tl.float32)
+        sink = sink * _LOG2_E
+        top = tl.maximum(running_max, sink)
+        top_shift = tl.where(top == -float("inf"), 0.0, top)
+        kept = tl.math.exp2(running_max - top_shift)
+        normaliser = normaliser * kept + tl.math.exp2(sink - top_shift)
+        acc = acc * kept[:, None]
+        running_max = top
     zero_mass = normaliser == 0.0
     out = acc / tl.where(has_tokens, normaliser, 1.0)[:, None]
     if FP8_CACHE:
         # v_scale scales the float32 output once, not every value.
         out = out * tl.load(v_scale_ptr).to(tl.float32)
-    lse = tl.where(has_tokens & ~zero_mass, running_max + tl.math.log2(tl.where(zero_mass, 1.0, normaliser)),
-                   -float("inf"))
+    # (A zero normaliser is a split with no valid token, or whose scores are all -inf, and
+    # no sink: its lse is -inf.)
+    lse = tl.where(~zero_mass, running_max + tl.math.log2(tl.where(zero_mass, 1.0, normaliser)), -float("inf"))
+    if NATURAL_LSE:  # the row's own lse, returned (one split): natural log
+        lse = lse * _LN_2
     at_split = split.to(tl.int64)
     tl.store(o_ptr + at_split * o_ss + row * o_sr + heads[:, None] * o_sh + d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=head_ok[:, None])
+             out.to(o_ptr.dtype.element_ty), mask=head_lanes)
     tl.store(lse_ptr + at_split * lse_ss + row * lse_sr + heads, lse, mask=head_ok)
 
 
@@ -240,9 +290,10 @@ def sparse_attention_partial_kernel(
     block_table_ptr,  # [B, max_pages] int32/int64
     token_to_req_ptr,  # [R] int32/int64
     k_scale_ptr, v_scale_ptr,  # [] or [1] each (read only when FP8_CACHE)
+    sinks_ptr,  # [QH] float32 (read only when SINKS)
     # outputs: `out` itself (one split) or float32 partial outputs; log2-sum-exp
     o_ptr,  # [R, QH, D] q's dtype, or [S, R, QH, D] float32
-    lse_ptr,  # [S, R, QH] float32
+    lse_ptr,  # [S, R, QH] float32 (one split, NATURAL_LSE: the returned lse [R, QH], natural log)
     # sizes, strides, scale
     num_blocks, num_requests, table_width, scale_log2,
     q_sr, q_sh, k_sb, k_sp, k_sh, v_sb, v_sp, v_sh, ti_sr, bt_sr,
@@ -255,27 +306,30 @@ def sparse_attention_partial_kernel(
     BIT_TRICK: tl.constexpr,  # fp8 caches, bf16 q, compiled: fp8.widen_e4m3's integer widening
     SLOT_ROWS: tl.constexpr,  # rows addressed by slot, not by page (AttentionTuning.row_addressing)
     SAME_ROW_STRIDE: tl.constexpr,  # K and V rows share a stride: one slot offset for both
+    BLOCK_D: tl.constexpr,  # D padded to a power of two (D itself at power-of-two dims)
+    SINKS: tl.constexpr,  # a sink logit per query head joins split 0's denominator
+    NATURAL_LSE: tl.constexpr,  # one split and the lse returned: stored as a natural log
 ):
     """One (row, split, KV head) per program: the split's output (one split) or partial."""
     wait_for_previous_kernel()
     _attend_split(
         q_ptr, k_cache_ptr, v_cache_ptr, token_indices_ptr, block_table_ptr, token_to_req_ptr, k_scale_ptr,
-        v_scale_ptr, o_ptr, lse_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2),
+        v_scale_ptr, sinks_ptr, o_ptr, lse_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2),
         num_blocks, num_requests, table_width, scale_log2,
         q_sr, q_sh, k_sb, k_sp, k_sh, v_sb, v_sp, v_sh, ti_sr, bt_sr,
         o_ss, o_sr, o_sh, lse_ss, lse_sr,
         GROUP, D, PAGE, WIDTH, BLOCK_M, BLOCK_N, TILES_PER_SPLIT, INTERPRET, FP8_CACHE, BIT_TRICK, SLOT_ROWS,
-        SAME_ROW_STRIDE)
+        SAME_ROW_STRIDE, BLOCK_D, SINKS, NATURAL_LSE)
 
 
 @triton.jit
-def _merge_split(split, lse_at, partial_at, lse_max, no_weight, denominator, merged, head_ok, lse_ss, o_ss):
+def _merge_split(split, lse_at, partial_at, lse_max, no_weight, denominator, merged, head_ok, lanes, lse_ss, o_ss):
     """Fold split ``split`` of the heads ``lse_at`` / ``partial_at`` point at into ``(denominator, merged)``."""
     lse = tl.load(lse_at + split * lse_ss, mask=head_ok, other=-float("inf"), cache_modifier=".cg")
     mass = tl.math.exp2(lse - lse_max)
     # No split has weight: the partials' plain sum (see _merge_splits).
     weight = tl.where(no_weight, 1.0, mass)
-    partial = tl.load(partial_at + split * o_ss, mask=head_ok, other=0.0, cache_modifier=".cg")
+    partial = tl.load(partial_at + split * o_ss, mask=lanes, other=0.0, cache_modifier=".cg")
     # A weight-0 split drops out even when its partial is NaN (0 / 0).
     merged += tl.where(weight == 0.0, 0.0, partial * weight)
     return denominator + mass, merged
@@ -286,10 +340,12 @@ def _merge_splits(
     partial_out_ptr,  # [S, R, QH, D] float32
     partial_lse_ptr,  # [S, R, QH] float32: log2-sum-exps
     out_ptr,  # [R, QH, D] bf16/fp16
+    lse_out_ptr,  # [R, QH] float32: the rows' lse, natural log (written only when RETURN_LSE)
     row, heads, head_ok,  # the row, its BLOCK_H heads to merge and which of them exist
-    o_ss, o_sr, o_sh, lse_ss, lse_sr,  # out's row/head strides are the partials' (both contiguous)
+    o_ss, o_sr, o_sh, lse_ss, lse_sr,  # out's row/head strides are the partials', lse_out's the partial lse's
     BLOCK_H: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
     CHUNKED_SPLITS: tl.constexpr,  # NUM_SPLITS rounded down to a multiple of SPLIT_CHUNK
+    BLOCK_D: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
     """``out[row, heads]``: the partials weighted by ``2 ** (lse - max lse)``, an exact softmax merge.
 
@@ -302,8 +358,9 @@ def _merge_splits(
     unrolled): else every split would convert them through shared memory,
     two barriers each.  Loads bypass L1 (``.cg``): each partial is read once.
     """
-    d = tl.arange(0, D)
+    d = tl.arange(0, BLOCK_D)
     head_ok = head_ok[:, None]
+    lanes = _in_head_dim(head_ok, d, D, BLOCK_D)
     lse_at = partial_lse_ptr + row * lse_sr + heads[:, None]
     lse_max = tl.full((BLOCK_H, 1), -float("inf"), tl.float32)
     for split in tl.static_range(NUM_SPLITS):
@@ -317,17 +374,22 @@ def _merge_splits(
 
     at = row * o_sr + heads[:, None] * o_sh + d[None, :]
     denominator = tl.zeros((BLOCK_H, 1), tl.float32)
-    merged = tl.zeros((BLOCK_H, D), tl.float32)
+    merged = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
     for first in range(0, CHUNKED_SPLITS, SPLIT_CHUNK):
         for j in tl.static_range(SPLIT_CHUNK):
             denominator, merged = _merge_split(first + j, lse_at, partial_out_ptr + at, lse_max, no_weight,
-                                               denominator, merged, head_ok, lse_ss, o_ss)
+                                               denominator, merged, head_ok, lanes, lse_ss, o_ss)
     for split in tl.static_range(CHUNKED_SPLITS, NUM_SPLITS):
         denominator, merged = _merge_split(split, lse_at, partial_out_ptr + at, lse_max, no_weight, denominator,
-                                           merged, head_ok, lse_ss, o_ss)
+                                           merged, head_ok, lanes, lse_ss, o_ss)
+    if RETURN_LSE:
+        # The row's lse: -inf where no split has weight (no valid token and no sink, or
+        # every valid score -inf), NaN where a split's is NaN.
+        lse = tl.where(no_weight, -float("inf"), lse_max + tl.math.log2(tl.where(no_weight, 1.0, denominator)))
+        tl.store(lse_out_ptr + row * lse_sr + heads[:, None], lse * _LN_2, mask=head_ok)
     # The largest split weighs 1, so the denominator is >= 1 unless it is NaN.
     denominator = tl.where(no_weight, 1.0, denominator)
-    tl.store(out_ptr + at, (merged / denominator).to(out_ptr.dtype.element_ty), mask=head_ok)
+    tl.store(out_ptr + at, (merged / denominator).to(out_ptr.dtype.element_ty), mask=lanes)
 
 
 @dependent
@@ -336,19 +398,22 @@ def merge_splits_kernel(
     # inputs
     partial_out_ptr,  # [S, R, QH, D] float32
     partial_lse_ptr,  # [S, R, QH] float32: log2-sum-exps
-    # outputs
+    # outputs (lse_out_ptr the last input, a stand-in, unless RETURN_LSE)
+    lse_out_ptr,  # [R, QH] float32: the rows' lse, natural log (written only when RETURN_LSE)
     out_ptr,  # [R, QH, D] bf16/fp16
     # strides (out's row/head strides are the partials')
     o_ss, o_sr, o_sh, lse_ss, lse_sr,
     # constexprs
     D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, CHUNKED_SPLITS: tl.constexpr,
+    BLOCK_D: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
     """The split-K merge, a launch of its own: one program per (row, head)."""
     wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) + tl.arange(0, 1)
-    _merge_splits(partial_out_ptr, partial_lse_ptr, out_ptr, row, heads, heads >= 0,
-                  o_ss, o_sr, o_sh, lse_ss, lse_sr, 1, D, NUM_SPLITS, SPLIT_CHUNK, CHUNKED_SPLITS)
+    _merge_splits(partial_out_ptr, partial_lse_ptr, out_ptr, lse_out_ptr, row, heads, heads >= 0,
+                  o_ss, o_sr, o_sh, lse_ss, lse_sr, 1, D, NUM_SPLITS, SPLIT_CHUNK, CHUNKED_SPLITS, BLOCK_D,
+                  RETURN_LSE)
 
 
 @dependent
@@ -356,9 +421,10 @@ def merge_splits_kernel(
 def sparse_attention_fused_merge_kernel(
     # inputs
     q_ptr, k_cache_ptr, v_cache_ptr, token_indices_ptr, block_table_ptr, token_to_req_ptr,
-    k_scale_ptr, v_scale_ptr,  # as sparse_attention_partial_kernel's
+    k_scale_ptr, v_scale_ptr, sinks_ptr,  # as sparse_attention_partial_kernel's
     tickets_in_ptr,  # [R, KH, 2] int32 zeros: tickets_ptr's memory (JAX aliases them; read through tickets_ptr)
-    # outputs
+    # outputs (lse_out_ptr the last input, a stand-in, unless RETURN_LSE)
+    lse_out_ptr,  # [R, QH] float32: the rows' lse, natural log (written only when RETURN_LSE)
     partial_out_ptr,  # [S, R, QH, D] float32 workspace
     partial_lse_ptr,  # [S, R, QH] float32 workspace
     out_ptr,  # [R, QH, D] q's dtype
@@ -372,8 +438,9 @@ def sparse_attention_fused_merge_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr, FP8_CACHE: tl.constexpr, BIT_TRICK: tl.constexpr,
     SLOT_ROWS: tl.constexpr, SAME_ROW_STRIDE: tl.constexpr,
+    BLOCK_D: tl.constexpr, SINKS: tl.constexpr, NATURAL_LSE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MERGE_HEADS: tl.constexpr, MERGERS: tl.constexpr,
-    SPLIT_CHUNK: tl.constexpr, CHUNKED_SPLITS: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr, CHUNKED_SPLITS: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
     """Split-K and its merge in one launch: NUM_SPLITS + MERGERS programs per (row, KV head).
 
@@ -394,19 +461,20 @@ def sparse_attention_fused_merge_kernel(
     if role < NUM_SPLITS:
         _attend_split(
             q_ptr, k_cache_ptr, v_cache_ptr, token_indices_ptr, block_table_ptr, token_to_req_ptr, k_scale_ptr,
-            v_scale_ptr, partial_out_ptr, partial_lse_ptr, row, role, kv_head,
+            v_scale_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, row, role, kv_head,
             num_blocks, num_requests, table_width, scale_log2,
             q_sr, q_sh, k_sb, k_sp, k_sh, v_sb, v_sp, v_sh, ti_sr, bt_sr,
             o_ss, o_sr, o_sh, lse_ss, lse_sr,
             GROUP, D, PAGE, WIDTH, BLOCK_M, BLOCK_N, TILES_PER_SPLIT, INTERPRET, FP8_CACHE, BIT_TRICK, SLOT_ROWS,
-            SAME_ROW_STRIDE)
+            SAME_ROW_STRIDE, BLOCK_D, SINKS, NATURAL_LSE)
         publish(tickets + 1)
     else:
         wait_for(tickets + 1, NUM_SPLITS)
         offsets = (role - NUM_SPLITS) * MERGE_HEADS + tl.arange(0, MERGE_HEADS)
         # (_merge_splits reads the partials with .cg: other programs of this launch wrote them.)
-        _merge_splits(partial_out_ptr, partial_lse_ptr, out_ptr, row, kv_head * GROUP + offsets, offsets < GROUP,
-                      o_ss, o_sr, o_sh, lse_ss, lse_sr, MERGE_HEADS, D, NUM_SPLITS, SPLIT_CHUNK, CHUNKED_SPLITS)
+        _merge_splits(partial_out_ptr, partial_lse_ptr, out_ptr, lse_out_ptr, row, kv_head * GROUP + offsets,
+                      offsets < GROUP, o_ss, o_sr, o_sh, lse_ss, lse_sr, MERGE_HEADS, D, NUM_SPLITS, SPLIT_CHUNK,
+                      CHUNKED_SPLITS, BLOCK_D, RETURN_LSE)
         # Every split has published and every merger has drawn its ticket and waited: the
         # last merger to count itself done frees both counters for the next call.
         if finish_ticket(tickets + 1) == NUM_SPLITS + MERGERS - 1:
@@ -462,14 +530,15 @@ def _launch_config(rows: int, kv_heads: int, width: int, d: int, tuning: Attenti
 
 @stage(
     arrays=("q", "k_cache", "v_cache", "token_indices", "block_table", "token_to_req", "k_scale",
-            "v_scale"),
-    options=dict(softmax_scale=FINITE_NUMBER.or_none()),
-    results=("out",), doc=DOC, returns="Array", tuning=dict(tuning="attention"))
+            "v_scale", "sinks"),
+    options=dict(softmax_scale=FINITE_NUMBER.or_none(), return_lse=BOOL),
+    results=("out", when("return_lse", "lse")), doc=DOC, returns="Array", tuning=dict(tuning="attention"))
 def plan_sparse_paged_attention(
     q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, token_indices: ArrayInfo,
     block_table: ArrayInfo, token_to_req: ArrayInfo, softmax_scale: float | None = None,
     *, tuning: AttentionTuning | None = None,
     k_scale: ArrayInfo | None = None, v_scale: ArrayInfo | None = None,
+    sinks: ArrayInfo | None = None, return_lse: bool = False,
 ) -> Program:
     """Validate stage-4 arguments and describe the launches (see docs/api.md).
 
@@ -486,9 +555,8 @@ def plan_sparse_paged_attention(
     fp8 = _check_cache_dtypes(check, q, k_cache, v_cache, k_scale, v_scale)
     rows, qh, d = q.shape
     num_blocks, page, kh, cache_d = k_cache.shape
-    check.power_of_two("q", d, "head dim D")
-    if d < 16:
-        check.fail("q", "must have head dim D >= 16", d)
+    if d % 16 or not 16 <= d <= MAX_HEAD_DIM:
+        check.fail("q", f"must have head dim D a multiple of 16 from 16 to {MAX_HEAD_DIM}", d)
     if cache_d != d:
         check.fail("k_cache", f"must have {check.owner('q')} head dim D = {d}", f"shape {k_cache.shape}")
     if v_cache.shape != k_cache.shape:
@@ -502,6 +570,10 @@ def plan_sparse_paged_attention(
         check.fail("token_indices", f"must have R = {rows} rows like {check.name('q')}", f"shape {token_indices.shape}")
     check.index_array("block_table", block_table, 2, "[B, max_pages]")
     check.index_vector("token_to_req", token_to_req, rows, "R", like="q")
+    if sinks is not None:
+        check.array("sinks", sinks, 1, "[QH]", ("float32",))
+        if sinks.shape[0] != qh:
+            check.fail("sinks", f"must have QH = {qh} entries like {check.name('q')}", f"shape {sinks.shape}")
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, token_indices=token_indices,
                   block_table=block_table, token_to_req=token_to_req)
@@ -509,7 +581,9 @@ def plan_sparse_paged_attention(
     width = token_indices.shape[1]
     group = qh // kh
     block_m = max(16, triton.next_power_of_2(group))
-    block_n, tiles_per_split, splits, num_warps, num_stages = _launch_config(rows, kh, width, d, tuning, fp8)
+    # Tiles sized by the padded head dim (the lanes the kernel holds): d itself at powers of two.
+    block_d = triton.next_power_of_2(d)
+    block_n, tiles_per_split, splits, num_warps, num_stages = _launch_config(rows, kh, width, block_d, tuning, fp8)
 
     # Row addressing by slot (see the kernel) where the caches allow it.
     addressing = tuning.fp8_row_addressing if fp8 else tuning.row_addressing
@@ -517,22 +591,28 @@ def plan_sparse_paged_attention(
                  and all(cache.strides[0] == page * cache.strides[1] for cache in (k_cache, v_cache)))
 
     out = Buffer("out", (rows, qh, d), q.dtype)
-    # The log2-sum-exps of one split are the rows' own: kept for a later
-    # option to return them (docs/api.md, "Beyond the seeds").
-    partial_lse = Buffer("partial_lse", (splits, rows, qh), "float32")
+    # The log2-sum-exps of one split are the rows' own: returned, as natural
+    # logs (NATURAL_LSE), when asked for; several splits' are merged into it.
+    lse = Buffer("lse", (rows, qh), "float32")
+    natural_lse = return_lse and splits == 1
+    partial_lse = lse if natural_lse else Buffer("partial_lse", (splits, rows, qh), "float32")
     if splits == 1:
         partial_out = out  # written directly, no merge
         buffers = (out, partial_lse)
     else:
         partial_out = Buffer("partial_out", (splits, rows, qh, d), "float32")
-        buffers = (out, partial_out, partial_lse)
+        buffers = (out, partial_out, partial_lse) + ((lse,) if return_lse else ())
     # Both candidates are contiguous [..., R, QH, D]: only the split stride differs.
     o_sr, o_sh, _ = out.info.strides
     o_ss = rows * qh * d if splits > 1 else 0
-    lse_ss, lse_sr, _ = partial_lse.info.strides
+    lse_ss, lse_sr = (0, qh) if natural_lse else partial_lse.info.strides[:2]
+    results = ("out", "lse") if return_lse else ("out",)
 
-    # Without fp8 caches the scale pointers are stand-ins FP8_CACHE never reads.
-    inputs = tuple(arrays) + (("k_scale", "v_scale") if fp8 else ("q", "q"))
+    # Without fp8 caches the scale pointers are stand-ins FP8_CACHE never reads; likewise sinks.
+    inputs = tuple(arrays) + (("k_scale", "v_scale") if fp8 else ("q", "q")) + ("sinks" if sinks is not None else "q",)
+    # The merges' lse output: the last input (a stand-in never written) unless it is returned.
+    lse_out = () if return_lse else ("q",)
+    lse_result = (lse.name,) if return_lse else ()
     scalars = dict(
         num_blocks=num_blocks, num_requests=block_table.shape[0], table_width=block_table.shape[1],
         scale_log2=scale * LOG2_E,
@@ -547,9 +627,11 @@ def plan_sparse_paged_attention(
         TILES_PER_SPLIT=tiles_per_split, INTERPRET=runtime.INTERPRETED, FP8_CACHE=fp8,
         BIT_TRICK=bit_trick(fp8, q.dtype), SLOT_ROWS=slot_rows,
         SAME_ROW_STRIDE=k_cache.strides[1] == v_cache.strides[1],
+        BLOCK_D=block_d, SINKS=sinks is not None, NATURAL_LSE=natural_lse,
     )
     chunk = min(splits, max(1, tuning.merge_chunk_elements // d))
-    merge_constexprs = dict(NUM_SPLITS=splits, SPLIT_CHUNK=chunk, CHUNKED_SPLITS=splits // chunk * chunk)
+    merge_constexprs = dict(NUM_SPLITS=splits, SPLIT_CHUNK=chunk, CHUNKED_SPLITS=splits // chunk * chunk,
+                            RETURN_LSE=return_lse)
     if merges_in_launch(rows, kh, splits, tuning):
         # One launch: NUM_SPLITS partial programs, then MERGERS merging programs, per
         # (row, KV head), by start ticket.  The tickets start at zero (Buffer.fill, as the
@@ -560,11 +642,12 @@ def plan_sparse_paged_attention(
         tickets = Buffer("tickets", (rows, kh, 2), "int32", fill=0, refilled=True)
         launches = (Launch(
             kernel=sparse_attention_fused_merge_kernel, grid=(rows, kh, splits + mergers),
-            inputs=inputs + (tickets.name,), outputs=(partial_out.name, partial_lse.name, out.name, tickets.name),
+            inputs=inputs + (tickets.name,) + lse_out,
+            outputs=lse_result + (partial_out.name, partial_lse.name, out.name, tickets.name),
             scalars=dict(scalars, tk_sr=tickets.info.strides[0]),
             constexprs=dict(constexprs, **merge_constexprs, MERGE_HEADS=merge_heads, MERGERS=mergers),
             num_warps=num_warps, num_stages=num_stages),)
-        return Program(FUNCTION, buffers + (tickets,), launches, ("out",))
+        return Program(FUNCTION, buffers + (tickets,), launches, results)
     # Rows vary fastest (see the table).
     launches = (Launch(
         kernel=sparse_attention_partial_kernel, grid=(rows, splits, kh), inputs=inputs,
@@ -574,12 +657,12 @@ def plan_sparse_paged_attention(
         launches += (Launch(
             kernel=merge_splits_kernel,
             grid=(rows, qh),
-            inputs=(partial_out.name, partial_lse.name),
-            outputs=(out.name,),
+            inputs=(partial_out.name, partial_lse.name) + lse_out,
+            outputs=lse_result + (out.name,),
             scalars=dict(o_ss=o_ss, o_sr=o_sr, o_sh=o_sh, lse_ss=lse_ss, lse_sr=lse_sr),
-            constexprs=dict(D=d, **merge_constexprs),
+            constexprs=dict(D=d, BLOCK_D=block_d, **merge_constexprs),
             num_warps=4,
             num_stages=1,
         ),)
-    return Program(FUNCTION, buffers, launches, ("out",))
+    return Program(FUNCTION, buffers, launches, results)
 

@@ -170,7 +170,7 @@ def rope_compress_store_kernel(
     r_BLOCK_KH: tl.constexpr, r_NUM_Q_TILES: tl.constexpr, r_PAGE: tl.constexpr, r_IS_NEOX: tl.constexpr,
     r_HAS_OFFSETS: tl.constexpr, r_HAS_SWA: tl.constexpr, r_WRITE_ZEROS: tl.constexpr,
     r_FP8_CACHE: tl.constexpr, r_K_DX: tl.constexpr, r_K_PX: tl.constexpr, r_V_DX: tl.constexpr,
-    r_V_PX: tl.constexpr,
+    r_V_PX: tl.constexpr, r_ROPE: tl.constexpr, r_K_SCALED: tl.constexpr, r_V_SCALED: tl.constexpr,
     c_D: tl.constexpr, c_F: tl.constexpr, c_BLOCK_R: tl.constexpr, c_RATIO: tl.constexpr, c_RING: tl.constexpr,
     c_CPAGE: tl.constexpr, c_IS_NEOX: tl.constexpr, c_QUANTISE: tl.constexpr,
     c_WIDE_FIRST_POSITIONS: tl.constexpr, c_IH: tl.constexpr, c_BLOCK_H: tl.constexpr,
@@ -196,7 +196,7 @@ def rope_compress_store_kernel(
             r_qo_sr, r_qo_sh, r_ko_sr, r_ko_sh, r_kc_sb, r_kc_sh, r_kc_sd1, r_kc_sd2, r_kc_sp1, r_kc_sp2,
             r_vc_sb, r_vc_sh, r_vc_sd1, r_vc_sd2, r_vc_sp1, r_vc_sp2,
             r_D, r_F, r_QH, r_KH, r_BLOCK_H, r_BLOCK_KH, r_NUM_Q_TILES, r_PAGE, r_IS_NEOX, r_HAS_OFFSETS,
-            r_HAS_SWA, r_WRITE_ZEROS, r_FP8_CACHE, r_K_DX, r_K_PX, r_V_DX, r_V_PX)
+            r_HAS_SWA, r_WRITE_ZEROS, r_FP8_CACHE, r_K_DX, r_K_PX, r_V_DX, r_V_PX, r_ROPE, r_K_SCALED, r_V_SCALED)
     else:
         compress_rotate_store_program(
             program - r_programs,

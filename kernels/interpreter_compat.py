@@ -17,6 +17,17 @@ both directions are exact and as sm_90 computes them: to e4m3 as
 past 448 saturated to +-448, NaN to the NaN code 0x7f), from e4m3 by the
 table of its 256 values (0x7f and 0xff are NaN).  So CPU tests of the fp8
 writers and readers check what the GPU computes.
+
+**bf16 casts.**  The interpreter holds bf16 as raw uint16 bits and converts
+them to and from float32 by moving bit fields (``_convert_float``): a
+subnormal comes out wrong both ways (7.44e-39 became 3.12e-39 or 7.35e-40),
+float32 -> bf16 truncates where the compiler rounds to nearest even, and a
+cast between bf16 and an integer or float64 reinterprets the bits as a number.
+Here bf16 -> float32 is exact (bf16 is the top 16 bits of float32), float32 ->
+bf16 rounds the bit pattern to nearest even (as ``cvt.rn.bf16.f32``; NaN
+stays NaN, quiet, sign kept), float64 -> bf16 rounds once (through float32
+rounded to odd) and the integer casts go through float32 / float64.  So a
+bf16 value, subnormal or not, survives a round trip bit for bit.
 """
 
 from __future__ import annotations
@@ -56,6 +67,41 @@ def to_e4m3(values: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(values), np.uint8(0x7F), code).astype(np.uint8)
 
 
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """float32 values of raw bf16 bits (uint16): exact, subnormals, infinities and NaN included."""
+    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(values: np.ndarray, rounding: str = "rtne") -> np.ndarray:
+    """Raw bf16 bits (uint16) of float32 values: rounded to nearest even on the bit pattern
+    (``"rtz"``: toward zero), subnormals included; NaN stays a quiet NaN of the same sign."""
+    bits = np.ascontiguousarray(values, np.float32).view(np.uint32)
+    if rounding == "rtne":
+        # + 0x7FFF, + 1 when the kept half is odd: carries into the exponent (and to inf) as the hardware does.
+        rounded = bits + (np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1)))
+    else:
+        rounded = bits
+    nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    out = np.where(nan, (bits >> 16) | np.uint32(0x0040), rounded >> 16)
+    return out.astype(np.uint16)
+
+
+def f64_to_bf16(values: np.ndarray, rounding: str = "rtne") -> np.ndarray:
+    """Raw bf16 bits of float64 values, rounded once: to float32 rounded to odd (toward zero,
+    the last bit set when inexact: 16 more bits than bf16 keeps, so rounding that to bf16
+    is rounding the float64 value), then :func:`f32_to_bf16`."""
+    values = np.asarray(values, np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        single = values.astype(np.float32)
+        widened = single.astype(np.float64)
+        away = np.isfinite(values) & (np.abs(widened) > np.abs(values))  # rounded away from zero
+        single = np.where(away, np.nextafter(single, np.float32(0)), single)
+        bits = single.view(np.uint32).copy()
+        inexact = np.isfinite(values) & (single.astype(np.float64) != values)
+    bits[inexact] |= np.uint32(1)
+    return f32_to_bf16(bits.view(np.float32), rounding)
+
+
 def _apply() -> None:
     import triton.language as tl
     from triton.runtime import interpreter
@@ -80,11 +126,15 @@ def _apply() -> None:
 
     def as_float(data, dtype):
         if dtype == tl.bfloat16:
-            return (np.asarray(data, np.uint16).astype(np.uint32) << 16).view(np.float32)
+            return bf16_to_f32(data)
         return np.asarray(data).astype(np.float64)
 
     def create_fp_to_fp(self, src, dst_type, rounding_mode):
         source, target = src.dtype.scalar, dst_type.scalar
+        if target == tl.bfloat16 and source in (tl.float32, tl.float64):  # a rounding mode asked for
+            rounding = "rtz" if rounding_mode == interpreter._ir.ROUNDING_MODE.RTZ else "rtne"
+            convert = f32_to_bf16 if source == tl.float32 else f64_to_bf16
+            return interpreter.TensorHandle(convert(src.data, rounding), target)
         if target == tl.float8e4nv and (source == tl.bfloat16 or source in wide):
             return interpreter.TensorHandle(to_e4m3(as_float(src.data, source)), target)
         if source == tl.float8e4nv and (target == tl.bfloat16 or target in wide):
@@ -97,6 +147,24 @@ def _apply() -> None:
         return fp_to_fp(self, src, dst_type, rounding_mode)
 
     builder.create_fp_to_fp = create_fp_to_fp
+
+    cast = builder.cast_impl  # every other cast (fp_ext, fp_trunc, si/ui_to_fp, fp_to_si/ui)
+
+    def cast_impl(self, src, dst_type):
+        source, target = src.dtype.scalar, dst_type.scalar
+        if source == tl.bfloat16 and target != tl.bfloat16:
+            values = bf16_to_f32(src.data)
+            if target != tl.float32:  # float64 exactly; an integer as from float32
+                values = values.astype(interpreter._get_np_dtype(target))
+            return interpreter.TensorHandle(values, target)
+        if target == tl.bfloat16 and source != tl.bfloat16:
+            if source == tl.float32:
+                return interpreter.TensorHandle(f32_to_bf16(src.data), target)
+            # float16 and integers: exact in float64 (but int64 past 2**53), then rounded once.
+            return interpreter.TensorHandle(f64_to_bf16(np.asarray(src.data).astype(np.float64)), target)
+        return cast(self, src, dst_type)
+
+    builder.cast_impl = cast_impl
 
 
 if runtime.INTERPRETED:

@@ -15,6 +15,8 @@ and shuffled-value layouts.
 
 from __future__ import annotations
 
+import dataclasses
+
 import triton
 import triton.language as tl
 
@@ -44,14 +46,17 @@ Args:
     positions: ``[T]`` int32/int64 rotary positions.
     cos_sin: ``[max_position, 2*F]``, cos then sin, ``F`` = D/2 or D; q's
         dtype or fp32.  A position outside its rows gives NaN ``q_out`` and
-        ``k_out`` rows and no cache write.
+        ``k_out`` rows and no cache write.  ``None`` (still positional): q and
+        k arrive rotated; no table is read, bit for bit an identity table (cos
+        1, sin 0) covering every non-negative position.
     is_neox: NeoX (split halves) if true, GPT-J (interleaved pairs) if false.
-    k_scale, v_scale: for ``float8_e4m3fn`` caches only, and then both (else
-        None): 0-d / 1-element float scales; k and v are divided by them in
+    k_scale, v_scale: 0-d / 1-element float scales, as the source takes them.
+        ``float8_e4m3fn`` caches need both: k and v are divided by them in
         float32 (correctly rounded) before the cast to fp8, which saturates
-        finite values and +-inf at +-448 and keeps NaN a NaN.  Valid scales
-        (finite, > 0) are the caller's contract: device values are never
-        checked (no host synchronisation).
+        finite values and +-inf at +-448 and keeps NaN a NaN.  Other caches
+        take each optionally and store ``x * (1 / scale)`` (float32), which
+        no reader undoes.  Valid scales (finite, > 0) are the caller's
+        contract: device values are never checked (no host synchronisation).
     offsets: optional ``[T]`` added to ``positions``.
     swa_slot_mapping: optional table: the final slot is
         ``swa_slot_mapping[slot_mapping[t]]``.
@@ -134,6 +139,22 @@ def rope_cos_sin(cos_sin_ptr, position, position_ok, read, max_position, cs_sr, 
 
 
 @triton.jit
+def identity_cos_sin(position, position_ok, read, max_position):
+    """:func:`rope_cos_sin` of an identity table (cos 1, sin 0) of ``max_position`` rows, read
+    from no table (``cos_sin=None``: q and k arrive rotated).  ``read`` has the cos/sin shape.
+
+    The same values where a table would be read (NaN outside it), so the rotation that
+    follows rounds exactly as with an identity table: ``cos_sin=None`` is bitwise such a table.
+    """
+    position_ok = position_ok & (position >= 0) & (position < max_position)
+    read = read & position_ok
+    nan = float("nan")
+    cos = tl.where(read, 1.0, nan)
+    sin = tl.where(read, 0.0, nan)
+    return position_ok, cos, sin, cos, sin
+
+
+@triton.jit
 def _cache_offsets(page, offset, heads, d, SB, SH, SD1, SD2, SP1, SP2,
                    DX: tl.constexpr, PX: tl.constexpr):
     row = page * SB + (offset // PX) * SP1 + (offset % PX) * SP2
@@ -141,10 +162,16 @@ def _cache_offsets(page, offset, heads, d, SB, SH, SD1, SD2, SP1, SP2,
 
 
 @triton.jit
-def _to_cache(x, scale_ptr, dtype: tl.constexpr, FP8_CACHE: tl.constexpr):
-    """float32 ``x`` as the cache stores it: as it is (16-bit caches), or quantised."""
+def _to_cache(x, scale_ptr, dtype: tl.constexpr, FP8_CACHE: tl.constexpr, SCALED: tl.constexpr):
+    """float32 ``x`` as the cache stores it: quantised (fp8 caches); times ``1 / scale``
+    (``SCALED``: a 16/32-bit cache given a scale, as the source's ``apply_scale``); or as it is."""
     if FP8_CACHE:
         stored = quantise(x, scale_ptr, dtype)
+    elif SCALED:
+        # The source's k * (1 / k_scale), both in float32; the reciprocal correctly rounded
+        # (div_rn: ``/`` is div.full.f32 on the GPU, see fp8.quantise).
+        reciprocal = tl.math.div_rn(tl.full((), 1.0, tl.float32), tl.load(scale_ptr).to(tl.float32))
+        stored = (x * reciprocal).to(dtype)
     else:
         stored = x.to(dtype)
     return stored
@@ -162,9 +189,9 @@ def rope_cache_kernel(
     slot_mapping_ptr,  # [T_kv] int32/int64
     positions_ptr,  # [T] int32/int64
     offsets_ptr,  # [T] int32/int64 (HAS_OFFSETS; else a stand-in, never read)
-    cos_sin_ptr,  # [max_position, 2*F] q's dtype or fp32
-    k_scale_ptr,  # 0-d / [1] float (FP8_CACHE; else a stand-in)
-    v_scale_ptr,  # 0-d / [1] float (FP8_CACHE; else a stand-in)
+    cos_sin_ptr,  # [max_position, 2*F] q's dtype or fp32 (ROPE; else a stand-in, never read)
+    k_scale_ptr,  # 0-d / [1] float (FP8_CACHE or K_SCALED; else a stand-in)
+    v_scale_ptr,  # 0-d / [1] float (FP8_CACHE or V_SCALED; else a stand-in)
     swa_ptr,  # [num_swa_slots] int32/int64 (HAS_SWA; else a stand-in)
     # outputs (the caches are the inputs' aliases)
     q_out_ptr,  # [T, QH, D] q's dtype
@@ -184,6 +211,8 @@ def rope_cache_kernel(
     HAS_SWA: tl.constexpr, WRITE_ZEROS: tl.constexpr,
     FP8_CACHE: tl.constexpr,  # fp8 e4m3 caches, k_scale and v_scale given: fp8.quantise
     K_DX: tl.constexpr, K_PX: tl.constexpr, V_DX: tl.constexpr, V_PX: tl.constexpr,
+    ROPE: tl.constexpr,  # cos_sin given; else q and k arrive rotated (an identity table, no reads)
+    K_SCALED: tl.constexpr, V_SCALED: tl.constexpr,  # a 16/32-bit cache's given scale: x * (1 / scale)
 ):
     wait_for_previous_kernel()
     rope_cache_program(
@@ -193,7 +222,7 @@ def rope_cache_kernel(
         value_cache_out_ptr, zeros_ptr, T, max_position, num_slots, swa_len, q_sr, q_sh, k_sr, k_sh, v_sr,
         v_sh, cs_sr, qo_sr, qo_sh, ko_sr, ko_sh, kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2, vc_sb, vc_sh,
         vc_sd1, vc_sd2, vc_sp1, vc_sp2, D, F, QH, KH, BLOCK_H, BLOCK_KH, NUM_Q_TILES, PAGE, IS_NEOX,
-        HAS_OFFSETS, HAS_SWA, WRITE_ZEROS, FP8_CACHE, K_DX, K_PX, V_DX, V_PX)
+        HAS_OFFSETS, HAS_SWA, WRITE_ZEROS, FP8_CACHE, K_DX, K_PX, V_DX, V_PX, ROPE, K_SCALED, V_SCALED)
 
 
 @triton.jit
@@ -209,6 +238,7 @@ def rope_cache_program(
     BLOCK_KH: tl.constexpr, NUM_Q_TILES: tl.constexpr, PAGE: tl.constexpr, IS_NEOX: tl.constexpr,
     HAS_OFFSETS: tl.constexpr, HAS_SWA: tl.constexpr, WRITE_ZEROS: tl.constexpr, FP8_CACHE: tl.constexpr,
     K_DX: tl.constexpr, K_PX: tl.constexpr, V_DX: tl.constexpr, V_PX: tl.constexpr,
+    ROPE: tl.constexpr, K_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
 ):
     """One program of ``rope_cache_kernel`` (also run by ``fused.rope_compress_store_kernel``)."""
     is_query_tile = head_tile < NUM_Q_TILES
@@ -225,8 +255,13 @@ def rope_cache_program(
             position_ok = ~((position < 0) == (offset < 0)) | ((total < 0) == (position < 0))
             position = total
         # A position outside the table is never read: its rows come out NaN.
-        position_ok, cos_a, sin_a, cos_b, sin_b = rope_cos_sin(
-            cos_sin_ptr, position, position_ok, (i < D // 2) & rope_row, max_position, cs_sr, freq_a, freq_b, F)
+        if ROPE:
+            position_ok, cos_a, sin_a, cos_b, sin_b = rope_cos_sin(
+                cos_sin_ptr, position, position_ok, (i < D // 2) & rope_row, max_position, cs_sr, freq_a, freq_b,
+                F)
+        else:
+            position_ok, cos_a, sin_a, cos_b, sin_b = identity_cos_sin(
+                position, position_ok, (i < D // 2) & rope_row, max_position)
         cos_a, sin_a, cos_b, sin_b = cos_a[None, :], sin_a[None, :], cos_b[None, :], sin_b[None, :]
 
         if is_query_tile:
@@ -242,7 +277,7 @@ def rope_cache_program(
                 kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2,
                 vc_sb, vc_sh, vc_sd1, vc_sd2, vc_sp1, vc_sp2,
                 D, KH, BLOCK_KH, PAGE, HAS_SWA, FP8_CACHE,
-                K_DX, K_PX, V_DX, V_PX)
+                K_DX, K_PX, V_DX, V_PX, K_SCALED, V_SCALED)
 
 
 @triton.jit
@@ -274,6 +309,7 @@ def _rope_and_cache_kv_heads(
     D: tl.constexpr, KH: tl.constexpr, BLOCK_KH: tl.constexpr, PAGE: tl.constexpr,
     HAS_SWA: tl.constexpr, FP8_CACHE: tl.constexpr,
     K_DX: tl.constexpr, K_PX: tl.constexpr, V_DX: tl.constexpr, V_PX: tl.constexpr,
+    K_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
 ):
     heads = tl.arange(0, BLOCK_KH)
     head_mask = (heads < KH)[:, None]
@@ -298,15 +334,15 @@ def _rope_and_cache_kv_heads(
         cache_dtype = key_cache_out_ptr.dtype.element_ty
         tl.store(key_cache_out_ptr + _cache_offsets(
             page, offset, heads, d_a, kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2, K_DX, K_PX),
-            _to_cache(k_a, k_scale_ptr, cache_dtype, FP8_CACHE), mask=head_mask)
+            _to_cache(k_a, k_scale_ptr, cache_dtype, FP8_CACHE, K_SCALED), mask=head_mask)
         tl.store(key_cache_out_ptr + _cache_offsets(
             page, offset, heads, d_b, kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2, K_DX, K_PX),
-            _to_cache(k_b, k_scale_ptr, cache_dtype, FP8_CACHE), mask=head_mask)
+            _to_cache(k_b, k_scale_ptr, cache_dtype, FP8_CACHE, K_SCALED), mask=head_mask)
         d = tl.arange(0, D)
         v = tl.load(v_ptr + t * v_sr + safe_heads[:, None] * v_sh + d[None, :]).to(tl.float32)
         tl.store(value_cache_out_ptr + _cache_offsets(
             page, offset, heads, d, vc_sb, vc_sh, vc_sd1, vc_sd2, vc_sp1, vc_sp2, V_DX, V_PX),
-            _to_cache(v, v_scale_ptr, cache_dtype, FP8_CACHE), mask=head_mask)
+            _to_cache(v, v_scale_ptr, cache_dtype, FP8_CACHE, V_SCALED), mask=head_mask)
 
 
 def _cache_geometry(check: Checker, key: ArrayInfo, value: ArrayInfo, kh: int, d: int):
@@ -372,6 +408,19 @@ def check_cos_sin(check: Checker, name: str, cos_sin: ArrayInfo, dtype: str, d: 
     return width
 
 
+#: ``max_position`` of a call without a table (``cos_sin=None``): no position past it (the
+#: composed step bounds positions by its ``index_cos_sin`` instead, :func:`bound_positions`).
+NO_TABLE_POSITIONS = 2**63 - 1
+
+
+def bound_positions(launch: Launch, max_position: int) -> Launch:
+    """Stage 1's launch with positions bounded by ``max_position`` rows: a call with
+    ``cos_sin=None`` then is one with an identity table of that many rows, bit for bit."""
+    if launch.kernel is not rope_cache_kernel or launch.constexprs["ROPE"]:
+        raise ValueError(f"bound_positions: a launch of rope_cache_kernel without a table, got {launch.kernel}")
+    return dataclasses.replace(launch, scalars={**launch.scalars, "max_position": max_position})
+
+
 def _query_tiles(heads: int, d: int, tuning: RopeCacheTuning) -> tuple[int, int]:
     """``(BLOCK_H, tiles)``: query heads a program rotates, and programs a row."""
     block_h = min(triton.next_power_of_2(max(heads, 1)), max(1, tuning.tile_elements // d))  # no heads: no tiles
@@ -383,11 +432,12 @@ def _query_tiles(heads: int, d: int, tuning: RopeCacheTuning) -> tuple[int, int]
             "k_scale", "v_scale", "offsets", "swa_slot_mapping"),
     options=dict(is_neox=BOOL, return_zeros=BOOL),
     results=("q_out", "k_out", "key_cache", "value_cache", when("return_zeros", "zeros")),
-    doc=DOC, returns="tuple[Array, ...]", tuning=dict(tuning="rope_cache"), rows=dict(k_out="k"))
+    doc=DOC, returns="tuple[Array, ...]", tuning=dict(tuning="rope_cache"), nullable=("cos_sin",),
+    rows=dict(k_out="k"))
 def plan_rope_reshape_and_cache(
     q: ArrayInfo, k: ArrayInfo, v: ArrayInfo,
     key_cache: ArrayInfo, value_cache: ArrayInfo,
-    slot_mapping: ArrayInfo, positions: ArrayInfo, cos_sin: ArrayInfo,
+    slot_mapping: ArrayInfo, positions: ArrayInfo, cos_sin: ArrayInfo | None,
     *, is_neox: bool,
     k_scale: ArrayInfo | None = None, v_scale: ArrayInfo | None = None,
     offsets: ArrayInfo | None = None, swa_slot_mapping: ArrayInfo | None = None,
@@ -417,7 +467,8 @@ def plan_rope_reshape_and_cache(
     check.index_vector("positions", positions, t, "T")
     if offsets is not None:
         check.index_vector("offsets", offsets, t, "T")
-    width = check_cos_sin(check, "cos_sin", cos_sin, q.dtype, d)
+    rope = cos_sin is not None  # else q and k arrive rotated: an identity table, never read
+    width = check_cos_sin(check, "cos_sin", cos_sin, q.dtype, d) if rope else d
     if swa_slot_mapping is not None:
         check.index_vector("swa_slot_mapping", swa_slot_mapping, None, "num_swa_slots")
 
@@ -425,9 +476,10 @@ def plan_rope_reshape_and_cache(
     cache_dtypes = (k.dtype, FP8_DTYPE)
     check.dtype("key_cache", key_cache, cache_dtypes)
     check.same_dtype("value_cache", value_cache, "key_cache", key_cache)
-    # Attention's rule (validate.Checker.cache_scales): both scales for fp8 caches, none
-    # for 16-bit ones, which hold k and v as they are.
-    check.cache_scales(key_cache.dtype == FP8_DTYPE, key_cache.dtype, dict(k_scale=k_scale, v_scale=v_scale))
+    # The source's rule (apply_scale): both scales for fp8 caches; for the others a given
+    # scale is applied (x * (1 / scale)), which no reader undoes (docs/api.md, "Scales").
+    fp8 = key_cache.dtype == FP8_DTYPE
+    check.writer_scales(fp8, dict(k_scale=k_scale, v_scale=v_scale))
 
     q_out = Buffer("q_out", (t, qh, d), q.dtype)
     k_out = Buffer("k_out", (t_kv, kh, d), k.dtype)
@@ -439,9 +491,9 @@ def plan_rope_reshape_and_cache(
         "q", "k", "v", "key_cache", "value_cache", "slot_mapping", "positions",
         # Absent optional inputs get a stand-in pointer their constexpr never reads.
         "offsets" if offsets is not None else "positions",
-        "cos_sin",
-        "k_scale" if k_scale is not None else "cos_sin",
-        "v_scale" if v_scale is not None else "cos_sin",
+        "cos_sin" if rope else "q",
+        "k_scale" if k_scale is not None else "q",
+        "v_scale" if v_scale is not None else "q",
         "swa_slot_mapping" if swa_slot_mapping is not None else "slot_mapping",
     )
     launch = Launch(
@@ -450,10 +502,10 @@ def plan_rope_reshape_and_cache(
         inputs=inputs,
         outputs=("q_out", "k_out", "key_cache", "value_cache", "zeros"),
         scalars=dict(
-            T=t, max_position=cos_sin.shape[0], num_slots=pages * page,
+            T=t, max_position=cos_sin.shape[0] if rope else NO_TABLE_POSITIONS, num_slots=pages * page,
             swa_len=swa_slot_mapping.shape[0] if swa_slot_mapping is not None else 0,
             q_sr=q.strides[0], q_sh=q.strides[1], k_sr=k.strides[0], k_sh=k.strides[1],
-            v_sr=v.strides[0], v_sh=v.strides[1], cs_sr=cos_sin.strides[0],
+            v_sr=v.strides[0], v_sh=v.strides[1], cs_sr=cos_sin.strides[0] if rope else 0,
             qo_sr=qo_sr, qo_sh=qo_sh, ko_sr=ko_sr, ko_sh=ko_sh,
             kc_sb=key_terms[0], kc_sh=key_terms[1], kc_sd1=key_terms[2],
             kc_sd2=key_terms[3], kc_sp1=key_terms[4], kc_sp2=key_terms[5],
@@ -465,8 +517,9 @@ def plan_rope_reshape_and_cache(
             BLOCK_KH=triton.next_power_of_2(kh), NUM_Q_TILES=num_q_tiles,
             PAGE=page, IS_NEOX=is_neox, HAS_OFFSETS=offsets is not None,
             HAS_SWA=swa_slot_mapping is not None, WRITE_ZEROS=return_zeros,
-            FP8_CACHE=key_cache.dtype == FP8_DTYPE,
+            FP8_CACHE=fp8,
             K_DX=key_terms[6], K_PX=key_terms[7], V_DX=value_terms[6], V_PX=value_terms[7],
+            ROPE=rope, K_SCALED=not fp8 and k_scale is not None, V_SCALED=not fp8 and v_scale is not None,
         ),
         num_warps=tuning.num_warps,
         num_stages=1,

@@ -24,6 +24,26 @@ import threading
 
 __all__ = ["CHECK_SCALES", "INTERPRETED", "interpreter_lock", "cuda_device_visible", "env_switch"]
 
+#: The spellings of an on/off ``QSA_*`` switch (case-insensitive, blanks stripped).
+SWITCH_ON = ("1", "on", "true", "yes")
+SWITCH_OFF = ("0", "off", "false", "no")
+
+
+def env_switch(name: str, default: bool) -> bool:
+    """The on/off environment switch ``name``: 1/on/true/yes or 0/off/false/no
+    (case-insensitive, blanks stripped); unset or empty: ``default``.  Any other
+    value is refused with a ``ValueError`` naming the variable, never read as off."""
+    raw = os.environ.get(name)
+    value = "" if raw is None else raw.strip().lower()
+    if not value:
+        return bool(default)
+    if value in SWITCH_ON:
+        return True
+    if value in SWITCH_OFF:
+        return False
+    raise ValueError(f"{name} must be one of {', '.join(SWITCH_ON)} (on) or {', '.join(SWITCH_OFF)} (off), "
+                     f"or empty for the default ({'on' if default else 'off'}), got {raw!r}")
+
 
 def _hidden_by_environment() -> bool:
     """``CUDA_VISIBLE_DEVICES`` set to nothing (or to a leading -1) hides every device from CUDA."""
@@ -111,29 +131,9 @@ INTERPRETED: bool = _decide()
 #: callbacks concurrently: every interpreted launch holds this lock.
 interpreter_lock = threading.RLock()
 
-#: ``QSA_CHECK_SCALES=1``: every call reads its fp8 scales (``k_scale``, ``v_scale``,
-#: ``scale``, the state's scales) on the host and raises a ``ValueError`` naming the
-#: function and the argument unless each is finite and > 0.  A debug switch: reading a
-#: device value synchronises, so by default no call reads it (docs/api.md, "Scales").
-#: Read once, at import; tests set the attribute.
-CHECK_SCALES: bool = False  # (set below, once env_switch is defined)
-
-
-_ON, _OFF = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
-
-
-def env_switch(name: str, default: bool) -> bool:
-    """The one parser of the package's ``QSA_*`` switches: 1/on/true/yes or 0/off/false/no
-    (any case, blanks stripped); unset or empty: ``default``; anything else is refused, naming
-    the variable (a misspelt switch must not silently mean off)."""
-    value = os.environ.get(name, "").strip().lower()
-    if not value:
-        return default
-    if value in _ON:
-        return True
-    if value in _OFF:
-        return False
-    raise ValueError(f"{name} must be one of {', '.join(_ON + _OFF)} (or unset), got {os.environ[name]!r}")
-
-
-CHECK_SCALES = env_switch("QSA_CHECK_SCALES", default=False)
+#: ``QSA_CHECK_SCALES=1`` (or on, true, yes: :func:`env_switch`): every call reads its
+#: fp8 scales (``k_scale``, ``v_scale``, ``scale``, the state's scales) on the host and
+#: raises a ``ValueError`` naming the function and the argument unless each is finite
+#: and > 0.  A debug switch: reading a device value synchronises, so by default no call
+#: reads it (docs/api.md, "Scales").  Read once, at import; tests set the attribute.
+CHECK_SCALES: bool = env_switch("QSA_CHECK_SCALES", False)

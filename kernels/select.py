@@ -89,7 +89,7 @@ def select_fused_kernel(
     counts_ptr,  # [rows, 2, SLICES] int32: as topk_ticketed_kernel's
     cand_key_ptr,  # [rows, SLICES, REGION] int32: candidate order keys
     cand_col_ptr,  # [rows, SLICES, REGION] int32: their columns
-    state_ptr,  # [rows, STATE] int32: tickets, the group maxima, the shared histogram; zero again when the row is done
+    state_ptr,  # [rows, STATE] int32: tickets, the group maxima; zero again when the row is done
     # sizes, strides, options
     row_begin, num_columns, num_pages, num_requests, table_width,
     q_sr, q_sh, kc_sb, kc_sp, pt_sr, lg_sr, out_sr, score_divisor,
@@ -100,7 +100,7 @@ def select_fused_kernel(
     K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr, TILE: tl.constexpr, GROUPS: tl.constexpr,
     REGION: tl.constexpr, CAND_TILE: tl.constexpr, COUNTS_TILE: tl.constexpr,
     BITS: tl.constexpr, BOUND_PASSES: tl.constexpr, SCALED: tl.constexpr, PAD_TILE: tl.constexpr,
-    STATE: tl.constexpr, SHARED_BITS: tl.constexpr, FITTED_PASSES: tl.constexpr, CHUNK: tl.constexpr,
+    STATE: tl.constexpr, CHUNK: tl.constexpr,
     WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     """Score, select and expand row ``row_begin + program_id(0)`` by its
@@ -146,7 +146,7 @@ def select_fused_kernel(
                                        cand_col_ptr + local * (SLICES * REGION), blocks_row, width,
                                        num_columns, slice_id, K, SLICES, SLICE, TILE, GROUPS, REGION, CAND_TILE,
                                        COUNTS_TILE, BITS,
-                                       BOUND_PASSES, SCALED, PAD_TILE, STATE, SHARED_BITS, FITTED_PASSES):
+                                       BOUND_PASSES, SCALED, PAD_TILE):
             tl.debug_barrier()  # the blocks every thread wrote, visible to every thread
             # (Loaded again here: not held in registers through the selection.)
             _request, _request_ok, length = row_request(token_to_req_ptr, sequence_lengths_ptr, row, True,

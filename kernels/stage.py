@@ -7,7 +7,8 @@ function, in one explicit object:
   :class:`~.launch.Program`); its Python signature is the public signature:
   parameter order, keyword-only markers and defaults;
 * which parameters are **arrays** (``None`` allowed where the plan's default
-  is ``None``);
+  is ``None``, or where the declaration names them ``nullable``: required
+  positionally, ``None`` meaning "absent", as stage 1's ``cos_sin``);
 * what a call **returns**, in order (``results``): arrays it updates in
   place (returned as given) and fresh arrays, some only when a boolean
   option is true (:func:`when`).  So each stage has a finite set of
@@ -101,7 +102,9 @@ class Stage:
     results; :func:`when` entries for results that depend on a boolean
     option); ``options``: option name -> kind; ``tuning``: tuning parameter -> stage
     name of :class:`.tuning.Tuning`; ``labels``: how errors name an array
-    (the step's ``key_cache`` is ``state.key_cache``); ``returns``: the
+    (the step's ``key_cache`` is ``state.key_cache``); ``nullable``: arrays
+    without a default that may still be ``None`` (absent; the plan decides
+    what that means: ``cos_sin=None``, no RoPE); ``returns``: the
     return annotation (``Array`` is the adapter's array type).  Every
     parameter of ``plan`` is exactly one of arrays, options and tuning.
     """
@@ -109,7 +112,7 @@ class Stage:
     def __init__(self, plan: Callable[..., Program], *, arrays: tuple[str, ...], options: Mapping[str, Option],
                  results: tuple[str | When, ...], doc: str | None = None, returns: str = "Array",
                  tuning: Mapping[str, str] | None = None, labels: Mapping[str, str] | None = None,
-                 rows: Mapping[str, str] | None = None):
+                 nullable: tuple[str, ...] = (), rows: Mapping[str, str] | None = None):
         self.name = plan.__name__.removeprefix("plan_")
         self.doc = plan.__doc__ if doc is None else doc
         self.returns = returns
@@ -124,7 +127,7 @@ class Stage:
         if undeclared:
             raise TypeError(f"Stage {self.name}: parameters {undeclared} of {plan.__name__} are declared neither "
                             "as arrays, options nor tuning (every option has a declared kind)")
-        unknown = sorted(set(declared) - set(names))
+        unknown = sorted(set(declared) - set(names)) + sorted(set(nullable) - set(arrays))
         if unknown or len(declared) != len(set(declared)):
             raise TypeError(f"Stage {self.name}: {unknown or 'duplicates'} in the declaration are not "
                             f"{plan.__name__}'s arrays, options and tuning (once each)")
@@ -140,7 +143,8 @@ class Stage:
             elif p.name in self.options:
                 self._spec.append((p.name, _OPTION, self.options[p.name], default))
             else:
-                self._spec.append((p.name, _OPTIONAL_ARRAY if default is None else _ARRAY, None, default))
+                optional = default is None or p.name in nullable
+                self._spec.append((p.name, _OPTIONAL_ARRAY if optional else _ARRAY, None, default))
         self._names = tuple(names)
         self._known = frozenset(names)
         self.arrays = tuple(p.name for p in self._parameters if p.name in arrays)

@@ -49,11 +49,14 @@ from .compress import plan_compress_groups, plan_store_rows_in_table
 from .fused import plan_compress_rotate_store, rope_compress_store
 from .launch import ArrayInfo, Buffer, Launch, Program
 from .paging import METADATA_FIELDS, STATE_FIELDS
-from .rope_cache import plan_rope_reshape_and_cache, plan_rope_rows
+from .rope_cache import bound_positions, plan_rope_reshape_and_cache, plan_rope_rows
 from .select import plan_select_paged_tokens
 from .stage import Stage, stage, when
 from .tuning import StepTuning
 from .validate import BOOL, FINITE_NUMBER, FINITE_POSITIVE_NUMBER, FP8_DTYPE, POSITIVE_INT, Checker, describe
+
+#: The dtypes of the step's q, k and v (the attention's).
+ATTENTION_DTYPES = ("bfloat16", "float16")
 
 if TYPE_CHECKING:  # annotations only
     from .paging import CacheGeometry, HostStepMetadata
@@ -93,7 +96,10 @@ Args:
     metadata: a ``StepMetadata`` for this step (``StepMetadata.from_host`` of
         ``qsa_kernels.paging.PagedRequests.step``).
     cos_sin: ``[max_position, 2*F]`` RoPE table of the attention heads (see
-        ``rope_reshape_and_cache``).
+        ``rope_reshape_and_cache``), or ``None`` (still positional): q and k
+        arrive rotated, no RoPE is applied to them, and positions are bounded
+        by ``index_cos_sin``'s rows (bit for bit an identity table of that
+        many rows).
     index_cos_sin: ``[max_position_i, 2*FI]`` RoPE table of the indexer heads,
         ``max_position_i >= max_position`` (cos_sin's rows).  A position past
         cos_sin gives a NaN ``out`` row and writes nothing: no K/V, no ring
@@ -106,11 +112,17 @@ Args:
     is_neox: NeoX (split halves) or GPT-J (interleaved) RoPE, for both tables.
     softmax_scale: attention scale, default ``D ** -0.5``.
     return_token_indices: also return the selected tokens.
+    sinks: keyword-only ``[QH]`` float32 or None: one extra logit per query
+        head in the attention's softmax denominator (``sparse_paged_attention``'s).
+    return_lse: keyword-only; also return each row's log-sum-exp
+        ``lse [T, QH]`` float32 (``sparse_paged_attention``'s), to merge the
+        step's attention with another pass (a window, a shared prefix).
 
 Returns:
     ``(out [T, QH, D], state)`` and, with ``return_token_indices``,
     ``token_indices [T, token_topk + compress_ratio - 1]`` int32 last (logical
-    positions of each row's request, ``-1`` padding).[torch:  ``state`` holds
+    positions of each row's request, ``-1`` padding), then with ``return_lse``
+    ``lse [T, QH]`` float32 last.[torch:  ``state`` holds
     the same tensors, updated in place.][jax:  ``state`` holds the updated
     caches (aliasing the inputs).]
 """
@@ -194,12 +206,16 @@ class StateFields:
         compressed_key_dtype = index_dtype if compressed_key_dtype is None else compressed_key_dtype
         dtypes = dict(key_cache=cache_dtype, value_cache=cache_dtype, compressor_state_cache=index_dtype,
                       compressed_key_cache=compressed_key_dtype)
-        caches = {name: cls._zeros(shape, dtypes[name], device) for name, shape in shapes.items()}
-        scales = {}
-        if _is_fp8(cache_dtype):
-            scales.update(k_scale=cls._scale(k_scale, device), v_scale=cls._scale(v_scale, device))
-        if _is_fp8(compressed_key_dtype):
-            scales.update(compressed_key_scale=cls._scale(compressed_key_scale, device))
+        try:
+            caches = {name: cls._zeros(shape, dtypes[name], device) for name, shape in shapes.items()}
+            scales = {}
+            if _is_fp8(cache_dtype):
+                scales.update(k_scale=cls._scale(k_scale, device), v_scale=cls._scale(v_scale, device))
+            if _is_fp8(compressed_key_dtype):
+                scales.update(compressed_key_scale=cls._scale(compressed_key_scale, device))
+        except Exception as error:  # the framework's own error (torch: a bare AssertionError without CUDA)
+            raise ValueError(f"QSAState.zeros: cannot allocate the caches on device={device!r} (the device "
+                             f"argument): the framework raised {type(error).__name__}: {error}") from error
         return cls(**caches, **scales)
 
 
@@ -260,7 +276,9 @@ assert tuple(f.name for f in dataclasses.fields(MetadataFields)) == METADATA_FIE
 #: metadata's fields (flattened: the adapters pass them by field name).
 STEP_ARRAYS = ("q", "k", "v", "index_q", "index_k") + STATE_FIELDS + METADATA_FIELDS + ("cos_sin", "index_cos_sin")
 #: How errors name each array argument: as the caller wrote it.
-LABELS = {**{name: name for name in STEP_ARRAYS},
+#: The step's keyword-only arrays after the state's scales (issue 50).
+OPTION_ARRAYS = ("sinks",)
+LABELS = {**{name: name for name in STEP_ARRAYS + OPTION_ARRAYS},
           **{name: f"state.{name}" for name in STATE_FIELDS + SCALE_FIELDS},
           **{name: f"metadata.{name}" for name in METADATA_FIELDS}}
 
@@ -337,10 +355,12 @@ def _check_step(check: Checker, arrays: dict[str, ArrayInfo | None], compress_ra
         if info.ndim != 3 or info.shape[0] != rows:
             check.fail(name, f"must be [T, heads, dim] with T = {rows} rows like metadata.positions",
                        f"shape {info.shape}")
+    _check_attention_inputs(check, arrays)
     if arrays["index_k"].shape[1] != 1:
         check.fail("index_k", "must have one head ([T, 1, DI])", f"shape {arrays['index_k'].shape}")
     if arrays["index_k"].dtype != arrays["index_q"].dtype:
         check.fail("index_k", f"must have index_q's dtype {arrays['index_q'].dtype}", arrays["index_k"].dtype)
+    _check_kv_layout(check, arrays)
     _check_metadata_shapes(check, arrays, rows)
     _check_compressed_table_width(check, arrays, compress_ratio)
     # A position past cos_sin gives NaN q rows and so NaN out rows (stage 1's
@@ -348,9 +368,38 @@ def _check_step(check: Checker, arrays: dict[str, ArrayInfo | None], compress_ra
     # queries and pooled keys, which top-k ranks last: a wrong selection that
     # no output shows.  So index_cos_sin covers every position cos_sin does.
     cos_sin, index_cos_sin = arrays["cos_sin"], arrays["index_cos_sin"]
-    if cos_sin.ndim == 2 and index_cos_sin.ndim == 2 and index_cos_sin.shape[0] < cos_sin.shape[0]:
+    if cos_sin is not None and cos_sin.ndim == 2 and index_cos_sin.ndim == 2 and index_cos_sin.shape[0] < cos_sin.shape[0]:
         check.fail("index_cos_sin", f"must have at least cos_sin's {cos_sin.shape[0]} rows (positions): a position "
                    "past it alone would give NaN index keys that no output shows", f"shape {index_cos_sin.shape}")
+
+
+def _check_attention_inputs(check: Checker, arrays: dict[str, ArrayInfo]) -> None:
+    """q, k and v as the step takes them, before anything of the state (the order a caller reads
+    the signature in): bf16 or fp16 (the attention's dtypes; stage 1 alone takes fp32 too), one
+    dtype, one head dim, GQA heads.  Otherwise an fp32 q/k/v with a bf16 state would be reported
+    as a wrong ``state.key_cache`` by stage 1, which sees the caches before the attention sees q."""
+    q, k, v = arrays["q"], arrays["k"], arrays["v"]
+    check.dtype("q", q, ATTENTION_DTYPES)
+    check.same_dtype("k", k, "q", q)
+    check.same_dtype("v", v, "q", q)
+    if k.shape[2] != q.shape[2]:
+        check.fail("k", f"must have q's head dim D = {q.shape[2]}", f"shape {k.shape}")
+    if v.shape != k.shape:
+        check.fail("v", f"must have k's shape {k.shape}", f"shape {v.shape}")
+    if k.shape[1] < 1 or q.shape[1] % k.shape[1]:
+        check.fail("q", f"must have a number of heads QH divisible by k's KH = {k.shape[1]}", f"QH = {q.shape[1]}")
+
+
+def _check_kv_layout(check: Checker, arrays: dict[str, ArrayInfo]) -> None:
+    """The state's K/V caches in the flash layout, the one the step reads (stage 1 alone also
+    takes the paged layouts, which it tells apart by the caches' shapes, so a head-major cache
+    would reach it as a "paged" or mis-sized one and be blamed on the wrong dimension or cache)."""
+    key_cache, k = arrays["key_cache"], arrays["k"]
+    kv_heads, head_dim = k.shape[1], k.shape[2]
+    layout = "[num_pages, page_size, kv_heads, head_dim] (flash layout)"
+    if key_cache.ndim != 4 or key_cache.shape[2] != kv_heads or key_cache.shape[3] != head_dim:
+        check.fail("state.key_cache", f"must be {layout} with kv_heads = {kv_heads} and head_dim = {head_dim} like k",
+                   f"shape {key_cache.shape}")
 
 
 def _check_compressed_table_width(check: Checker, arrays: dict[str, ArrayInfo], compress_ratio: int) -> None:
@@ -425,12 +474,12 @@ def _check_metadata_shapes(check: Checker, arrays: dict[str, ArrayInfo], rows: i
 
 
 @stage(
-    arrays=STEP_ARRAYS + SCALE_FIELDS,
+    arrays=STEP_ARRAYS + SCALE_FIELDS + OPTION_ARRAYS,
     options=dict(compress_ratio=POSITIVE_INT, token_topk=POSITIVE_INT, is_neox=BOOL,
-                 softmax_scale=FINITE_NUMBER.or_none(), return_token_indices=BOOL),
-    results=("out", *STATE_FIELDS, when("return_token_indices", "token_indices")),
-    doc=STEP_DOC, returns="tuple[Array, QSAState] | tuple[Array, QSAState, Array]",
-    tuning=dict(tuning="step"), labels=LABELS)
+                 softmax_scale=FINITE_NUMBER.or_none(), return_token_indices=BOOL, return_lse=BOOL),
+    results=("out", *STATE_FIELDS, when("return_token_indices", "token_indices"), when("return_lse", "lse")),
+    doc=STEP_DOC, returns="tuple[Array, QSAState] | tuple[Array, QSAState, Array] | tuple[Array, QSAState, Array, Array]",
+    tuning=dict(tuning="step"), labels=LABELS, nullable=("cos_sin",))
 def plan_qsa_attention_step(
     q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, index_q: ArrayInfo, index_k: ArrayInfo,
     key_cache: ArrayInfo, value_cache: ArrayInfo, compressor_state_cache: ArrayInfo,
@@ -439,18 +488,21 @@ def plan_qsa_attention_step(
     query_start_loc: ArrayInfo, sequence_lengths: ArrayInfo, block_table: ArrayInfo,
     compressed_block_table: ArrayInfo, compressed_slots: ArrayInfo,
     compressor_state_block_table: ArrayInfo, compressor_state_slots: ArrayInfo,
-    cos_sin: ArrayInfo, index_cos_sin: ArrayInfo,
+    cos_sin: ArrayInfo | None, index_cos_sin: ArrayInfo,
     *, compress_ratio: int, token_topk: int, is_neox: bool = True, softmax_scale=None,
     return_token_indices: bool = False,
     k_scale: ArrayInfo | None = None, v_scale: ArrayInfo | None = None,
     compressed_key_scale: ArrayInfo | None = None,
+    sinks: ArrayInfo | None = None, return_lse: bool = False,
     tuning: StepTuning | None = None,
 ) -> Program:
     """Validate every stage of the step and compose their launches into one Program.
 
     Nothing is launched before every stage is planned, so a call that raises
     leaves every cache as it was.  Results: ``out``, the four caches (updated
-    in place) and, with ``return_token_indices``, ``token_indices``.
+    in place), with ``return_token_indices`` ``token_indices``, then with
+    ``return_lse`` the attention's ``lse`` ``[T, QH]`` float32 (``sinks``:
+    ``[QH]`` float32, the attention's, issue 50).
     ``tuning.fuse_stages``: stage 2 and the index queries' RoPE in one launch
     where that is safe (:func:`_fuses_compression`).
     """
@@ -461,6 +513,7 @@ def plan_qsa_attention_step(
     # The step's arguments, as the caller wrote them; None for absent scales.
     a = types.SimpleNamespace(**{name: None if info is None else Handle(name, info, LABELS[name])
                                  for name, info in given.items()})
+    a.sinks = None if sinks is None else Handle("sinks", sinks, LABELS["sinks"])
     rows = index_k.shape[0]
     step = _Composer()
 
@@ -468,12 +521,17 @@ def plan_qsa_attention_step(
     rope = step.stage("rope", plan_rope_reshape_and_cache, q=a.q, k=a.k, v=a.v, key_cache=a.key_cache,
                       value_cache=a.value_cache, slot_mapping=a.slot_mapping, positions=a.positions,
                       cos_sin=a.cos_sin, k_scale=a.k_scale, v_scale=a.v_scale, is_neox=is_neox)
+    # cos_sin=None: q and k arrive rotated; positions are bounded by index_cos_sin's rows,
+    # bit for bit an identity table (cos 1, sin 0) of that many rows.
+    table = cos_sin if cos_sin is not None else index_cos_sin
+    max_row_position = table.shape[0] if table.ndim else 0  # (a rank error is the stages')
+    if cos_sin is None:
+        step.launches[-1] = bound_positions(step.launches[-1], max_row_position)
 
     # 2. Pool first, then overwrite the ring with this step's raw keys; and
     # 3a. RoPE on the index queries: one launch for a few rows, in that order
     # (_fuses_compression), else four.  A row past cos_sin stores nothing (no
     # ring slot, no compressed key), as stage 1 writes no K/V for it.
-    max_row_position = cos_sin.shape[0]
     if _fuses_compression(rows, tuning):
         index_q_rotated = step.stage(
             "compress_rotate_store", plan_compress_rotate_store, raw_keys=a.index_k, raw_positions=a.raw_positions,
@@ -514,14 +572,15 @@ def plan_qsa_attention_step(
                         token_topk=token_topk, compress_ratio=compress_ratio).out
 
     # 4. Attention over the selected tokens (this step's K/V included).
-    out = step.stage("attention", plan_sparse_paged_attention, q=rope.q_out.named("q"), k_cache=a.key_cache,
-                     v_cache=a.value_cache, token_indices=tokens.named("token_topk"), block_table=a.block_table,
-                     token_to_req=a.token_to_req, k_scale=a.k_scale, v_scale=a.v_scale,
-                     softmax_scale=softmax_scale).out
+    attention = step.stage("attention", plan_sparse_paged_attention, q=rope.q_out.named("q"), k_cache=a.key_cache,
+                           v_cache=a.value_cache, token_indices=tokens.named("token_topk"), block_table=a.block_table,
+                           token_to_req=a.token_to_req, k_scale=a.k_scale, v_scale=a.v_scale, sinks=a.sinks,
+                           softmax_scale=softmax_scale, return_lse=return_lse)
 
     _check_table_geometry(check, given, compress_ratio)
     caches = (a.key_cache, a.value_cache, a.compressor_state_cache, a.compressed_key_cache)
-    return step.program((out, *caches) + ((tokens,) if return_token_indices else ()))
+    return step.program((attention.out, *caches) + ((tokens,) if return_token_indices else ())
+                        + ((attention.lse,) if return_lse else ()))
 
 
 def _fuses_compression(rows: int, tuning: StepTuning) -> bool:
@@ -576,13 +635,14 @@ def state_arguments(function_arguments: dict, state_type: type, metadata_type: t
     return arguments
 
 
-def step_results(results: tuple, state, return_token_indices: bool):
-    """``(out, state[, token_indices])`` from the plan's results (``state`` itself where every cache
-    is the one it holds: torch's, updated in place)."""
+def step_results(results: tuple, state, return_token_indices: bool = False, return_lse: bool = False):
+    """``(out, state[, token_indices][, lse])`` from the plan's results (``state`` itself where every
+    cache is the one it holds: torch's, updated in place).  The optional results are those the
+    plan returned, in its order (the flags are not needed: kept for the adapters' calls)."""
     out, caches = results[0], results[1:1 + len(STATE_FIELDS)]
     if not all(map(operator.is_, caches, map(getattr, (state,) * len(STATE_FIELDS), STATE_FIELDS))):
         state = dataclasses.replace(state, **dict(zip(STATE_FIELDS, caches)))
-    return (out, state, results[-1]) if return_token_indices else (out, state)
+    return (out, state, *results[1 + len(STATE_FIELDS):])
 
 
 def public_results(results: tuple, state) -> tuple:

@@ -243,6 +243,17 @@ class Checker:
             if info is not None:
                 self.scalar_array(name, info)
 
+    def writer_scales(self, fp8: bool, scales: dict[str, ArrayInfo | None]) -> None:
+        """Stage 1's rule, the source's (aiter's ``apply_scale=True``): every scale of
+        ``scales`` is required for ``float8_e4m3fn`` caches; for the others each is optional
+        and applied where given (stored = value * (1 / scale), which no reader undoes).
+        A given scale is a 0-d or 1-element float array."""
+        for name, info in scales.items():
+            if fp8 and info is None:
+                self.fail(name, f"must be given (a 0-d or 1-element float tensor) for {FP8_DTYPE} caches", None)
+            if info is not None:
+                self.scalar_array(name, info)
+
     def option(self, name: str, value, kind: Option):
         """``value`` checked against ``kind``; returns its canonical value."""
         return kind.canonical(self.function, name, value)

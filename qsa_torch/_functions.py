@@ -15,16 +15,16 @@ from ._step import QSAState, StepMetadata, step_call as _step_call
 if TYPE_CHECKING:  # the annotations' array types (the same names in both adapters)
     from torch import Tensor as Array, Tensor as ArrayLike
 
-__all__ = ['rope_reshape_and_cache', 'compress_groups', 'store_cache_rows', 'mqa_paged_scores', 'topk_blocks', 'expand_block_indices', 'select_paged_tokens', 'sparse_paged_attention', 'qsa_attention_step']
+__all__ = ['rope_reshape_and_cache', 'compress_groups', 'store_cache_rows', 'mqa_paged_scores', 'topk_blocks', 'expand_block_indices', 'select_paged_tokens', 'sparse_paged_attention', 'merge_attention_states', 'qsa_attention_step']
 
 
 @overload
-def rope_reshape_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: ArrayLike, value_cache: ArrayLike, slot_mapping: ArrayLike, positions: ArrayLike, cos_sin: ArrayLike, *, is_neox: bool, k_scale: ArrayLike | None = ..., v_scale: ArrayLike | None = ..., offsets: ArrayLike | None = ..., swa_slot_mapping: ArrayLike | None = ..., return_zeros: Literal[False] = ...) -> tuple[Array, Array, Array, Array]: ...
+def rope_reshape_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: ArrayLike, value_cache: ArrayLike, slot_mapping: ArrayLike, positions: ArrayLike, cos_sin: ArrayLike | None, *, is_neox: bool, k_scale: ArrayLike | None = ..., v_scale: ArrayLike | None = ..., offsets: ArrayLike | None = ..., swa_slot_mapping: ArrayLike | None = ..., return_zeros: Literal[False] = ...) -> tuple[Array, Array, Array, Array]: ...
 @overload
-def rope_reshape_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: ArrayLike, value_cache: ArrayLike, slot_mapping: ArrayLike, positions: ArrayLike, cos_sin: ArrayLike, *, is_neox: bool, k_scale: ArrayLike | None = ..., v_scale: ArrayLike | None = ..., offsets: ArrayLike | None = ..., swa_slot_mapping: ArrayLike | None = ..., return_zeros: Literal[True]) -> tuple[Array, Array, Array, Array, Array]: ...
+def rope_reshape_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: ArrayLike, value_cache: ArrayLike, slot_mapping: ArrayLike, positions: ArrayLike, cos_sin: ArrayLike | None, *, is_neox: bool, k_scale: ArrayLike | None = ..., v_scale: ArrayLike | None = ..., offsets: ArrayLike | None = ..., swa_slot_mapping: ArrayLike | None = ..., return_zeros: Literal[True]) -> tuple[Array, Array, Array, Array, Array]: ...
 @overload
-def rope_reshape_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: ArrayLike, value_cache: ArrayLike, slot_mapping: ArrayLike, positions: ArrayLike, cos_sin: ArrayLike, *, is_neox: bool, k_scale: ArrayLike | None = ..., v_scale: ArrayLike | None = ..., offsets: ArrayLike | None = ..., swa_slot_mapping: ArrayLike | None = ..., return_zeros: bool = ...) -> tuple[Array, Array, Array, Array] | tuple[Array, Array, Array, Array, Array]: ...
-def rope_reshape_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: ArrayLike, value_cache: ArrayLike, slot_mapping: ArrayLike, positions: ArrayLike, cos_sin: ArrayLike, *, is_neox: bool, k_scale: ArrayLike | None = None, v_scale: ArrayLike | None = None, offsets: ArrayLike | None = None, swa_slot_mapping: ArrayLike | None = None, return_zeros: bool = False) -> tuple[Array, Array, Array, Array] | tuple[Array, Array, Array, Array, Array]:
+def rope_reshape_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: ArrayLike, value_cache: ArrayLike, slot_mapping: ArrayLike, positions: ArrayLike, cos_sin: ArrayLike | None, *, is_neox: bool, k_scale: ArrayLike | None = ..., v_scale: ArrayLike | None = ..., offsets: ArrayLike | None = ..., swa_slot_mapping: ArrayLike | None = ..., return_zeros: bool = ...) -> tuple[Array, Array, Array, Array] | tuple[Array, Array, Array, Array, Array]: ...
+def rope_reshape_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: ArrayLike, value_cache: ArrayLike, slot_mapping: ArrayLike, positions: ArrayLike, cos_sin: ArrayLike | None, *, is_neox: bool, k_scale: ArrayLike | None = None, v_scale: ArrayLike | None = None, offsets: ArrayLike | None = None, swa_slot_mapping: ArrayLike | None = None, return_zeros: bool = False) -> tuple[Array, Array, Array, Array] | tuple[Array, Array, Array, Array, Array]:
     return _call(_api.plan_rope_reshape_and_cache, {'q': q, 'k': k, 'v': v, 'key_cache': key_cache, 'value_cache': value_cache, 'slot_mapping': slot_mapping, 'positions': positions, 'cos_sin': cos_sin, 'is_neox': is_neox, 'k_scale': k_scale, 'v_scale': v_scale, 'offsets': offsets, 'swa_slot_mapping': swa_slot_mapping, 'return_zeros': return_zeros})  # type: ignore[no-any-return]
 
 
@@ -52,18 +52,32 @@ def select_paged_tokens(q: ArrayLike, k_cache: ArrayLike, page_table: ArrayLike,
     return _call(_api.plan_select_paged_tokens, {'q': q, 'k_cache': k_cache, 'page_table': page_table, 'token_to_req': token_to_req, 'query_positions': query_positions, 'sequence_lengths': sequence_lengths, 'token_topk': token_topk, 'compress_ratio': compress_ratio, 'k_scale': k_scale})  # type: ignore[no-any-return]
 
 
-def sparse_paged_attention(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike, token_indices: ArrayLike, block_table: ArrayLike, token_to_req: ArrayLike, softmax_scale: float | None = None, *, k_scale: ArrayLike | None = None, v_scale: ArrayLike | None = None) -> Array:
-    return _call(_api.plan_sparse_paged_attention, {'q': q, 'k_cache': k_cache, 'v_cache': v_cache, 'token_indices': token_indices, 'block_table': block_table, 'token_to_req': token_to_req, 'softmax_scale': softmax_scale, 'k_scale': k_scale, 'v_scale': v_scale})  # type: ignore[no-any-return]
+@overload
+def sparse_paged_attention(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike, token_indices: ArrayLike, block_table: ArrayLike, token_to_req: ArrayLike, softmax_scale: float | None = ..., *, k_scale: ArrayLike | None = ..., v_scale: ArrayLike | None = ..., sinks: ArrayLike | None = ..., return_lse: Literal[False] = ...) -> Array: ...
+@overload
+def sparse_paged_attention(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike, token_indices: ArrayLike, block_table: ArrayLike, token_to_req: ArrayLike, softmax_scale: float | None = ..., *, k_scale: ArrayLike | None = ..., v_scale: ArrayLike | None = ..., sinks: ArrayLike | None = ..., return_lse: Literal[True]) -> tuple[Array, Array]: ...
+@overload
+def sparse_paged_attention(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike, token_indices: ArrayLike, block_table: ArrayLike, token_to_req: ArrayLike, softmax_scale: float | None = ..., *, k_scale: ArrayLike | None = ..., v_scale: ArrayLike | None = ..., sinks: ArrayLike | None = ..., return_lse: bool = ...) -> Array | tuple[Array, Array]: ...
+def sparse_paged_attention(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike, token_indices: ArrayLike, block_table: ArrayLike, token_to_req: ArrayLike, softmax_scale: float | None = None, *, k_scale: ArrayLike | None = None, v_scale: ArrayLike | None = None, sinks: ArrayLike | None = None, return_lse: bool = False) -> Array | tuple[Array, Array]:
+    return _call(_api.plan_sparse_paged_attention, {'q': q, 'k_cache': k_cache, 'v_cache': v_cache, 'token_indices': token_indices, 'block_table': block_table, 'token_to_req': token_to_req, 'softmax_scale': softmax_scale, 'k_scale': k_scale, 'v_scale': v_scale, 'sinks': sinks, 'return_lse': return_lse})  # type: ignore[no-any-return]
+
+
+def merge_attention_states(out_a: ArrayLike, lse_a: ArrayLike, out_b: ArrayLike, lse_b: ArrayLike) -> tuple[Array, Array]:
+    return _call(_api.plan_merge_attention_states, {'out_a': out_a, 'lse_a': lse_a, 'out_b': out_b, 'lse_b': lse_b})  # type: ignore[no-any-return]
 
 
 @overload
-def qsa_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, index_q: ArrayLike, index_k: ArrayLike, state: QSAState, metadata: StepMetadata, cos_sin: ArrayLike, index_cos_sin: ArrayLike, *, compress_ratio: int, token_topk: int, is_neox: bool = ..., softmax_scale: float | None = ..., return_token_indices: Literal[False] = ...) -> tuple[Array, QSAState]: ...
+def qsa_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, index_q: ArrayLike, index_k: ArrayLike, state: QSAState, metadata: StepMetadata, cos_sin: ArrayLike | None, index_cos_sin: ArrayLike, *, compress_ratio: int, token_topk: int, is_neox: bool = ..., softmax_scale: float | None = ..., return_token_indices: Literal[False] = ..., sinks: ArrayLike | None = ..., return_lse: Literal[False] = ...) -> tuple[Array, QSAState]: ...
 @overload
-def qsa_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, index_q: ArrayLike, index_k: ArrayLike, state: QSAState, metadata: StepMetadata, cos_sin: ArrayLike, index_cos_sin: ArrayLike, *, compress_ratio: int, token_topk: int, is_neox: bool = ..., softmax_scale: float | None = ..., return_token_indices: Literal[True]) -> tuple[Array, QSAState, Array]: ...
+def qsa_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, index_q: ArrayLike, index_k: ArrayLike, state: QSAState, metadata: StepMetadata, cos_sin: ArrayLike | None, index_cos_sin: ArrayLike, *, compress_ratio: int, token_topk: int, is_neox: bool = ..., softmax_scale: float | None = ..., return_token_indices: Literal[False] = ..., sinks: ArrayLike | None = ..., return_lse: Literal[True]) -> tuple[Array, QSAState, Array]: ...
 @overload
-def qsa_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, index_q: ArrayLike, index_k: ArrayLike, state: QSAState, metadata: StepMetadata, cos_sin: ArrayLike, index_cos_sin: ArrayLike, *, compress_ratio: int, token_topk: int, is_neox: bool = ..., softmax_scale: float | None = ..., return_token_indices: bool = ...) -> tuple[Array, QSAState] | tuple[Array, QSAState, Array]: ...
-def qsa_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, index_q: ArrayLike, index_k: ArrayLike, state: QSAState, metadata: StepMetadata, cos_sin: ArrayLike, index_cos_sin: ArrayLike, *, compress_ratio: int, token_topk: int, is_neox: bool = True, softmax_scale: float | None = None, return_token_indices: bool = False) -> tuple[Array, QSAState] | tuple[Array, QSAState, Array]:
-    return _step_call(_api.plan_qsa_attention_step, {'q': q, 'k': k, 'v': v, 'index_q': index_q, 'index_k': index_k, 'state': state, 'metadata': metadata, 'cos_sin': cos_sin, 'index_cos_sin': index_cos_sin, 'compress_ratio': compress_ratio, 'token_topk': token_topk, 'is_neox': is_neox, 'softmax_scale': softmax_scale, 'return_token_indices': return_token_indices})  # type: ignore[no-any-return]
+def qsa_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, index_q: ArrayLike, index_k: ArrayLike, state: QSAState, metadata: StepMetadata, cos_sin: ArrayLike | None, index_cos_sin: ArrayLike, *, compress_ratio: int, token_topk: int, is_neox: bool = ..., softmax_scale: float | None = ..., return_token_indices: Literal[True], sinks: ArrayLike | None = ..., return_lse: Literal[False] = ...) -> tuple[Array, QSAState, Array]: ...
+@overload
+def qsa_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, index_q: ArrayLike, index_k: ArrayLike, state: QSAState, metadata: StepMetadata, cos_sin: ArrayLike | None, index_cos_sin: ArrayLike, *, compress_ratio: int, token_topk: int, is_neox: bool = ..., softmax_scale: float | None = ..., return_token_indices: Literal[True], sinks: ArrayLike | None = ..., return_lse: Literal[True]) -> tuple[Array, QSAState, Array, Array]: ...
+@overload
+def qsa_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, index_q: ArrayLike, index_k: ArrayLike, state: QSAState, metadata: StepMetadata, cos_sin: ArrayLike | None, index_cos_sin: ArrayLike, *, compress_ratio: int, token_topk: int, is_neox: bool = ..., softmax_scale: float | None = ..., return_token_indices: bool = ..., sinks: ArrayLike | None = ..., return_lse: bool = ...) -> tuple[Array, QSAState] | tuple[Array, QSAState, Array] | tuple[Array, QSAState, Array, Array]: ...
+def qsa_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, index_q: ArrayLike, index_k: ArrayLike, state: QSAState, metadata: StepMetadata, cos_sin: ArrayLike | None, index_cos_sin: ArrayLike, *, compress_ratio: int, token_topk: int, is_neox: bool = True, softmax_scale: float | None = None, return_token_indices: bool = False, sinks: ArrayLike | None = None, return_lse: bool = False) -> tuple[Array, QSAState] | tuple[Array, QSAState, Array] | tuple[Array, QSAState, Array, Array]:
+    return _step_call(_api.plan_qsa_attention_step, {'q': q, 'k': k, 'v': v, 'index_q': index_q, 'index_k': index_k, 'state': state, 'metadata': metadata, 'cos_sin': cos_sin, 'index_cos_sin': index_cos_sin, 'compress_ratio': compress_ratio, 'token_topk': token_topk, 'is_neox': is_neox, 'softmax_scale': softmax_scale, 'return_token_indices': return_token_indices, 'sinks': sinks, 'return_lse': return_lse})  # type: ignore[no-any-return]
 
 
 rope_reshape_and_cache.__doc__ = _doc(_api.plan_rope_reshape_and_cache.doc, 'torch')
@@ -74,6 +88,7 @@ topk_blocks.__doc__ = _doc(_api.plan_topk_blocks.doc, 'torch')
 expand_block_indices.__doc__ = _doc(_api.plan_expand_block_indices.doc, 'torch')
 select_paged_tokens.__doc__ = _doc(_api.plan_select_paged_tokens.doc, 'torch')
 sparse_paged_attention.__doc__ = _doc(_api.plan_sparse_paged_attention.doc, 'torch')
+merge_attention_states.__doc__ = _doc(_api.plan_merge_attention_states.doc, 'torch')
 qsa_attention_step.__doc__ = _doc(_api.plan_qsa_attention_step.doc, 'torch')
 rope_reshape_and_cache.plan = _plan_seam(_api.plan_rope_reshape_and_cache)  # type: ignore[attr-defined]
 compress_groups.plan = _plan_seam(_api.plan_compress_groups)  # type: ignore[attr-defined]
@@ -83,3 +98,4 @@ topk_blocks.plan = _plan_seam(_api.plan_topk_blocks)  # type: ignore[attr-define
 expand_block_indices.plan = _plan_seam(_api.plan_expand_block_indices)  # type: ignore[attr-defined]
 select_paged_tokens.plan = _plan_seam(_api.plan_select_paged_tokens)  # type: ignore[attr-defined]
 sparse_paged_attention.plan = _plan_seam(_api.plan_sparse_paged_attention)  # type: ignore[attr-defined]
+merge_attention_states.plan = _plan_seam(_api.plan_merge_attention_states)  # type: ignore[attr-defined]

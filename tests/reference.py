@@ -144,6 +144,19 @@ def rope_reshape_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positi
     return q_out, k_out, key_cache, value_cache, written
 
 
+def identity_cos_sin(rows: int, d: int) -> np.ndarray:
+    """A ``[rows, D]`` float64 RoPE table that rotates by nothing: cos 1, sin 0 (F = D/2)."""
+    return np.concatenate([np.ones((rows, d // 2)), np.zeros((rows, d // 2))], axis=1)
+
+
+def source_scaled(x, scale) -> np.ndarray:
+    """What aiter's ``fused_qk_rope_reshape_and_cache`` (``apply_scale=True``) stores for float32
+    values ``x`` into a 16/32-bit cache, before the cast to its dtype: ``x * (1 / scale)``, the
+    reciprocal and the product each rounded to float32 (nearest even), as float32."""
+    reciprocal = np.float32(1.0) / np.float32(scale)
+    return (np.asarray(x, np.float32) * reciprocal).astype(np.float32)
+
+
 # --------------------------------------------------------------------------
 # Stage 2: key compression and row store
 # --------------------------------------------------------------------------
@@ -411,3 +424,77 @@ def qsa_attention_step(q, index_q, requests, positions, keys, values, index_keys
             w = np.exp(s - s.max())
             out[row, head] = w @ v_sel[:, head // group] / w.sum()
     return out, selected
+
+
+def sparse_paged_attention_lse(q, k_cache, v_cache, token_indices, block_table, token_to_req,
+                               softmax_scale=None, sinks=None):
+    """Stage 4 with its log-sum-exp and optional sinks: ``(out [R, QH, D], lse [R, QH])`` float64.
+
+    Per row and head, over the row's valid selected tokens (duplicates kept)
+    with scores ``s = softmax_scale * q.k``: ``lse = log(sum exp(s) [+ exp(sink)])``
+    (a stable log-add-exp) and ``out = sum exp(s - lse) v``.  A row with no
+    valid token and no sink: out 0, lse -inf; with a sink: out 0, lse = sink.
+    Scores all -inf without a sink: lse -inf and out NaN (exp(-inf - -inf)).
+    """
+    q = np.asarray(q, np.float64)
+    k_cache = np.asarray(k_cache, np.float64)
+    v_cache = np.asarray(v_cache, np.float64)
+    rows, qh, d = q.shape
+    num_blocks, page_size, kh, _ = k_cache.shape
+    num_requests, table_width = block_table.shape
+    group = qh // kh
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    out = np.zeros_like(q)
+    lse = np.full((rows, qh), -np.inf)
+    for row in range(rows):
+        request = int(token_to_req[row])
+        pages, offsets = [], []
+        if 0 <= request < num_requests:
+            for token in token_indices[row]:
+                token = int(token)
+                logical_page, offset = divmod(token, page_size)
+                if token < 0 or logical_page >= table_width:
+                    continue
+                page = int(block_table[request, logical_page])
+                if 0 <= page < num_blocks:
+                    pages.append(page)
+                    offsets.append(offset)
+        for head in range(qh):
+            keys = k_cache[pages, offsets, head // group]
+            values = v_cache[pages, offsets, head // group]
+            with np.errstate(invalid="ignore", over="ignore"):
+                scores = keys @ q[row, head] * scale
+            logits = list(scores) + ([float(sinks[head])] if sinks is not None else [])
+            if not logits:
+                continue
+            with np.errstate(invalid="ignore"):
+                total = np.logaddexp.reduce(np.asarray(logits, np.float64))
+                lse[row, head] = total
+                if pages:
+                    out[row, head] = np.exp(scores - total) @ values
+    return out, lse
+
+
+def merge_attention_states(out_a, lse_a, out_b, lse_b):
+    """Exact merge of two partial attentions over disjoint tokens, float64: ``(out, lse)``.
+
+    ``lse = logaddexp(lse_a, lse_b)``; ``out = (out_a e^(lse_a - lse) + out_b e^(lse_b - lse))``;
+    a side whose lse is -inf contributes nothing (its out is not read); both
+    -inf: out 0, lse -inf.
+    """
+    out_a, out_b = np.asarray(out_a, np.float64), np.asarray(out_b, np.float64)
+    lse_a, lse_b = np.asarray(lse_a, np.float64), np.asarray(lse_b, np.float64)
+    lse = np.logaddexp(lse_a, lse_b)
+    out = np.zeros(np.broadcast_shapes(out_a.shape, out_b.shape))
+    for index in np.ndindex(*lse.shape):
+        if lse[index] == -np.inf:
+            continue
+        # Weights against the larger lse (lse - logaddexp would lose log 2 next to -1e30).
+        top = max(lse_a[index], lse_b[index])
+        total, weights = 0.0, 0.0
+        for o, l in ((out_a, lse_a), (out_b, lse_b)):
+            if l[index] != -np.inf:
+                total = total + o[index] * np.exp(l[index] - top)
+                weights += np.exp(l[index] - top)
+        out[index] = total / weights
+    return out, lse

@@ -517,6 +517,212 @@ def test_fused_merge_leaves_its_tickets_at_zero_for_the_next_call():
 
 
 # --------------------------------------------------------------------------
+# Log-sum-exp out, attention sinks, very negative scores, head dims that are
+# not powers of two (issue 50; issue 52 item 4).
+# --------------------------------------------------------------------------
+
+#: The three ways a row's splits reach out / lse: one split, the merge launch, merged in the launch
+#: (tiles of 16 tokens: tile_bytes 2 KB at D <= 64, and BLOCK_N's floor of 16 above).
+PATHS = {"unsplit": dict(num_splits=1), "merge_launch": dict(num_splits=2, fused_merge=False),
+         "fused_merge": dict(num_splits=3, fused_merge=True)}
+PATHS = {path: dict(fields, tile_bytes=16 * 2 * 64) for path, fields in PATHS.items()}
+
+
+def lse_reference(args, scale=None, sinks=None):
+    return R.sparse_paged_attention_lse(
+        f64(args["q"]), f64(args["k_cache"]), f64(args["v_cache"]), host(args["token_indices"]),
+        host(args["block_table"]), host(args["token_to_req"]), softmax_scale=scale,
+        sinks=None if sinks is None else host(sinks))
+
+
+def assert_lse_close(lse, ref, tol=1e-4, what=""):
+    """-inf and NaN exactly where the reference has them; elsewhere |lse - ref| <= tol (1 + |ref|)."""
+    lse = f64(lse)
+    assert lse.dtype == np.float64 and lse.shape == ref.shape, (lse.shape, ref.shape)
+    for special, name in ((np.isneginf, "-inf"), (np.isnan, "NaN")):
+        assert np.array_equal(special(lse), special(ref)), f"{what}: {name} at {np.argwhere(special(lse) != special(ref))}"
+    finite = np.isfinite(ref)
+    error = np.abs(lse[finite] - ref[finite]) / (1 + np.abs(ref[finite]))
+    assert error.max(initial=0) <= tol, f"{what}: lse error {error.max():.2e}"
+
+
+def run_jax_with(args, **options):
+    """The call under jax.jit (array options such as ``sinks`` converted; None stays None)."""
+    arrays = {n: to_jax(a) for n, a in args.items()}
+    arrays.update({n: to_jax(a) for n, a in options.items() if isinstance(a, torch.Tensor)})
+    options = {n: a for n, a in options.items() if not isinstance(a, torch.Tensor)}
+    return jax.jit(lambda arrays: qsa_jax.sparse_paged_attention(**arrays, **options))(arrays)
+
+
+def attention_paths(args, **options):
+    """``{path: result}`` of the call under each of PATHS (the planned launches checked), JAX =
+    torch bitwise on each."""
+    results = {}
+    for path, fields in PATHS.items():
+        with tuning.override(attention=tuning.AttentionTuning(**fields)):
+            program = qsa_torch.sparse_paged_attention.plan(**args, **options)
+            kernels = [launch.kernel for launch in program.launches]
+            assert kernels == {"unsplit": [attention.sparse_attention_partial_kernel],
+                               "merge_launch": [attention.sparse_attention_partial_kernel,
+                                                attention.merge_splits_kernel],
+                               "fused_merge": [attention.sparse_attention_fused_merge_kernel]}[path], (path, kernels)
+            result = qsa_torch.sparse_paged_attention(**args, **options)
+            jax_result = run_jax_with(args, **options)
+        for got, expected in zip(jax_result if isinstance(result, tuple) else (jax_result,),
+                                 result if isinstance(result, tuple) else (result,)):
+            assert_bitwise_equal(got, expected, f"{path}: JAX vs torch")
+        results[path] = result
+    return results
+
+
+def sinks_for(qh, seed=7):
+    """Random sinks around the scores' scale (never zero)."""
+    return torch.from_numpy(np.random.default_rng(seed).normal(1.0, 1.5, qh).astype(np.float32)).to(DEVICE)
+
+
+#: Rows 1-3 select nothing valid; 3 tiles of 16 tokens a row.
+LSE_CASE = Case(R=5, QH=8, KH=2, D=64, W=48, seed=11)
+
+
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["plain", "sinks"])
+def test_lse_and_sinks_on_every_path(with_sinks):
+    """``return_lse``: lse = log of the softmax's denominator (+ exp(sink)), -inf for rows with no
+    valid token and no sink (the sink with one; out 0 either way), on the unsplit path, the merge
+    launch and the merge in the launch; ``out`` the same bits with and without ``return_lse``;
+    near the float64 reference; JAX = torch bitwise."""
+    args = make_inputs(LSE_CASE)
+    sinks = sinks_for(LSE_CASE.QH) if with_sinks else None
+    ref_out, ref_lse = lse_reference(args, sinks=sinks)
+    assert np.isneginf(ref_lse[1:4]).all() != with_sinks and np.isfinite(ref_lse[[0, 4]]).all()
+    with_lse = attention_paths(args, sinks=sinks, return_lse=True)
+    for path, (out, lse) in with_lse.items():
+        assert lse.dtype == torch.float32 and lse.shape == (LSE_CASE.R, LSE_CASE.QH)
+        assert_close(out, ref_out, tolerance(LSE_CASE.dtype), f"{path}: out vs reference")
+        assert_lse_close(lse, ref_lse, what=f"{path}: lse vs reference")
+        assert not f64(out)[1:4].any(), f"{path}: rows without a valid token are zeros"
+        if with_sinks:
+            assert_lse_close(lse[1:4], np.broadcast_to(f64(sinks), (3, LSE_CASE.QH)), 1e-6, f"{path}: lse = sink")
+        with tuning.override(attention=tuning.AttentionTuning(**PATHS[path])):
+            plain = qsa_torch.sparse_paged_attention(**args, sinks=sinks)
+        assert_bitwise_equal(plain, out, f"{path}: out with and without return_lse")
+
+
+def test_sinks_change_the_softmax_as_a_float64_softmax_does():
+    """A sink far above the scores takes nearly all the mass (out -> 0); one far below none (out ->
+    the sink-free attention); each against the reference."""
+    args = make_inputs(Case(R=2, QH=4, KH=1, D=64, W=20, requests=1, seed=4))
+    plain = f64(qsa_torch.sparse_paged_attention(**args))
+    for level in (-30.0, 0.5, 30.0):
+        sinks = sinks_for(4) * 0.1 + level
+        out, lse = qsa_torch.sparse_paged_attention(**args, sinks=sinks, return_lse=True)
+        ref_out, ref_lse = lse_reference(args, sinks=sinks)
+        assert_close(out, ref_out, tolerance(torch.bfloat16), f"sink {level}: out")
+        assert_lse_close(lse, ref_lse, what=f"sink {level}: lse")
+        if level < 0:
+            assert_close(out, plain, tolerance(torch.bfloat16), "a very low sink changes nothing")
+        if level > 20:
+            assert np.abs(f64(out)).max() < 1e-6
+
+
+def test_scores_all_minus_inf():
+    """Valid tokens whose scores are all -inf: without a sink NaN heads and lse -inf (as today);
+    with a finite sink out 0 and lse = the sink; rows without a valid token 0 either way; on
+    every path, JAX = torch."""
+    args = make_inputs(LSE_CASE)
+    args["k_cache"][..., 0] = -float("inf")  # q[..., 0] > 0: every score -inf
+    args["q"][..., 0] = args["q"][..., 0].abs() + 0.25
+    sinks = sinks_for(LSE_CASE.QH)
+    for options in (dict(), dict(sinks=sinks)):
+        ref_out, ref_lse = lse_reference(args, **options)
+        for path, (out, lse) in attention_paths(args, return_lse=True, **options).items():
+            what = f"{path}, {'sinks' if options else 'no sink'}"
+            assert_close(out, ref_out, 0, what)
+            assert_lse_close(lse, ref_lse, 1e-6, what)
+            assert np.isnan(f64(out)[[0, 4]]).all() != bool(options), what
+            assert not f64(out)[1:4].any()
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_very_negative_finite_scores_are_finite(path):
+    """Every valid score far below -1e20 (softmax_scale 1e20, q.k < 0): finite rows, the float64
+    softmax's, and a finite lse (the old -1e20 starting max made them 0 / 0 = NaN)."""
+    args = make_inputs(Case(R=4, QH=4, KH=2, D=64, W=24, seed=2))
+    args["q"] = args["q"].abs() + 0.5
+    args["k_cache"] = -(args["k_cache"].abs() + 0.5)
+    scale = 1e20
+    ref_out, ref_lse = lse_reference(args, scale)
+    assert (ref_lse[np.isfinite(ref_lse)] < -1e21).all()
+    with tuning.override(attention=tuning.AttentionTuning(**PATHS[path])):
+        out, lse = qsa_torch.sparse_paged_attention(**args, softmax_scale=scale, return_lse=True)
+        plain = qsa_torch.sparse_paged_attention(**args, softmax_scale=scale)
+        jax_out, jax_lse = run_jax_with(args, softmax_scale=scale, return_lse=True)
+    assert np.isfinite(f64(out)).all() and np.isfinite(f64(plain)).all()
+    assert_close(out, ref_out, tolerance(torch.bfloat16), "out vs reference")
+    assert_bitwise_equal(plain, out, "with and without return_lse")
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(f64(lse)), finite)
+    assert np.abs(f64(lse)[finite] / ref_lse[finite] - 1).max() < 1e-6
+    assert_bitwise_equal(jax_out, out, "JAX vs torch: out")
+    assert_bitwise_equal(jax_lse, lse, "JAX vs torch: lse")
+
+
+#: Head dims that are multiples of 16 but not powers of two (the tile padded to 128 / 128 / 256).
+HEAD_DIM_CASES = {
+    "d80_g4_table": Case(QH=8, KH=2, D=80, W=70),
+    "d96_g1_fp16_2splits_views": Case(QH=2, KH=2, D=96, W=90, dtype=torch.float16, splits=2, views=True),
+    "d192_g12_unsplit": Case(QH=12, KH=1, D=192, W=40, splits=1),
+    "d80_g4_3splits_int64": Case(R=3, QH=4, KH=1, D=80, W=300, splits=3, index_dtype=torch.int64),
+}
+
+
+@pytest.mark.parametrize("name", list(HEAD_DIM_CASES))
+def test_head_dims_that_are_not_powers_of_two(name, force_splits):
+    """Any multiple of 16 up to 256: padded lanes, the float64 reference, JAX = torch bitwise."""
+    c = HEAD_DIM_CASES[name]
+    program = qsa_torch.sparse_paged_attention.plan(**make_inputs(c))
+    assert program.launches[0].constexprs["BLOCK_D"] == {80: 128, 96: 128, 192: 256}[c.D]
+    check_case(c, force_splits)
+
+
+@pytest.mark.parametrize("d", [80, 192])
+def test_head_dims_with_lse_and_sinks_on_every_path(d):
+    args = make_inputs(Case(R=5, QH=4, KH=2, D=d, W=40, seed=d))
+    sinks = sinks_for(4)
+    ref_out, ref_lse = lse_reference(args, sinks=sinks)
+    for path, (out, lse) in attention_paths(args, sinks=sinks, return_lse=True).items():
+        assert_close(out, ref_out, tolerance(torch.bfloat16), f"d{d} {path}: out")
+        assert_lse_close(lse, ref_lse, what=f"d{d} {path}: lse")
+
+
+def test_power_of_two_head_dims_plan_as_before():
+    """BLOCK_D == D at powers of two (the kernels' padding code is not emitted there), and the
+    default options add no constexpr that changes the code (no sinks, no lse)."""
+    for d in (16, 32, 64, 128, 256):
+        program = qsa_torch.sparse_paged_attention.plan(**make_inputs(Case(R=2, D=d, W=8)))
+        constexprs = program.launches[0].constexprs
+        assert constexprs["BLOCK_D"] == d and not constexprs["SINKS"] and not constexprs["NATURAL_LSE"]
+
+
+def test_bad_sinks_and_head_dims():
+    args = make_inputs(Case(R=2, QH=8, W=8))
+    with pytest.raises(ValueError, match=r"sparse_paged_attention: sinks must have QH = 8 entries"):
+        qsa_torch.sparse_paged_attention(**args, sinks=torch.zeros(4, device=DEVICE))
+    with pytest.raises(ValueError, match=r"sparse_paged_attention: sinks"):
+        qsa_torch.sparse_paged_attention(**args, sinks=torch.zeros(8, device=DEVICE, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"sparse_paged_attention: sinks"):
+        qsa_torch.sparse_paged_attention(**args, sinks=torch.zeros(1, 8, device=DEVICE))
+    with pytest.raises(ValueError, match=r"sparse_paged_attention: return_lse"):
+        qsa_torch.sparse_paged_attention(**args, return_lse=1)
+    a = ArrayInfo.contiguous
+    for d in (8, 72, 272):
+        with pytest.raises(ValueError, match=r"sparse_paged_attention: q must have head dim D a multiple of 16 "
+                                             r"from 16 to 256"):
+            attention.plan_sparse_paged_attention(
+                a((2, 8, d), "bfloat16"), a((4, 8, 2, d), "bfloat16"), a((4, 8, 2, d), "bfloat16"),
+                a((2, 8), "int32"), a((1, 4), "int32"), a((2,), "int32"))
+
+
+# --------------------------------------------------------------------------
 # GPU-only: production geometry, large caches.
 # --------------------------------------------------------------------------
 

@@ -258,14 +258,14 @@ def _rope_rows():
         r("cos_sin_dtype", lambda a: dict(cos_sin=a["cos_sin"].half()), "cos_sin must have dtype bfloat16 or float32"),
         r("cos_sin_width", lambda a: dict(cos_sin=a["cos_sin"][:, :6]), "cos_sin must have width 2*F with F = D/2 or D, i.e. 8 or 16"),
         r("cos_sin_width_zero", lambda a: dict(cos_sin=a["cos_sin"][:, :0]), "cos_sin must have width 2*F"),
-        # Scales: attention's rule (issue 28): both for fp8 caches, none for 16-bit ones.
+        # Scales: the source's rule (issue 56): both for fp8 caches, optional (applied) for the others.
         fp8("k_scale_two_elements", lambda a: dict(k_scale=torch.ones(2, device=DEVICE)), "k_scale must be a 0-d or 1-element tensor"),
         fp8("k_scale_empty", lambda a: dict(k_scale=torch.ones(0, device=DEVICE)), "k_scale must be a 0-d or 1-element tensor"),
         fp8("v_scale_rank_2", lambda a: dict(v_scale=torch.ones(1, 1, device=DEVICE)), "v_scale must be a 0-d or 1-element tensor"),
         fp8("v_scale_dtype", lambda a: dict(v_scale=ints([1])), "v_scale must have dtype bfloat16 or float16 or float32"),
-        r("k_scale_for_bf16_caches", lambda a: dict(k_scale=torch.ones((), device=DEVICE)), "k_scale must be None for bfloat16 caches (scales are for float8_e4m3fn caches), got an array of shape ()"),
-        r("v_scale_for_bf16_caches", lambda a: dict(v_scale=torch.ones(1, device=DEVICE)), "v_scale must be None for bfloat16 caches (scales are for float8_e4m3fn caches), got an array of shape (1,)"),
-        paged("k_scale_for_paged_bf16_caches", lambda a: dict(k_scale=torch.ones((), device=DEVICE), v_scale=torch.ones((), device=DEVICE)), "k_scale must be None for bfloat16 caches"),
+        r("k_scale_two_elements_bf16_caches", lambda a: dict(k_scale=torch.ones(2, device=DEVICE)), "k_scale must be a 0-d or 1-element tensor, got shape (2,)"),
+        r("v_scale_dtype_bf16_caches", lambda a: dict(v_scale=ints([1])), "v_scale must have dtype bfloat16 or float16 or float32, got int32"),
+        paged("k_scale_rank_2_paged_bf16_caches", lambda a: dict(k_scale=torch.ones(1, 1, device=DEVICE), v_scale=torch.ones((), device=DEVICE)), "k_scale must be a 0-d or 1-element tensor"),
         fp8("k_scale_missing", lambda a: dict(k_scale=None), "k_scale must be given (a 0-d or 1-element float tensor) for float8_e4m3fn caches, got None"),
         fp8("v_scale_missing", lambda a: dict(v_scale=None), "v_scale must be given (a 0-d or 1-element float tensor) for float8_e4m3fn caches, got None"),
         fp8("both_scales_missing", lambda a: dict(k_scale=None, v_scale=None), "k_scale must be given (a 0-d or 1-element float tensor) for float8_e4m3fn caches, got None"),
@@ -550,7 +550,7 @@ def _non_contiguous_rows():
 
 
 #: Optional array arguments (``None`` is valid for them).
-OPTIONAL_ARRAYS = {"rope_reshape_and_cache": {"k_scale", "v_scale", "offsets", "swa_slot_mapping"},
+OPTIONAL_ARRAYS = {"rope_reshape_and_cache": {"k_scale", "v_scale", "offsets", "swa_slot_mapping", "cos_sin"},
                    "compress_groups": {"rope_cache"}}
 
 
@@ -767,6 +767,9 @@ VALID_EMPTY = [
     ("rope_reshape_and_cache", "no_pages", lambda a: dict(key_cache=a["key_cache"][:0], value_cache=a["value_cache"][:0]),
      [(3, 4, 8), (4, 2, 8), (0, 4, 2, 8), (0, 4, 2, 8)]),
     ("rope_reshape_and_cache", "no_cos_sin_rows", lambda a: dict(cos_sin=a["cos_sin"][:0]), [(3, 4, 8), (4, 2, 8), (3, 4, 2, 8), (3, 4, 2, 8)]),
+    ("rope_reshape_and_cache", "no_cos_sin", lambda a: dict(cos_sin=None), [(3, 4, 8), (4, 2, 8), (3, 4, 2, 8), (3, 4, 2, 8)]),
+    ("rope_reshape_and_cache", "scales_on_bf16_caches", lambda a: dict(k_scale=torch.full((), 0.5, device=DEVICE), v_scale=torch.full((1,), 2.0, device=DEVICE)),
+     [(3, 4, 8), (4, 2, 8), (3, 4, 2, 8), (3, 4, 2, 8)]),
     ("rope_reshape_and_cache", "empty_swa_table", lambda a: dict(swa_slot_mapping=a["swa_slot_mapping"][:0]),
      [(3, 4, 8), (4, 2, 8), (3, 4, 2, 8), (3, 4, 2, 8)]),
     ("compress_groups", "no_rows", lambda a: {n: a[n][:0] for n in ("raw_keys", "raw_positions", "token_to_req", "logical_positions", "compressed_slots")},
@@ -867,9 +870,30 @@ STEP_TABLE = [
     ("index_k_heads", lambda a: dict(index_k=a["index_k"].expand(-1, 2, -1).contiguous()), "qsa_attention_step: index_k must have one head ([T, 1, DI])"),
     ("index_dtype_mismatch", lambda a: dict(index_k=a["index_k"].to(BF16)),
      "qsa_attention_step: index_k must have index_q's dtype float32, got bfloat16"),
-    # ... and so do the stages' checks, naming the step argument the stage's is bound to.
+    # q, k and v are checked before the state (the signature's order, issue 56): fp32 q/k/v with
+    # a bf16 state names q, not state.key_cache.
     ("attention_dtype_fp32", lambda a: dict(q=a["q"].float(), k=a["k"].float(), v=a["v"].float()),
-     "qsa_attention_step: state.key_cache must have dtype float32 or float8_e4m3fn, got bfloat16"),
+     "qsa_attention_step: q must have dtype bfloat16 or float16, got float32"),
+    ("attention_dtype_fp32_state_too", lambda a: dict(q=a["q"].float(), k=a["k"].float(), v=a["v"].float(),
+                                                      **_state(key_cache=lambda s: s.key_cache.float(),
+                                                               value_cache=lambda s: s.value_cache.float())(a)),
+     "qsa_attention_step: q must have dtype bfloat16 or float16, got float32"),
+    ("k_dtype_before_state", lambda a: dict(k=a["k"].half(), **_state(key_cache=lambda s: s.key_cache.float())(a)),
+     "qsa_attention_step: k must have q's dtype bfloat16, got float16"),
+    ("v_head_dim_before_state", lambda a: dict(v=a["v"][..., :8], **_state(value_cache=lambda s: s.value_cache[:1])(a)),
+     "qsa_attention_step: v must have k's shape (5, 2, 16), got shape (5, 2, 8)"),
+    # A head-major K cache: the expected layout, blamed on state.key_cache (not state.value_cache).
+    ("key_cache_head_major", _state(key_cache=lambda s: s.key_cache.transpose(1, 2).contiguous()),
+     "qsa_attention_step: state.key_cache must be [num_pages, page_size, kv_heads, head_dim] (flash layout) with "
+     "kv_heads = 2 and head_dim = 16 like k, got shape (8, 2, 4, 16)"),
+    ("kv_caches_head_major", _state(key_cache=lambda s: s.key_cache.transpose(1, 2).contiguous(),
+                                    value_cache=lambda s: s.value_cache.transpose(1, 2).contiguous()),
+     "qsa_attention_step: state.key_cache must be [num_pages, page_size, kv_heads, head_dim] (flash layout)"),
+    ("key_cache_paged_layout", _state(key_cache=lambda s: s.key_cache.reshape(8, 2, 2, 4, 8)),
+     "qsa_attention_step: state.key_cache must be [num_pages, page_size, kv_heads, head_dim] (flash layout)"),
+    ("value_cache_head_major", _state(value_cache=lambda s: s.value_cache.transpose(1, 2).contiguous()),
+     "qsa_attention_step: state.value_cache must have state.key_cache's shape (8, 4, 2, 16) (flash layout), got shape (8, 2, 4, 16)"),
+    # ... and so do the stages' checks, naming the step argument the stage's is bound to.
     ("index_cache_dtype_mismatch", lambda a: dict(index_q=a["index_q"].to(BF16), index_k=a["index_k"].to(BF16)),
      "qsa_attention_step: state.compressor_state_cache must have index_k's dtype bfloat16, got float32"),
 ]
@@ -883,6 +907,23 @@ def test_step_bad_argument(name, change, expected):
     assert type(torch_error) is ValueError and expected in str(torch_error), repr(torch_error)
     jax_error = _raised(lambda: qsa_jax.qsa_attention_step(**step_to_jax(arguments)))
     assert type(jax_error) is ValueError and str(jax_error) == str(torch_error), (str(jax_error), str(torch_error))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without CUDA")
+def test_state_zeros_on_a_missing_device_names_the_function_and_the_argument():
+    """torch's bare ``AssertionError`` (CUDA-less build) and JAX's error for a device it cannot
+    use, wrapped in an error naming ``QSAState.zeros`` and its ``device`` argument (issue 56)."""
+    from qsa_kernels.paging import CacheGeometry
+
+    geometry = CacheGeometry(page_size=4, num_pages=8, compress_ratio=2, compressed_page_size=2,
+                             num_compressed_pages=6, max_context=16, max_requests=2)
+    for adapter, dtype in ((qsa_torch, BF16), (qsa_jax, jax.numpy.bfloat16)):
+        error = _raised(lambda: adapter.QSAState.zeros(geometry, kv_heads=2, head_dim=16, index_head_dim=16,
+                                                       dtype=dtype, device="cuda"))
+        assert type(error) is ValueError, repr(error)
+        assert str(error).startswith("QSAState.zeros: cannot allocate the caches on device='cuda' (the device "
+                                     "argument): the framework raised "), str(error)
+        assert error.__cause__ is not None
 
 
 @CPU_ONLY

@@ -293,19 +293,6 @@ CASES = {
     "topk/ticketed-streamed-decode-64-128k-k512": _topk(64, 1 << 15, 512),
     "topk/ticketed-streamed-decode-64-1m-k512-bf16": _topk(64, 1 << 18, 512, dtype=BF16),
     "topk/ticketed-streamed-decode-32-256k-k2048": _topk(32, 1 << 16, 2048),
-    "topk/ticketed-streamed-shared-decode-64-128k-k512": _topk(64, 1 << 15, 512, ticketed_select="shared"),
-    # The last program's fixed-digit passes (the default fits them to the candidates' span).
-    "topk/ticketed-last-decode-1-128k-k512": _topk(1, 1 << 15, 512, ticketed_select="last"),
-    "topk/ticketed-last-decode-1-256k-k2048": _topk(1, 1 << 16, 2048, ticketed_select="last"),
-    # The ticketed path's shared selection (TopkTuning.ticketed_select): 2048 counts (4096 with
-    # 12 bits) in the last program's registers before the candidates', and the fitted passes.
-    "topk/ticketed-shared-decode-1-128k-k512": _topk(1, 1 << 15, 512, ticketed_select="shared"),
-    "topk/ticketed-shared-decode-8-512k-k512-bf16": _topk(8, 1 << 17, 512, dtype=BF16, ticketed_select="shared"),
-    "topk/ticketed-shared-decode-1-256k-k2048": _topk(1, 1 << 16, 2048, ticketed_select="shared"),
-    "topk/ticketed-shared-12-bits-1-128k-k512": _topk(1, 1 << 15, 512, ticketed_select="shared",
-                                                      ticketed_shared_bits=12),
-    "topk/ticketed-shared-fixed-bound-1-128k-k512": _topk(1, 1 << 15, 512, ticketed_select="shared",
-                                                          ticketed_bound="fixed"),
     # Each path forced where another is chosen (benchmarks/bench_topk.py
     # times them all), and the --sweep's smallest row-path configuration.
     "topk/forced-sliced-decode-256-128k-k512": _topk(256, 1 << 15, 512, path="sliced"),
@@ -332,8 +319,6 @@ CASES = {
     "select/fused-fp8-decode-1-128k": _select(1, 1, 1 << 17, k=FP8),
     "select/fused-fp16-16-heads-decode-3-32k-topk1024": _select(3, 3, 1 << 15, token_topk=1024, q=FP16, k=FP16,
                                                                heads=16),
-    "select/fused-shared-decode-1-128k": _select(1, 1, 1 << 17, topk=dict(ticketed_select="shared")),
-    "select/fused-shared-fp8-decode-8-128k": _select(8, 8, 1 << 17, k=FP8, topk=dict(ticketed_select="shared")),
     # Stage 4: sparse_paged_attention (split-K where programs are few, merged by a merge launch; with
     # AttentionTuning.fused_merge, off by default, in the launch by merging programs).
     "attention/decode-1": _attention(1),  # 33 splits, then the merge launch

@@ -60,7 +60,8 @@ def test_each_function_has_the_variants_its_result_options_make():
         ("rope_reshape_and_cache", {"return_zeros": False}, 2, ("key_cache", "value_cache")),
         ("rope_reshape_and_cache_return_zeros", {"return_zeros": True}, 3, ("key_cache", "value_cache"))]
     assert [(name, fresh) for name, _, fresh, _ in variants["qsa_attention_step"]] == [
-        ("qsa_attention_step", 1), ("qsa_attention_step_return_token_indices", 2)]
+        ("qsa_attention_step", 1), ("qsa_attention_step_return_lse", 2),
+        ("qsa_attention_step_return_token_indices", 2), ("qsa_attention_step_return_token_indices_return_lse", 3)]
     single = {name: entries for name, entries in variants.items()
               if name not in ("rope_reshape_and_cache", "qsa_attention_step")}
     assert all(len(entries) == 1 and entries[0][0] == name and entries[0][1] == {} for name, entries in single.items())

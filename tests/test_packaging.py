@@ -124,7 +124,8 @@ def test_wheel_metadata(wheel):
     # no torch on the GPU path; the ranges are qsa_jax._lowering.VERIFIED's (tests/test_jax_lowering.py)
     assert needs("jax-gpu") == {"jax<0.13,>=0.11.2", "ml_dtypes", "jax-triton<=0.4.1,>=0.3.1"}
     assert needs("gpu") == {"qsa-kernels[jax-gpu,torch]"}
-    assert needs("test") == {"qsa-kernels[jax,torch]", "pytest>=8", "hypothesis>=6", "mypy>=1.10"}
+    assert needs("test") == {"qsa-kernels[jax,torch]", "pytest>=8", "hypothesis>=6", "mypy>=1.10",
+                             "transformers>=4.51"}  # examples/transformers_model.py
 
 
 def test_wheel_installs_the_info_command(wheel):

@@ -44,6 +44,8 @@ class Case:
     bad_positions: bool = False
     packed_qkv: bool = False  # q, k, v strided views of one packed tensor
     cache_view: bool = False  # caches are non-contiguous views of larger tensors
+    no_rope: bool = False  # cos_sin=None: q and k arrive rotated (issue 56)
+    scale_values: tuple = (0.5, [2.0])  # k_scale, v_scale when ``scales`` (a 0-d and a 1-element array)
     seed: int = 0
 
 
@@ -114,8 +116,8 @@ def make_inputs(c: Case):
     )
     options = dict(
         is_neox=c.is_neox,
-        k_scale=scale(0.5) if c.scales else None,
-        v_scale=scale([2.0]) if c.scales else None,
+        k_scale=scale(c.scale_values[0]) if c.scales else None,
+        v_scale=scale(c.scale_values[1]) if c.scales else None,
         offsets=offsets.to(c.index_dtype) if offsets is not None else None,
         swa_slot_mapping=swa,
         return_zeros=c.zeros,
@@ -129,13 +131,17 @@ def make_inputs(c: Case):
     if c.packed_qkv:
         qkv = qkv.to(DEVICE)
         args["q"], args["k"], args["v"] = qkv[:, : c.QH], qkv[:, c.QH: c.QH + c.KH], qkv[:, c.QH + c.KH:]
+    if c.no_rope:
+        args["cos_sin"] = None
     return args, {n: move(o) for n, o in options.items()}
 
 
 def reference_for(c: Case, args, options):
+    # cos_sin=None: the reference rotates by an identity table (cos 1, sin 0) past every position.
+    cos_sin = R.identity_cos_sin(1024, c.D) if args["cos_sin"] is None else f64(args["cos_sin"])
     return R.rope_reshape_and_cache(
         f64(args["q"]), f64(args["k"]), f64(args["v"]), f64(args["key_cache"]), f64(args["value_cache"]),
-        host(args["slot_mapping"]), host(args["positions"]), f64(args["cos_sin"]),
+        host(args["slot_mapping"]), host(args["positions"]), cos_sin,
         is_neox=c.is_neox, layout=c.layout, x=c.X,
         k_scale=None if options["k_scale"] is None else float(options["k_scale"].cpu()),
         v_scale=None if options["v_scale"] is None else float(options["v_scale"].cpu().reshape(())),
@@ -154,7 +160,8 @@ def run_jax(args, options):
     def call(arrays, option_arrays):
         return qsa_jax.rope_reshape_and_cache(**arrays, **option_arrays, **static)
 
-    return call({n: to_jax(args[n]) for n in names}, {n: to_jax(o) for n, o in array_options.items()})
+    return call({n: None if args[n] is None else to_jax(args[n]) for n in names},
+                {n: to_jax(o) for n, o in array_options.items()})
 
 
 def check_case(c: Case):
@@ -163,6 +170,12 @@ def check_case(c: Case):
     jax_out = run_jax(args, options)  # before torch updates the caches in place
     ref_q, ref_k, ref_kc, ref_vc, (wrote_k, wrote_v) = reference_for(c, args, options)
     out = qsa_torch.rope_reshape_and_cache(**args, **options)
+    check_outputs(c, args, options, out, jax_out, originals, (ref_q, ref_k, ref_kc, ref_vc, (wrote_k, wrote_v)))
+    return args, options, out
+
+
+def check_outputs(c: Case, args, options, out, jax_out, originals, reference):
+    ref_q, ref_k, ref_kc, ref_vc, (wrote_k, wrote_v) = reference
 
     assert len(out) == (5 if c.zeros else 4)
     assert out[2] is args["key_cache"] and out[3] is args["value_cache"], "caches must be returned in place"
@@ -186,7 +199,6 @@ def check_case(c: Case):
 CASES = {
     "neox_halffreq_flash_bf16_offsets": Case(offsets=True, P=16, blocks=3),
     "gptj_fullfreq_paged_fp16_swa_zeros": Case(is_neox=False, full_freqs=True, layout="paged", dtype=torch.float16, swa=True, zeros=True, index_dtype=torch.int32),
-    # (Scales are for fp8 caches only since issue 28: test_fp8_caches_with_scales.)
     "neox_fullfreq_shuffled_fp32_kvonly": Case(full_freqs=True, layout="shuffled", dtype=torch.float32, T=4, T_kv=7),
     "gptj_halffreq_flash_bf16_fp32cos_badpos": Case(is_neox=False, cos_sin_fp32=True, bad_positions=True, QH=8, KH=1),
     "packed_qkv_cache_view_paged": Case(packed_qkv=True, cache_view=True, layout="paged", QH=12, KH=1, X=4),
@@ -194,6 +206,16 @@ CASES = {
     "d64_gqa4_fp16_flash_int32_swa": Case(D=64, QH=8, KH=2, dtype=torch.float16, index_dtype=torch.int32, swa=True, cache_view=True),
     "d128_mha_bf16_paged_zeros_badpos": Case(D=128, QH=2, KH=2, T=6, layout="paged", X=8, zeros=True, bad_positions=True, full_freqs=True),
     "single_token": Case(T=1, QH=4, KH=4),
+    # Scales on 16/32-bit caches, as the source applies them (issue 56): stored = x * (1 / scale).
+    "scaled_fp32_paged_kvonly": Case(dtype=torch.float32, scales=True, scale_values=(0.3, [3.0]), layout="paged",
+                                     T=4, T_kv=6),
+    "scaled_fp16_flash_gptj_badpos": Case(dtype=torch.float16, scales=True, scale_values=(1.7, 0.45), is_neox=False,
+                                          bad_positions=True),
+    "scaled_bf16_shuffled": Case(scales=True, scale_values=(0.3, [3.0]), layout="shuffled", X=4, P=8),
+    # cos_sin=None: q and k pass through unrotated (issue 56); a negative position is still outside.
+    "no_rope_flash_bf16_badpos_offsets": Case(no_rope=True, bad_positions=True, offsets=True),
+    "no_rope_paged_fp32_kvonly_scaled": Case(no_rope=True, dtype=torch.float32, layout="paged", T=3, T_kv=5,
+                                             scales=True, scale_values=(0.3, [3.0])),
 }
 
 
@@ -225,6 +247,72 @@ def test_fp8_saturates_instead_of_overflowing():
     values = args["value_cache"].float().flatten()
     assert values.isnan().sum() == 1, "the NaN of v is a NaN code"
     assert (values == 448.0).any() and (values == -448.0).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_scales_on_16_and_32_bit_caches_round_as_the_source(dtype):
+    """A scale given with a non-fp8 cache is applied as the source applies it (issue 56): the
+    cached v (and a KV-only row's k, both unrotated) is ``x * (1 / scale)`` in float32, then the
+    cache dtype, bit for bit.  (bf16 is checked within tolerance only: the interpreter truncates
+    float32 to bf16 where the GPU rounds to nearest.)"""
+    c = Case(dtype=dtype, scales=True, scale_values=(0.3, [3.0]), T=3, T_kv=6, P=4, blocks=4)
+    args, options, out = check_case(c)
+    k_scale, v_scale = (float(options[n].reshape(())) for n in ("k_scale", "v_scale"))
+    slots = host(args["slot_mapping"])
+    checked = 0
+    for row, slot in enumerate(slots):
+        if not 0 <= slot < c.blocks * c.P:
+            continue
+        page, offset = divmod(int(slot), c.P)
+        expected_v = torch.from_numpy(R.source_scaled(host(args["v"][row].float()), v_scale)).to(dtype)
+        assert_bitwise_equal(out[3][page, offset], expected_v, f"value_cache row {row}")
+        if row >= c.T:  # KV-only: k is cached unrotated
+            expected_k = torch.from_numpy(R.source_scaled(host(args["k"][row].float()), k_scale)).to(dtype)
+            assert_bitwise_equal(out[2][page, offset], expected_k, f"key_cache row {row}")
+        checked += 1
+    assert checked >= 3
+    assert not torch.equal(out[3][divmod(int(slots[0]), c.P)], args["v"][0]), "v_scale was not applied"
+
+
+def test_one_scale_on_a_16_bit_cache_scales_only_its_cache():
+    """Each scale is optional on a 16-bit cache: v_scale alone scales the values, not the keys."""
+    c = Case(dtype=torch.float16, T=4, P=4, blocks=4)
+    args, options = make_inputs(c)
+    options = dict(options, v_scale=torch.tensor(0.25, device=DEVICE))
+    plain = qsa_torch.rope_reshape_and_cache(**{**args, "key_cache": args["key_cache"].clone(),
+                                                "value_cache": args["value_cache"].clone()}, is_neox=True)
+    jax_out = run_jax(args, options)
+    scaled = qsa_torch.rope_reshape_and_cache(**args, **options)
+    assert_bitwise_equal(scaled[2], plain[2], "key_cache (no k_scale)")
+    for row, slot in enumerate(host(args["slot_mapping"])):
+        if 0 <= slot < c.blocks * c.P:
+            page, offset = divmod(int(slot), c.P)
+            assert_bitwise_equal(scaled[3][page, offset], (args["v"][row].double() * 4).half(), f"v row {row} x 4")
+    for i, (a, b) in enumerate(zip(jax_out, scaled)):
+        assert_bitwise_equal(a, b, f"torch vs JAX output {i}")
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("layout, dtype, neox", [("flash", torch.bfloat16, True), ("paged", torch.float16, False)])
+def test_cos_sin_none_is_an_identity_table_and_reads_none(layout, dtype, neox):
+    """``cos_sin=None`` (issue 56): bit for bit an identity table (cos 1, sin 0) that covers every
+    non-negative position, in both frameworks; a negative position still gives NaN rows and no
+    write; the launch reads no table."""
+    c = Case(no_rope=True, layout=layout, dtype=dtype, is_neox=neox, bad_positions=True, T=5, T_kv=7, X=4)
+    args, options = make_inputs(c)
+    table = torch.from_numpy(R.identity_cos_sin(1024, c.D)).to(dtype).to(DEVICE)
+    assert int(host(args["positions"]).max()) >= 64  # past the cases' tables (max_position + 5)
+    with_table = qsa_torch.rope_reshape_and_cache(**{**args, "cos_sin": table, "key_cache": args["key_cache"].clone(),
+                                                     "value_cache": args["value_cache"].clone()}, **options)
+    jax_out = run_jax(args, options)
+    out = qsa_torch.rope_reshape_and_cache(**args, **options)
+    for i, (a, b, j) in enumerate(zip(out, with_table, jax_out)):
+        assert_bitwise_equal(a, b, f"cos_sin=None vs an identity table, output {i}")
+        assert_bitwise_equal(j, a, f"torch vs JAX output {i}")
+    assert np.isnan(f64(out[0])[2]).all() and np.isfinite(f64(out[0])[[0, 1, 3, 4]]).all()  # position -3
+    program = qsa_torch.rope_reshape_and_cache.plan(**args, **options)
+    (launch,) = program.launches
+    assert launch.constexprs["ROPE"] is False and "cos_sin" not in launch.inputs
 
 
 @pytest.mark.gpu

@@ -369,12 +369,8 @@ def test_fused_selection_default_tuning(integer, token_topk):
     ("k1_fixed_bound", tuning.TopkTuning(path="ticketed", ticketed_slice=128, ticketed_bound="fixed"), 4),
     # Fewer group maxima than k (the fixed bound, 0), so candidates overflow: the whole-row fallback.
     ("few_groups", tuning.TopkTuning(path="ticketed", ticketed_slice=32, max_groups=16), 160),
-    # The shared selection (the compaction programs' histogram), with 4-bit shared digits too.
-    ("shared", tuning.TopkTuning(path="ticketed", ticketed_slice=64, ticketed_select="shared"), 64),
-    ("shared_4_bits", tuning.TopkTuning(path="ticketed", ticketed_slice=32, ticketed_select="shared",
-                                        ticketed_shared_bits=4), 160),
-    # The last program's passes with digits fitted to the candidates' span.
-    ("fitted", tuning.TopkTuning(path="ticketed", ticketed_slice=64, ticketed_select="fitted"), 64),
+    # The last program's fitted passes of 4-bit digits (more of them).
+    ("4_bit_digits", tuning.TopkTuning(path="ticketed", ticketed_slice=32, radix_bits=4), 160),
 ])
 @pytest.mark.parametrize("integer", [False, True])
 def test_fused_selection_branches(name, topk, token_topk, integer):
@@ -390,20 +386,17 @@ def test_fused_selection_chunks_reuse_the_state():
                                        topk=tuning.TopkTuning(path="ticketed", ticketed_slice=64))
 
 
-@pytest.mark.parametrize("select", ["last", "shared", "fitted"])
-def test_ticketed_chunks_reuse_the_state_every_row_long(select):
+def test_ticketed_chunks_reuse_the_state_every_row_long():
     """Six long rows, two a chunk (three chunks), exact scores: each chunk's launch, the fused
-    one and the three launches' top-k, finds the tickets, maxima and (``ticketed_select =
-    "shared"``) the shared histogram that the last left at zero: stale counts would move the
-    digit of the k-th largest, and the reference would tell."""
+    one and the three launches' top-k, finds the tickets and maxima that the last left at zero:
+    stale maxima would move the bound, and the reference would tell."""
     case = long_decode_case(43, columns=512, integer=True)
     lengths = host(case["sequence_lengths"])
     case["token_to_req"] = torch.tensor([0, 1, 1, 0, 0, 1], dtype=torch.int32, device=DEVICE)
     case["query_positions"] = torch.tensor([lengths[0] - 1, lengths[1] - 1, lengths[1] - 9, lengths[0] - 300,
                                             lengths[0] - 1, 700], dtype=torch.int64, device=DEVICE)
     assert_fused_equals_three_launches(case, 64, chunks=3, workspace=2 * 4 * 512, reference_too=True,
-                                       topk=tuning.TopkTuning(path="ticketed", ticketed_slice=64,
-                                                              ticketed_select=select))
+                                       topk=tuning.TopkTuning(path="ticketed", ticketed_slice=64))
 
 
 def test_fused_selection_fp8_keys():
@@ -454,32 +447,6 @@ def test_fused_selection_production(columns, fp8, integer):
                                                 score_columns=select.fused_score_columns, **options)
     for _ in range(4):
         with tuning.override(select=select):
-            again = qsa_torch.select_paged_tokens(**case, token_topk=2048, compress_ratio=4, **options)
-        assert np.array_equal(host(again), tokens), "the fused selection differs between runs"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("selection", ["shared", "fitted"])
-@pytest.mark.parametrize("columns, fp8", [(32768, False), (131072, False), (32768, True)])
-def test_fused_selection_shared_production(columns, fp8, selection):
-    """The fused selection with the top-k's shared and fitted selections
-    (``TopkTuning.ticketed_select``) at production geometry: the three
-    launches' bits, torch = JAX, the fixed-digit ("last") selection's bits,
-    and the same bits over repeated runs."""
-    case = long_decode_case(52, columns=columns, heads=4, dim=128)
-    options = {}
-    if fp8:
-        case["k_cache"] = (case["k_cache"].float() / 0.05).to(torch.float8_e4m3fn)
-        options["k_scale"] = torch.tensor(0.05, dtype=torch.float32, device=DEVICE)
-    select = tuning.SelectTuning(fused_max_columns=columns)
-    shared = tuning.TopkTuning(ticketed_select=selection)
-    tokens = assert_fused_equals_three_launches(case, 2048, max_columns=columns, topk=shared,
-                                                score_columns=select.fused_score_columns, **options)
-    with tuning.override(select=select, topk=tuning.TopkTuning(ticketed_select="last")):
-        last = qsa_torch.select_paged_tokens(**case, token_topk=2048, compress_ratio=4, **options)
-    assert np.array_equal(host(last), tokens), f"{selection} vs last selection"
-    for _ in range(10):
-        with tuning.override(select=select, topk=shared):
             again = qsa_torch.select_paged_tokens(**case, token_topk=2048, compress_ratio=4, **options)
         assert np.array_equal(host(again), tokens), "the fused selection differs between runs"
 

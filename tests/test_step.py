@@ -1146,3 +1146,137 @@ def test_decode_row_past_cos_sin_writes_nothing_production_heads(fuse, cache):
     arguments = dict(random_inputs(model, 2, g), state=state, metadata=meta, **options,
                      cos_sin=tables["cos_sin"][:40], index_cos_sin=tables["index_cos_sin"])
     _assert_rows_write_nothing(arguments, meta, past, fuse)
+
+
+# --------------------------------------------------------------------------
+# cos_sin=None: q and k arrive rotated (issue 56)
+# --------------------------------------------------------------------------
+
+def _identity_table(rows: int, d: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.from_numpy(R.identity_cos_sin(rows, d)).to(dtype).to(DEVICE)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("index_rows", [64, 16], ids=["positions_covered", "positions_past_index_cos_sin"])
+def test_step_without_cos_sin_is_an_identity_table(index_rows):
+    """``cos_sin=None``: bit for bit an identity table (cos 1, sin 0) of ``index_cos_sin``'s rows,
+    torch and JAX, over a prefill step (separate stage-2 launches) and a decode/chunk step (the
+    fused launch); the covered run also against the float64 reference (no RoPE on q and k).
+    Rows past ``index_cos_sin`` give NaN out rows and write nothing, as with such a table."""
+    model = Model()
+    g = torch.Generator().manual_seed(17)
+    pager = PagedRequests(GEOMETRY, seed=2)
+    index_cos_sin = rope_table(model.DI, positions=index_rows)
+    identity = _identity_table(index_rows, model.D, torch.bfloat16)
+    state = random_state(model, g)
+    identity_state = clone_state(state)
+    jax_state = qsa_jax.QSAState(**{n: to_jax(getattr(state, n)) for n in STATE_FIELDS})
+    jax_step = jax.jit(lambda inputs, state, meta, index_cos_sin: qsa_jax.qsa_attention_step(
+        **inputs, state=state, metadata=meta, cos_sin=None, index_cos_sin=index_cos_sin,
+        return_token_indices=True, **model.options()), donate_argnums=(1,))
+    histories: dict = {}
+    for schedule in ({"a": 13, "b": 6}, {"a": 5, "b": 1, "c": 3}):
+        host_meta = pager.step(schedule)
+        meta = qsa_torch.StepMetadata.from_host(host_meta, DEVICE)
+        inputs = random_inputs(model, host_meta.num_rows, g)
+        options = dict(index_cos_sin=index_cos_sin, return_token_indices=True, **model.options())
+        out, state, indices = qsa_torch.qsa_attention_step(**inputs, state=state, metadata=meta, cos_sin=None,
+                                                           **options)
+        ref_out, identity_state, ref_indices = qsa_torch.qsa_attention_step(
+            **inputs, state=identity_state, metadata=meta, cos_sin=identity, **options)
+        jax_out, jax_state, jax_indices = jax_step({n: to_jax(a) for n, a in inputs.items()}, jax_state,
+                                                   qsa_jax.StepMetadata.from_host(host_meta), to_jax(index_cos_sin))
+        for what, a, b, c in (("out", out, ref_out, jax_out), ("token_indices", indices, ref_indices, jax_indices),
+                              *((n, getattr(state, n), getattr(identity_state, n), getattr(jax_state, n))
+                                for n in STATE_FIELDS)):
+            assert_bitwise_equal(a, b, f"cos_sin=None vs an identity table: {what}")
+            assert_bitwise_equal(c, a, f"JAX vs torch: {what}")
+        past = host_meta.positions >= index_rows
+        assert np.isnan(f64(out)[past]).all() and np.isfinite(f64(out)[~past]).all()
+        requests = list(schedule)
+        for b, request in enumerate(requests):
+            rows = slice(host_meta.query_start_loc[b], host_meta.query_start_loc[b + 1])
+            new = dict(k=f64(inputs["k"][rows]), v=f64(inputs["v"][rows]), index_k=f64(inputs["index_k"][rows])[:, 0])
+            old = histories.get(request)
+            histories[request] = new if old is None else {n: np.concatenate([old[n], new[n]]) for n in new}
+        if past.any():
+            continue
+        ref, ref_tokens = R.qsa_attention_step(
+            f64(inputs["q"]), f64(inputs["index_q"]), [requests[b] for b in host_meta.token_to_req],
+            host_meta.positions, {r: h["k"] for r, h in histories.items()}, {r: h["v"] for r, h in histories.items()},
+            {r: h["index_k"] for r, h in histories.items()}, R.identity_cos_sin(index_rows, model.D),
+            f64(index_cos_sin), **model.options())
+        np.testing.assert_array_equal(host(indices), ref_tokens, "token_indices vs float64 reference")
+        assert_close(out, ref, 1e-2, "out vs float64 reference")
+    assert index_rows < 64 or not np.isnan(f64(out)).any()
+
+
+# --------------------------------------------------------------------------
+# sinks and return_lse through the step (issue 50): the plan's keyword-only options
+# --------------------------------------------------------------------------
+
+def _call_plan(adapter: str, arguments: dict):
+    """The step with the plan's own options, through the adapter's generic call (the path its public
+    ``qsa_attention_step`` takes) and ``step_results``."""
+    from qsa_kernels import step as S
+
+    if adapter == "torch":
+        from qsa_torch import _launch
+        state_type, metadata_type = qsa_torch.QSAState, qsa_torch.StepMetadata
+    else:
+        from qsa_jax import _launch
+        state_type, metadata_type = qsa_jax.QSAState, qsa_jax.StepMetadata
+    flat = S.state_arguments(arguments, state_type, metadata_type)
+    return S.step_results(_launch.call(S.plan_qsa_attention_step, flat), arguments["state"])
+
+
+def test_step_sinks_and_lse_equal_the_attention_stage_and_the_reference():
+    model = Model()
+    g = torch.Generator().manual_seed(23)
+    pager = PagedRequests(GEOMETRY, seed=6)
+    cos_sin, index_cos_sin = rope_table(model.D), rope_table(model.DI)
+    state = random_state(model, g)
+    meta = qsa_torch.StepMetadata.from_host(pager.step({"a": 13, "b": 6}), DEVICE)
+    _, state = qsa_torch.qsa_attention_step(**random_inputs(model, 19, g), state=state, metadata=meta,
+                                            cos_sin=cos_sin, index_cos_sin=index_cos_sin, **model.options())
+    host_meta = pager.step({"a": 2, "b": 1, "c": 3})
+    meta = qsa_torch.StepMetadata.from_host(host_meta, DEVICE)
+    inputs = random_inputs(model, host_meta.num_rows, g)
+    sinks = (torch.randn(model.QH, generator=g) * 2).to(DEVICE)
+    manual_state, plain_state = clone_state(state), clone_state(state)
+    jax_arguments = dict({n: to_jax(a) for n, a in inputs.items()},
+                         state=qsa_jax.QSAState(**{n: to_jax(getattr(state, n)) for n in STATE_FIELDS}),
+                         metadata=qsa_jax.StepMetadata.from_host(host_meta), cos_sin=to_jax(cos_sin),
+                         index_cos_sin=to_jax(index_cos_sin), sinks=to_jax(sinks), return_lse=True,
+                         return_token_indices=True, **model.options())
+    arguments = dict(inputs, state=state, metadata=meta, cos_sin=cos_sin, index_cos_sin=index_cos_sin,
+                     **model.options())
+    out, new_state, indices, lse = _call_plan("torch", dict(arguments, sinks=sinks, return_lse=True,
+                                                            return_token_indices=True))
+    assert new_state is state and lse.shape == (host_meta.num_rows, model.QH) and lse.dtype == torch.float32
+    # Options off: the plain step's results; lse alone: (out, state, lse).
+    plain_out, _, plain_indices = qsa_torch.qsa_attention_step(**dict(arguments, state=plain_state),
+                                                               return_token_indices=True)
+    assert_bitwise_equal(plain_indices, indices, "token_indices with and without sinks")
+    assert not torch.equal(plain_out, out), "the sinks changed nothing"
+    # The step's attention is the attention stage over the step's own selection, bit for bit.
+    q_rot, _, key_cache, value_cache = qsa_torch.rope_reshape_and_cache(
+        inputs["q"], inputs["k"], inputs["v"], manual_state.key_cache, manual_state.value_cache, meta.slot_mapping,
+        meta.positions, cos_sin, is_neox=model.is_neox)
+    stage_out, stage_lse = qsa_torch.sparse_paged_attention(q_rot, key_cache, value_cache, indices, meta.block_table,
+                                                            meta.token_to_req, sinks=sinks, return_lse=True)
+    assert_bitwise_equal(out, stage_out, "out vs sparse_paged_attention")
+    assert_bitwise_equal(lse, stage_lse, "lse vs sparse_paged_attention")
+    # Against the float64 reference of the attention with sinks and its LSE.
+    ref_out, ref_lse = R.sparse_paged_attention_lse(
+        f64(q_rot), f64(state.key_cache), f64(state.value_cache), host(indices), host(meta.block_table),
+        host(meta.token_to_req), sinks=f64(sinks))
+    assert_close(out, ref_out, 1e-2, "out vs float64 reference")
+    np.testing.assert_allclose(f64(lse), ref_lse, rtol=1e-5, atol=1e-5)
+    # JAX: the same bits.
+    jax_out, jax_state, jax_indices, jax_lse = _call_plan("jax", jax_arguments)
+    for what, a, b in (("out", jax_out, out), ("token_indices", jax_indices, indices), ("lse", jax_lse, lse),
+                       *((n, getattr(jax_state, n), getattr(state, n)) for n in STATE_FIELDS)):
+        assert_bitwise_equal(a, b, f"JAX vs torch {what}")
+    only_lse = _call_plan("torch", dict(arguments, state=clone_state(plain_state), return_lse=True))
+    assert len(only_lse) == 3 and only_lse[2].shape == (host_meta.num_rows, model.QH)

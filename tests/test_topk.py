@@ -383,14 +383,13 @@ def test_ticketed_path_branches(ticketed, kind, k, branch, chunk):
         check_topk(logits, torch.tensor([200, 150, 77], dtype=torch.int32), k)
 
 
-@pytest.mark.parametrize("select", ["fitted", "last", "shared"])
 @pytest.mark.parametrize("kind", ["random", "sorted", "ties"])
-def test_ticketed_counts_read_in_several_steps(kind, select):
-    """More slices than the last program reads counts a step (16; 8 for "shared"): 40 slices of
-    16 columns, so the candidates' offsets come from three steps of loads (five for "shared"),
-    the last step partly past the row's slices; against the reference."""
+def test_ticketed_counts_read_in_several_steps(kind):
+    """More slices than the last program reads counts a step (16): 40 slices of 16 columns, so
+    the candidates' offsets come from three steps of loads, the last step partly past the row's
+    slices; against the reference."""
     logits = branch_case(kind, 640)
-    with retuned(path="ticketed", ticketed_slice=16, ticketed_max_slices=64, ticketed_select=select):
+    with retuned(path="ticketed", ticketed_slice=16, ticketed_max_slices=64):
         (launch,) = plan(3, logits.shape[1], 24).launches
         assert launch.kernel.__name__ == "topk_ticketed_kernel" and launch.constexprs["SLICES"] == 40
         check_topk(logits, torch.tensor([640, 333, 77], dtype=torch.int32), 24)
@@ -522,8 +521,7 @@ def test_ticketed_state_is_reused_by_later_runs():
 
 
 # --------------------------------------------------------------------------
-# The ticketed path's shared selection (TopkTuning.ticketed_select =
-# "shared"): the same bits as the last program's passes
+# The ticketed path's selection: radix passes of digits fitted to [bound, top]
 # --------------------------------------------------------------------------
 
 def _fitted_shift(span: int, bits: int) -> int:
@@ -532,30 +530,29 @@ def _fitted_shift(span: int, bits: int) -> int:
 
 
 def fitted_passes(values: np.ndarray, k: int, launch) -> int | None:
-    """How many radix passes the last program of the shared selection runs
-    after the shared histogram's digit, recomputed from the definition
-    (digits of ``key - lo`` fitted to the range, from ``[bound, top]``;
-    stop once the range is one value or holds exactly the keys left to
-    take); None where it takes no digit (the candidates overflow the tile,
-    or there are at most k of them)."""
+    """How many fitted radix passes the last program runs over the row's
+    candidates, recomputed from the definition (digits of ``key - lo``
+    fitted to the range, from ``[bound, top]``; stop once the range is one
+    value or holds exactly the keys left to take); None where it runs none
+    (the candidates overflow the tile, or there are at most k of them)."""
     c = launch.constexprs
     keys, bound = ticketed_bound(values, k, launch)
     candidates = np.sort(keys[keys >= bound].astype(np.int64))[::-1]
     if len(candidates) > c["CAND_TILE"] or len(candidates) <= k:
         return None
     kth = int(candidates[k - 1])
-    lo, hi, remaining, passes = int(bound), int(keys.max()), k, -1
-    bits = c["SHARED_BITS"]
-    while True:
-        shift = _fitted_shift(hi - lo, bits)
+    lo, hi, remaining, passes = int(bound), int(keys.max()), k, 0
+    while lo != hi:
+        shift = _fitted_shift(hi - lo, c["BITS"])
         new_lo = lo + (((kth - lo) >> shift) << shift)
         new_hi = min(hi, new_lo + (1 << shift) - 1)
         remaining -= int(np.sum((candidates > new_hi) & (candidates <= hi)))
         in_range = int(np.sum((candidates >= new_lo) & (candidates <= new_hi)))
-        lo, hi, passes, bits = new_lo, new_hi, passes + 1, c["BITS"]
-        if in_range == remaining or lo == hi:
-            assert passes <= c["FITTED_PASSES"]
-            return passes
+        lo, hi, passes = new_lo, new_hi, passes + 1
+        if in_range == remaining:
+            break
+    assert passes <= -(-32 // c["BITS"])  # the kernel's bound on its passes
+    return passes
 
 
 def adjacent_case(columns=200, rows=3, k=60):
@@ -570,92 +567,45 @@ def adjacent_case(columns=200, rows=3, k=60):
     return torch.from_numpy(logits)
 
 
-def check_shared_equals_last(logits, visible, k, **fields):
-    """The shared and the fitted selections against the reference (both adapters, check_topk),
-    and bitwise equal to the last program's fixed passes (``fields``: the rest of the ticketed
-    tuning)."""
-    outs = {}
-    for select in ("last", "shared", "fitted"):
-        with retuned(path="ticketed", ticketed_select=select, **fields):
-            if select != "last":
-                check_topk(logits, visible, k)
-            outs[select] = qsa_torch.topk_blocks(logits.to(DEVICE), visible.to(DEVICE), k)
-    for select in ("shared", "fitted"):
-        assert_bitwise_equal(outs["last"], outs[select], f"ticketed top-k: {select} vs last selection")
-
-
-@pytest.mark.parametrize("kind, k, bits, passes", [
-    ("sorted", 5, 11, None),     # at most k candidates: all taken, no digit
-    ("random", 5, 11, 0),        # the shared digit's keys are exactly those left to take
-    ("random", 5, 4, 1),         # 4-bit shared digits: one fitted pass more
-    ("periodic", 5, 11, 0),
-    ("narrow", 70, 11, 1),       # every key shares the top 16 bits
-    ("narrow", 80, 11, 2),
-    ("ties", 37, 11, 3),         # ties at the threshold (zeros): resolved by every pass
-    ("ties", 37, 4, 4),
-    ("adjacent", 60, 11, 3),     # neighbouring floats over a 2**32 span
-    ("ties", 5, 11, None),       # T is the bound and overflows: placed from the row
-    ("clustered", 5, 11, None),  # the candidates overflow: the whole-row fallback
+@pytest.mark.parametrize("kind, k, radix_bits, passes", [
+    ("sorted", 5, 8, None),      # at most k candidates: all taken, no pass
+    ("random", 5, 8, 1),         # the first digit's keys are exactly those left to take
+    ("random", 5, 4, 1),
+    ("periodic", 5, 8, 1),
+    ("narrow", 70, 8, 2),        # every key shares the top 16 bits
+    ("narrow", 80, 8, 3),
+    ("ties", 37, 8, 4),          # ties at the threshold (zeros): every pass, to one value
+    ("ties", 37, 4, 8),
+    ("adjacent", 60, 8, 4),      # neighbouring floats over a 2**32 span: every pass
+    ("ties", 5, 8, None),        # T is the bound and overflows: placed from the row
+    ("clustered", 5, 8, None),   # the candidates overflow: the whole-row fallback
 ])
-def test_ticketed_shared_selection_branches(kind, k, bits, passes):
-    """Each branch of the shared selection (how many fitted passes follow
-    the shared digit, or none taken: the fallbacks), exact and bitwise the
-    last program's passes."""
+def test_ticketed_fitted_selection_branches(kind, k, radix_bits, passes):
+    """Each branch of the last program's selection (how many fitted passes
+    it runs, or none: the fallbacks), against the reference."""
     logits = adjacent_case() if kind == "adjacent" else branch_case(kind)
-    with retuned(path="ticketed", ticketed_slice=16, ticketed_select="shared", ticketed_shared_bits=bits):
+    with retuned(path="ticketed", ticketed_slice=16, radix_bits=radix_bits):
         (launch,) = plan(3, logits.shape[1], k).launches
-    c = launch.constexprs
-    assert c["SHARED_BITS"] == bits and c["FITTED_PASSES"] == -(-(32 - bits) // 8)
-    assert c["STATE"] == 4 + c["GROUPS"] + (1 << bits) and launch.grid == (3, 2 * 13)
-    assert fitted_passes(host(logits[0]), k, launch) == passes
-    check_shared_equals_last(logits, torch.tensor([200, 150, 77], dtype=torch.int32), k,
-                             ticketed_slice=16, ticketed_shared_bits=bits)
+        c = launch.constexprs
+        assert c["STATE"] == 4 + c["GROUPS"] and launch.grid == (3, 2 * 13)
+        assert fitted_passes(host(logits[0]), k, launch) == passes
+        check_topk(logits, torch.tensor([200, 150, 77], dtype=torch.int32), k)
 
 
 @pytest.mark.parametrize("radix_bits", [1, 2, 4])
 def test_fitted_passes_resolve_any_span_with_small_digits(radix_bits):
     """Digits of 1, 2 and 4 bits over keys spanning 2**32 (1e-30 to 1e31, the k-th largest among
-    neighbouring floats): every fitted pass takes radix_bits bits off the range, so the plan's
+    neighbouring floats): every fitted pass takes radix_bits bits off the range, so the kernel's
     ceil(32 / radix_bits) passes resolve it (a rounded-up span length would take a bit less from
     a wide span: 1-bit digits would never narrow it, and the unresolved range would place more
-    than k columns).  Fitted and shared against the reference and the fixed passes, bitwise."""
+    than k columns).  Against the reference."""
     logits = adjacent_case()
     visible = torch.tensor([200, 150, 77], dtype=torch.int32)
-    with retuned(path="ticketed", ticketed_slice=16, ticketed_select="fitted", radix_bits=radix_bits,
-                 bound_passes=1, ticketed_bound_passes=1):
+    with retuned(path="ticketed", ticketed_slice=16, radix_bits=radix_bits, bound_passes=1,
+                 ticketed_bound_passes=1):
         (launch,) = plan(3, logits.shape[1], 60).launches
-    assert launch.constexprs["FITTED_PASSES"] == -(-32 // radix_bits)
-    check_shared_equals_last(logits, visible, 60, ticketed_slice=16, radix_bits=radix_bits, bound_passes=1,
-                             ticketed_bound_passes=1, ticketed_shared_bits=4)
-
-
-@pytest.mark.parametrize("columns, k", [(17, 8), (64, 1), (301, 20), (300, 64), (33, 40)])
-@pytest.mark.parametrize("special", [False, True])
-def test_ticketed_shared_selection_matches_reference(columns, k, special):
-    """One slice and many, odd widths, k = 1, k past a slice, the candidate
-    tile and the columns; visible widths below k, zero, negative and past
-    the row; ties, -0.0, -inf and NaN."""
-    logits = topk_logits(60 + columns, 6, columns, special)
-    visible = torch.tensor([columns, k - 1, 0, -5, columns + 3, max(columns // 2, 1)], dtype=torch.int32)
-    check_shared_equals_last(logits, visible, k, ticketed_slice=16)
-
-
-@pytest.mark.parametrize("value", [0.5, -0.0, float("-inf"), float("nan")])
-def test_ticketed_shared_selection_all_ties(value):
-    logits = torch.full((2, 100), value)
-    logits[1, ::2] = -value if value == value else value  # +0.0 among -0.0, +inf among -inf
-    check_shared_equals_last(logits, torch.tensor([100, 60], dtype=torch.int32), 7, ticketed_slice=16)
-
-
-def test_ticketed_shared_selection_fixed_bound_and_few_groups():
-    """The fixed radix's bound, and fewer group maxima than k (bound 0: a
-    span of every key, NaN's 0 among them)."""
-    logits = topk_logits(70, 3, 300, special=True)
-    visible = torch.tensor([300, 299, 7], dtype=torch.int32)
-    check_shared_equals_last(logits, visible, 5, ticketed_slice=16, ticketed_bound="fixed")
-    with retuned(max_groups=4, ticketed_slice=16, path="ticketed", ticketed_select="shared"):
-        assert not plan(3, 300, 8).launches[0].constexprs["SCALED"]
-    check_shared_equals_last(logits, visible, 8, ticketed_slice=16, max_groups=4)
+        assert fitted_passes(host(logits[0]), 60, launch) <= -(-32 // radix_bits)
+        check_topk(logits, visible, 60)
 
 
 # --------------------------------------------------------------------------
@@ -771,20 +721,9 @@ def test_tuning_reaches_the_row_plan():
     # Past ticketed_max_slices a row, slices widen (to 4096 columns).
     (launch,) = plan(4, 16384, 64, TopkTuning(ticketed_max_slices=2)).launches
     assert launch.constexprs["SLICE"] == 4096 and launch.grid == (4, 2 * 4)
-    # The ticketed selection: the last program's fitted passes (the default; no histogram in the
-    # state), its fixed passes ("last"), or shared.
+    # The state: 4 tickets, then the group maxima.
     (launch,) = plan(4, 16384, 64).launches
-    assert launch.constexprs["SHARED_BITS"] == 0 and launch.constexprs["FITTED_PASSES"] == 4  # 32 bits, 8 a pass
     assert launch.constexprs["STATE"] == 4 + launch.constexprs["GROUPS"]
-    (launch,) = plan(4, 16384, 64, TopkTuning(ticketed_select="last")).launches
-    assert launch.constexprs["SHARED_BITS"] == 0 and launch.constexprs["FITTED_PASSES"] == 0
-    assert launch.constexprs["STATE"] == 4 + launch.constexprs["GROUPS"]
-    (launch,) = plan(4, 16384, 64, TopkTuning(ticketed_select="shared")).launches
-    assert launch.constexprs["SHARED_BITS"] == 11 and launch.constexprs["FITTED_PASSES"] == 3
-    assert launch.constexprs["STATE"] == 4 + launch.constexprs["GROUPS"] + 2048 and launch.num_warps == 8
-    program = plan(4, 16384, 64, TopkTuning(ticketed_select="shared", ticketed_shared_bits=12, radix_bits=4))
-    assert program.launches[0].constexprs["FITTED_PASSES"] == 5  # 20 bits left, 4 a pass
-    assert {b.name: b.info.shape for b in program.buffers}["topk_state"] == (4, 4 + 128 + 4096)
     with tuning.override(topk=TopkTuning(path="sliced")):
         assert kernels(plan(128, 16384, 64))[0] == "topk_group_max_kernel"
     assert plan(128, 16384, 64) is default
@@ -844,13 +783,7 @@ def test_topk_tuning_is_checked():
                                                            "'scaled', 'fixed', got 'float'"),
                             (dict(ticketed_bound_passes=0), "TopkTuning: ticketed_bound_passes must be a positive"),
                             (dict(ticketed_bound_passes=5), "TopkTuning: ticketed_bound_passes must be at most 32 "
-                                                            "// radix_bits = 4, got 5"),
-                            (dict(ticketed_select="all"), "TopkTuning: ticketed_select must be one of "
-                                                          "'last', 'shared', 'fitted', got 'all'"),
-                            (dict(ticketed_shared_bits=13), "TopkTuning: ticketed_shared_bits must be from 4 to 12, "
-                                                            "got 13"),
-                            (dict(ticketed_shared_bits=3), "TopkTuning: ticketed_shared_bits must be from 4 to 12"),
-                            (dict(ticketed_shared_bits=0), "TopkTuning: ticketed_shared_bits must be a positive")):
+                                                            "// radix_bits = 4, got 5")):
         with pytest.raises(ValueError) as error:
             TopkTuning(**fields)
         assert str(error.value).startswith(message), error.value
@@ -994,52 +927,41 @@ def _production_logits(kind: str, rows: int, columns: int) -> torch.Tensor:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows, columns, k, kind, bits", [
-    (1, 32768, 512, "half-normal", 11),   # the decode shape of issue 26
-    (1, 32768, 512, "half-normal", 12),
-    (8, 32768, 512, "half-normal", 11),
-    (64, 32768, 512, "half-normal", 11),  # forced: the plan takes the row path from 40 rows
-    (8, 131072, 512, "special", 11),
-    (1, 65536, 2048, "special", 11),      # k = 2048: 16 warps
-    (1, 32768, 512, "increasing", 11),    # the top keys all in the last slices
-    (2, 32768, 512, "decreasing", 11),
-    (1, 32768, 2048, "ties", 11),         # one value: ties at the bound, placed from the row
-    (3, 8193, 512, "narrow", 11),         # the whole-row fallback
-    (4, 32768, 512, "wide", 11),          # fitted passes down to the last bit
-    (5, 20000, 64, "special", 11),        # a partial last slice, k = 64
+@pytest.mark.parametrize("rows, columns, k, kind", [
+    (1, 32768, 512, "half-normal"),   # the benchmarks' scores, at the decode shape of issue 26
+    (8, 32768, 512, "half-normal"),
+    (64, 32768, 512, "half-normal"),  # forced: the plan takes the row path from row_min_rows rows
+    (8, 131072, 512, "special"),
+    (1, 65536, 2048, "special"),      # k = 2048: 16 warps
+    (4, 32768, 512, "wide"),          # fitted passes down to the last bit
 ])
-def test_ticketed_shared_selection_production(rows, columns, k, kind, bits):
-    """The ticketed path forced with the shared selection at production
-    widths, the programs of a row running concurrently: exact, the same
-    bits over 20 runs (whichever programs finish first), bitwise the last
-    program's selection, and torch = JAX."""
+def test_ticketed_selection_production(rows, columns, k, kind):
+    """The ticketed path forced at production widths, the programs of a
+    row running concurrently: exact, the same bits over 20 runs
+    (whichever programs finish first), and torch = JAX."""
     logits = _production_logits(kind, rows, columns)
     visible = torch.full((rows,), columns, dtype=torch.int32)
     visible[-1] = columns - columns // 3
     logits, visible = logits.to(DEVICE), visible.to(DEVICE)
     expected = sorted_reference(host(logits), host(visible), k)
     with tuning.override(topk=TopkTuning(path="ticketed")):
-        last = qsa_torch.topk_blocks(logits, visible, k)
-    shared = TopkTuning(path="ticketed", ticketed_select="shared", ticketed_shared_bits=bits)
-    with tuning.override(topk=shared):
         out = qsa_torch.topk_blocks(logits, visible, k)
         assert np.array_equal(host(out), expected)
         for _ in range(20):
             assert torch.equal(qsa_torch.topk_blocks(logits, visible, k), out)
         # A fresh function: JAX plans when it traces, under the tuning then in force.
         jax_out = jax.jit(lambda x, v: qsa_jax.topk_blocks(x, v, k))(to_jax(logits), to_jax(visible))
-    assert_bitwise_equal(out, last, "ticketed top-k: shared vs last selection")
-    assert_bitwise_equal(out, jax_out, "shared ticketed top-k torch vs jax")
+    assert_bitwise_equal(out, jax_out, "ticketed top-k torch vs jax")
 
 
 @pytest.mark.gpu
-def test_ticketed_shared_selection_two_streams():
-    """Two streams running the shared selection on different rows at once
+def test_ticketed_selection_two_streams():
+    """Two streams running the ticketed path on different rows at once
     (each call its own state): each the result it has alone."""
     rows, columns, k = 8, 32768, 512
     inputs = [(_production_logits(kind, rows, columns).to(DEVICE),
                torch.full((rows,), columns, dtype=torch.int32, device=DEVICE)) for kind in ("half-normal", "special")]
-    with tuning.override(topk=TopkTuning(path="ticketed", ticketed_select="shared")):
+    with tuning.override(topk=TopkTuning(path="ticketed")):
         alone = [qsa_torch.topk_blocks(logits, visible, k) for logits, visible in inputs]
         streams = [torch.cuda.Stream() for _ in inputs]
         torch.cuda.synchronize()

@@ -31,30 +31,15 @@ the compaction, then the last program's gather and its histogram passes over
 the ~700 candidates of a 32768-column row, about two fitted ones, each over
 the whole candidate tile), from a timeline of one call: docs/performance.md.
 
-``TopkTuning.ticketed_select = "fitted"`` keeps that selection in the
-last program but fits its digits to the candidates' span ``[L, T]`` (T the
-largest maximum) from the first pass, as the bound's are: ``key - L`` in
-``radix_bits`` digits below the span's top bit, so no pass is spent on
-bits every candidate shares, however the span straddles a digit boundary.
-
-``TopkTuning.ticketed_select = "shared"`` (SHARED_BITS > 0) spreads that
-selection over the compaction programs: each also counts its slice's
-candidates into one histogram per row, in the row's state after the maxima,
-of ``2**SHARED_BITS`` digits of ``key - L`` fitted to the candidates' span
-``[L, T]`` (T the largest maximum; atomic adds: the same counts in any
-order).  The last program, whose acq_rel ticket sees every count, reads the
-histogram, takes the digit holding the k-th largest (one reduction, no pass
-over the candidates), and only while that digit's keys are not resolved
-(one value, or exactly the keys left to take) runs ``radix_bits`` passes of
-digits fitted to the digit's range over the gathered candidates (at most
-FITTED_PASSES; at 11 bits on half-normal scores usually none or one).  The
-threshold and equal count are the k-th largest's, so the placement, and the
-result, are those of the last program's passes bit for bit.  No program
-waits for more than before: the histogram is one more thing published by
-the tickets already drawn.
+The last program's selection fits its digits to the candidates' span
+``[L, T]`` (T the largest maximum) from the first pass, as the bound's
+are: ``key - L`` in ``radix_bits`` digits below the span's top bit, so no
+pass is spent on bits every candidate shares, however the span straddles a
+digit boundary (docs/design.md, "Retired tuning values": the selections
+this one replaced).
 
 :func:`ticketed_compact_and_select` is also the fused selection's
-(``select.select_fused_kernel``), both selections.
+(``select.select_fused_kernel``).
 """
 
 from __future__ import annotations
@@ -106,25 +91,6 @@ def _fitted_range(lo, hi, digit, shift):
     # The digit's keys lie below lo + 2**shift (when that fits 32 bits) and at most hi.
     last = lo + ((tl.full((), 1, tl.uint32) << shift) - 1)
     return lo, tl.where(last >= lo, tl.minimum(hi, last), hi)
-
-
-@triton.jit
-def _shared_digit(histogram, bound, top, k, SHARED_BITS: tl.constexpr):
-    """From the row's shared histogram (every candidate's digit ``(key -
-    bound) >> shift``, SHARED_BITS bits fitted to ``[bound, top]``): the
-    range ``[lo, hi]`` of the digit holding the k-th largest candidate, what
-    remains to take of its keys, and whether that is final (its keys are
-    exactly those left to take, or one value)."""
-    counts = tl.load(histogram + tl.arange(0, 1 << SHARED_BITS), cache_modifier=".cg")
-    # digit_of_kth's three counts in two int32 reductions (not one of int64: registers).
-    at_or_above = tl.cumsum(counts, 0, reverse=True)
-    reaching = (at_or_above >= k).to(tl.int32) + ((at_or_above == k).to(tl.int32) << 16)
-    packed = tl.sum(reaching, 0)  # at most 4096 digits each: 16-bit halves
-    above = tl.sum(tl.where(at_or_above < k, counts, 0), 0)
-    digit = tl.maximum((packed & 0xFFFF) - 1, 0)
-    exact = (packed >> 16) != 0
-    lo, hi = _fitted_range(bound, top, digit, _fitted_shift(top - bound, SHARED_BITS))
-    return lo, hi, k - above, (exact | (lo == hi)).to(tl.int32)
 
 
 @triton.jit
@@ -184,28 +150,6 @@ def _ticketed_group_maxima(logits_row, maxima, slice_id, width, num_columns,
 
 
 @triton.jit
-def _count_candidates(logits_row, histogram, first, width, bound, top, SLICE: tl.constexpr,
-                      SHARED_BITS: tl.constexpr):
-    """Counts every candidate of the slice's columns ``[first, first +
-    SLICE)`` (keys >= bound, kept in its region or not) in the row's shared
-    histogram, at its digit fitted to ``[bound, top]`` (every key <= top):
-    integer adds, the same counts in any order.  The keys are loaded again
-    (the slice was just read: cached), a chunk at a time, once the slice's
-    own are dead: an atomic a key takes 64-bit scattered addresses in
-    another layout, which next to the slice's registers would spill."""
-    CHUNK: tl.constexpr = min(SLICE, 1024)
-    shift = _fitted_shift(top - bound, SHARED_BITS)
-    for start in range(first, first + SLICE, CHUNK):
-        cols = start + tl.arange(0, CHUNK)
-        valid = cols < width
-        # (.cg: the fused selection's logits are written by other programs of its launch.)
-        raw = tl.load(logits_row + cols, mask=valid, other=0.0, cache_modifier=".cg")
-        keys = tl.where(valid, order_key(raw.to(tl.float32)), 0)
-        digits = ((keys - bound) >> shift).to(tl.int32)
-        tl.atomic_add(histogram + digits, 1, mask=valid & (keys >= bound), sem="relaxed", scope="gpu")
-
-
-@triton.jit
 def _candidate_sources(counts_row, CAND_TILE: tl.constexpr, SLICES: tl.constexpr, REGION: tl.constexpr,
                        UNROLL: tl.constexpr):
     """(Where entry i of the slices' candidates concatenated lies in the
@@ -228,65 +172,32 @@ def _candidate_sources(counts_row, CAND_TILE: tl.constexpr, SLICES: tl.constexpr
 
 
 @triton.jit
-def _ticketed_finish(logits_row, counts_row, cand_keys, cand_cols, histogram, out_row, width, bound, top,
+def _ticketed_finish(logits_row, counts_row, cand_keys, cand_cols, out_row, width, bound, top,
                      K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr, REGION: tl.constexpr,
-                     CAND_TILE: tl.constexpr, COUNTS_TILE: tl.constexpr, BITS: tl.constexpr,
-                     SHARED_BITS: tl.constexpr, FITTED_PASSES: tl.constexpr):
+                     CAND_TILE: tl.constexpr, COUNTS_TILE: tl.constexpr, BITS: tl.constexpr):
     """The selection from every slice's candidates (keys >= bound, each
     slice's in its REGION of the buffers, in column order), held in
-    registers; or, when they do not fit CAND_TILE, from the row itself.
-    With SHARED_BITS, the k-th largest candidate's digit comes from the
-    row's shared histogram (module docstring) and the radix passes run only
-    within that digit's range, while it is not resolved; else with
-    FITTED_PASSES ("fitted") the passes' digits are fitted to ``[bound,
-    top]`` from the first, else ("last") they are the keys' fixed digits
-    from the top bit (those that bound and top share skipped)."""
+    registers, by passes of BITS-bit digits fitted to ``[bound, top]`` from
+    the first; or, when they do not fit CAND_TILE, from the row itself."""
     s = tl.arange(0, COUNTS_TILE)
     zero = tl.full((), 0, tl.int32)
-    if SHARED_BITS > 0:
-        # (.cg: written by other programs of this launch.)
-        total = tl.sum(tl.load(counts_row + s, mask=s < SLICES, other=0, cache_modifier=".cg"), 0)
-    else:
-        # The sources before the branch: their loads give the total too (one round of loads, not
-        # two, for up to ticketed_max_slices = 16 slices).
-        src, total = _candidate_sources(counts_row, CAND_TILE, SLICES, REGION, 16)
+    # The sources before the branch: their loads give the total too (one round of loads, not
+    # two, for up to ticketed_max_slices = 16 slices).
+    src, total = _candidate_sources(counts_row, CAND_TILE, SLICES, REGION, 16)
     if total <= CAND_TILE:  # then no slice overflowed its region (REGION >= min(SLICE, CAND_TILE))
         idx = tl.arange(0, CAND_TILE)
-        if SHARED_BITS > 0:
-            # Before the gather: the counts' registers are free again for the candidates'.
-            # (Meaningless when total <= K, and then unused.)
-            lo, hi, remaining, done = _shared_digit(histogram, bound, top, K, SHARED_BITS)
-            # (8 slices a step: registers.)
-            src, total = _candidate_sources(counts_row, CAND_TILE, SLICES, REGION, 8)
         threshold = tl.full((), 0, tl.uint32)
         take_equal = zero + K
-        if SHARED_BITS > 0:
-            # Unused entries: key 0xFFFFFFFF (above every key: order_key gives NaN 0, +inf
-            # 0xFF800000), which no fitted range holds, and column -1; valid again only to
-            # place (not held through the passes: registers).
-            keys = tl.load(cand_keys + src, mask=idx < total, other=-1, cache_modifier=".cg").to(tl.uint32,
-                                                                                                   bitcast=True)
-            cols = tl.load(cand_cols + src, mask=idx < total, other=-1, cache_modifier=".cg")
-            if total > K:
-                threshold, take_equal = _fitted_select(keys, remaining, lo, hi, done, FITTED_PASSES, BITS)
-            place_tile(keys, cols, cols >= 0, threshold, take_equal, zero, zero, out_row)
-        elif FITTED_PASSES > 0:
-            # ticketed_select "fitted": digits of key - L fitted to the candidates' span [L, T]
-            # from the first pass (unused entries as above: outside every fitted range).
-            keys = tl.load(cand_keys + src, mask=idx < total, other=-1, cache_modifier=".cg").to(tl.uint32,
-                                                                                                   bitcast=True)
-            cols = tl.load(cand_cols + src, mask=idx < total, other=-1, cache_modifier=".cg")
-            if total > K:
-                threshold, take_equal = _fitted_select(keys, zero + K, bound, top, (bound == top).to(tl.int32),
-                                                       FITTED_PASSES, BITS)
-            place_tile(keys, cols, cols >= 0, threshold, take_equal, zero, zero, out_row)
-        else:
-            valid = idx < total
-            keys = tl.load(cand_keys + src, mask=valid, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
-            cols = tl.load(cand_cols + src, mask=valid, other=-1, cache_modifier=".cg")
-            if total > K:
-                threshold, take_equal = kth_largest_between(keys, valid, K, bound, top, 32 // BITS, BITS)
-            place_tile(keys, cols, valid, threshold, take_equal, zero, zero, out_row)
+        # Unused entries: key 0xFFFFFFFF (above every key: order_key gives NaN 0, +inf
+        # 0xFF800000), which no fitted range holds, and column -1.
+        keys = tl.load(cand_keys + src, mask=idx < total, other=-1, cache_modifier=".cg").to(tl.uint32,
+                                                                                               bitcast=True)
+        cols = tl.load(cand_cols + src, mask=idx < total, other=-1, cache_modifier=".cg")
+        if total > K:
+            # ceil(32 / BITS) fitted passes resolve any span (_fitted_shift's exact lengths).
+            threshold, take_equal = _fitted_select(keys, zero + K, bound, top, (bound == top).to(tl.int32),
+                                                   32 // BITS, BITS)
+        place_tile(keys, cols, cols >= 0, threshold, take_equal, zero, zero, out_row)
     else:
         # The row in tiles of at most 1024 keys: a rare path, whose code (a
         # histogram's grows with the keys a thread holds) is in the kernel's
@@ -340,16 +251,14 @@ def ticketed_compact_and_select(logits_row, raw, cols, tickets, maxima, counts_r
                                 GROUPS: tl.constexpr,
                                 REGION: tl.constexpr, CAND_TILE: tl.constexpr, COUNTS_TILE: tl.constexpr,
                                 BITS: tl.constexpr, BOUND_PASSES: tl.constexpr, SCALED: tl.constexpr,
-                                PAD_TILE: tl.constexpr, STATE: tl.constexpr, SHARED_BITS: tl.constexpr,
-                                FITTED_PASSES: tl.constexpr):
+                                PAD_TILE: tl.constexpr):
     """Steps 2 and 3 of the ticketed path for slice ``slice_id``, once the
     group maxima are all folded.  ``cols`` is :func:`slice_column_view`,
     its first TILE columns, ``raw`` their logits; a slice of several tiles
     loads the others itself (a held slice, TILE = SLICE, loads none).
     Returns whether this program was the row's last: it selected into
     ``out_row``, padded it, and put the row's state back to zero.  The
-    row's state (``tickets``): 4 tickets, the GROUPS maxima (``maxima``),
-    then with SHARED_BITS the shared histogram's ``2**SHARED_BITS`` counts."""
+    row's state (``tickets``): 4 tickets, then the GROUPS maxima (``maxima``)."""
     # Every such program derives the same bound L <= the k-th largest key
     # (k groups have a maximum >= L); empty groups (0) only lower it.
     groups = tl.arange(0, GROUPS)
@@ -380,30 +289,17 @@ def ticketed_compact_and_select(logits_row, raw, cols, tickets, maxima, counts_r
             cols += TILE
     tl.store(counts_row + slice_id, count)
     tl.store(counts_row + SLICES + slice_id, above)
-    histogram = tickets + 4 + GROUPS
-    if SHARED_BITS > 0:
-        # (After a barrier: its loads not hoisted among the slice's registers.)
-        tl.debug_barrier()
-        _count_candidates(logits_row, histogram, slice_id * SLICE, width, bound, top, SLICE, SHARED_BITS)
     # Every thread's stores before the ticket; the last slice to draw sees them all.
     tl.debug_barrier()
     last = finish_ticket(tickets + 2) == SLICES - 1
     if last:
-        _ticketed_finish(logits_row, counts_row, cand_keys, cand_cols, histogram, out_row, width, bound, top,
-                         K, SLICES, SLICE, REGION, CAND_TILE, COUNTS_TILE, BITS, SHARED_BITS, FITTED_PASSES)
+        _ticketed_finish(logits_row, counts_row, cand_keys, cand_cols, out_row, width, bound, top,
+                         K, SLICES, SLICE, REGION, CAND_TILE, COUNTS_TILE, BITS)
         pad(out_row, tl.minimum(width, K), K, PAD_TILE)
         # Every program of the row has started and is past its waits:
         # the state is free again (select_paged_tokens' chunks reuse it).
-        if SHARED_BITS > 0:
-            # Tickets, maxima and histogram in tiles of the state (not through
-            # the maxima's addresses: those would stay live through the selection).
-            RESET: tl.constexpr = 1024
-            for t in tl.static_range((STATE + RESET - 1) // RESET):
-                at = t * RESET + tl.arange(0, RESET)
-                tl.store(tickets + at, tl.zeros((RESET,), tl.int32), mask=at < STATE)
-        else:
-            tl.store(tickets + tl.arange(0, 4), tl.zeros((4,), tl.int32))
-            tl.store(maxima + groups, tl.zeros((GROUPS,), tl.uint32))
+        tl.store(tickets + tl.arange(0, 4), tl.zeros((4,), tl.int32))
+        tl.store(maxima + groups, tl.zeros((GROUPS,), tl.uint32))
     return last
 
 
@@ -418,13 +314,13 @@ def topk_ticketed_kernel(
     cand_key_ptr,  # [rows, SLICES, REGION] int32: candidate order keys, a region per slice
     cand_col_ptr,  # [rows, SLICES, REGION] int32: their columns
     state_ptr,  # [rows, STATE] int32: tickets (programs started, maxima folded, slices compacted, unused),
-                # the group maxima (order keys), then the shared histogram (SHARED_BITS > 0);
+                # then the group maxima (order keys);
                 # zero again when the row is done
     num_columns, lg_sr,
     K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr, TILE: tl.constexpr, GROUPS: tl.constexpr,
     REGION: tl.constexpr, CAND_TILE: tl.constexpr, COUNTS_TILE: tl.constexpr,
     BITS: tl.constexpr, BOUND_PASSES: tl.constexpr, SCALED: tl.constexpr, PAD_TILE: tl.constexpr,
-    STATE: tl.constexpr, SHARED_BITS: tl.constexpr, FITTED_PASSES: tl.constexpr, CHUNK: tl.constexpr,
+    STATE: tl.constexpr, CHUNK: tl.constexpr,
     GROUP_TILE: tl.constexpr,
 ):
     """The whole top-k of one row by its 2 x SLICES programs (module
@@ -460,8 +356,7 @@ def topk_ticketed_kernel(
                                     cand_key_ptr + row * (SLICES * REGION), cand_col_ptr + row * (SLICES * REGION),
                                     out_ptr + row * K, width, num_columns, slice_id, K, SLICES, SLICE, TILE,
                                     GROUPS, REGION,
-                                    CAND_TILE, COUNTS_TILE, BITS, BOUND_PASSES, SCALED, PAD_TILE, STATE,
-                                    SHARED_BITS, FITTED_PASSES)
+                                    CAND_TILE, COUNTS_TILE, BITS, BOUND_PASSES, SCALED, PAD_TILE)
 
 
 def ticketed_layout(columns: int, k: int, tuning: TopkTuning, widest_slice: int = 4096,
@@ -502,20 +397,12 @@ def ticketed_layout(columns: int, k: int, tuning: TopkTuning, widest_slice: int 
     region = min(slice_columns, cand_tile)
     # The scaled bound needs k maxima (fewer: the fixed radix's bound is 0, as it must be).
     scaled = tuning.ticketed_bound == "scaled" and groups >= k
-    # The shared histogram's digits (0: the last program's radix passes), and
-    # the passes of radix_bits fitted to a range that resolve what remains of
-    # any span: one of up to 32 bits leaves at most 32 - shared bits, and each
-    # pass takes radix_bits more (_fitted_shift's exact lengths; "fitted":
-    # from the whole span; "last": 0, the fixed digits from the top bit).
-    shared_bits = tuning.ticketed_shared_bits if tuning.ticketed_select == "shared" else 0
-    fitted_passes = 0 if tuning.ticketed_select == "last" else -(-(32 - shared_bits) // tuning.radix_bits)
     constexprs = dict(K=k, SLICES=slices, SLICE=slice_columns, TILE=tile, GROUPS=groups, REGION=region,
                       CAND_TILE=cand_tile,
                       COUNTS_TILE=triton.next_power_of_2(slices), BITS=tuning.radix_bits,
                       BOUND_PASSES=tuning.ticketed_bound_passes if scaled else tuning.bound_passes, SCALED=scaled,
                       PAD_TILE=min(1024, triton.next_power_of_2(k)),
-                      STATE=4 + groups + ((1 << shared_bits) if shared_bits else 0), SHARED_BITS=shared_bits,
-                      FITTED_PASSES=fitted_passes, CHUNK=min(tile, tuning.ticketed_chunk))
+                      STATE=4 + groups, CHUNK=min(tile, tuning.ticketed_chunk))
     return constexprs, warps
 
 
