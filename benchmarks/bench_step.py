@@ -393,14 +393,14 @@ class Runner:
             row.update(self.pdl_path_columns(shape))
         if self.rope_paths:
             row.update(self.rope_path_columns(shape))
-        if self.multi_token_rows and (self.smoke or batch in MULTI_TOKEN_BATCHES):
-            row.update(self.multi_token_columns(g, batch, context, row["torch_graph_us"]))
         if not self.fp8:  # compiled columns and the dense layer (it reads bf16 caches) come from a bf16 run
             if not self.skip_compile:
                 row.update(self.compiled(shape, label))
             row["dense_graph_us"] = common.torch_graph_us(shape.dense_step, calls=LOOP_CALLS, smoke=self.smoke)
         del shape
         self._free()
+        if self.multi_token_rows and (self.smoke or batch in MULTI_TOKEN_BATCHES):  # one shape's caches at a time
+            row.update(self.multi_token_columns(g, batch, context, row["torch_graph_us"]))
         return row
 
     def measure_jax(self, g: Geometry, row: dict) -> None:
@@ -426,9 +426,8 @@ class Runner:
 
     def multi_token_columns(self, g: Geometry, batch: int, context: int, one_row_graph_us: float | None) -> dict:
         """``--multi-token-rows N``: the step with N new rows per request (B x N rows), its own caches
-        (the one-row shape's are freed first)."""
+        (the one-row shape's are freed before)."""
         rows = self.multi_token_rows
-        self._free()
         shape = Shape(g, batch, context, self.device, fp8=self.fp8, rows_per_request=rows)
         columns = dict(multi_token_rows=rows, multi_token_launches=launches(shape))
         columns["multi_token_eager_us"] = common.torch_median_us(shape.torch_step, self.smoke)
