@@ -37,7 +37,7 @@ PY
 # Set up already when everything imports and torch and Triton are the ones asked for.
 if ! "$VENV/bin/python" - "$TORCH" "$(wanted_triton 2>/dev/null || echo "$TRITON")" >/dev/null 2>&1 <<'PY'
 import sys
-import hypothesis, jax, mypy, pytest, qsa_jax, qsa_torch, torch, triton
+import hypothesis, jax, mypy, pytest, qsa_jax, qsa_torch, torch, transformers, triton, xdist
 from packaging.requirements import Requirement
 torch_wanted, triton_wanted = map(Requirement, sys.argv[1:3])
 sys.exit(0 if torch_wanted.specifier.contains(torch.__version__)

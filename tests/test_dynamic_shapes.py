@@ -95,13 +95,12 @@ def test_every_public_function_compiles_with_dynamic_shapes(case_id):
     """Each public function, fullgraph under dynamic=True: no graph break, the eager bits."""
     function, arguments = build(case_id)
     torch._dynamo.reset()
-    counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(lambda arguments: function(**arguments), backend=counter, fullgraph=True, dynamic=True)
+    compiled = torch.compile(lambda arguments: function(**arguments), backend="aot_eager", fullgraph=True,
+                             dynamic=True)
     eager_arguments, compiled_arguments = cloned(arguments), cloned(arguments)
     expected = function(**eager_arguments)
     got = compiled(compiled_arguments)
     assert_same_results(got, expected, compiled_arguments, eager_arguments, f"{case_id} under dynamic=True")
-    assert counter.frame_count == 1
 
 
 def test_stage_functions_keep_one_frame_over_row_counts():

@@ -124,8 +124,8 @@ def test_wheel_metadata(wheel):
     # no torch on the GPU path; the ranges are qsa_jax._lowering.VERIFIED's (tests/test_jax_lowering.py)
     assert needs("jax-gpu") == {"jax<0.13,>=0.11.2", "ml_dtypes", "jax-triton<=0.4.1,>=0.3.1"}
     assert needs("gpu") == {"qsa-kernels[jax-gpu,torch]"}
-    assert needs("test") == {"qsa-kernels[jax,torch]", "pytest>=8", "hypothesis>=6", "mypy>=1.10",
-                             "transformers>=4.51"}  # examples/transformers_model.py
+    assert needs("test") == {"qsa-kernels[jax,torch]", "pytest>=8", "pytest-xdist>=3", "hypothesis>=6", "mypy>=1.10",
+                             "transformers<5,>=4.51"}  # examples/transformers_model.py
 
 
 def test_wheel_installs_the_info_command(wheel):
@@ -133,6 +133,9 @@ def test_wheel_installs_the_info_command(wheel):
         name = next(n for n in archive.namelist() if n.endswith(".dist-info/entry_points.txt"))
         entry_points = archive.read(name).decode()
     assert "[console_scripts]" in entry_points and "qsa-info = qsa_kernels.info:main" in entry_points
+    # the adapters the report imports, so that they register their lines (the kernels name none)
+    assert "[qsa_kernels.reporters]" in entry_points and "qsa_torch = qsa_torch" in entry_points \
+        and "qsa_jax = qsa_jax" in entry_points
 
 
 # --------------------------------------------------------------------------
