@@ -30,34 +30,10 @@ from ._binding import (  # noqa: E402,F401  (run_program: the benchmarking seam,
     triton_lowering_available,
     use_triton_lowering,
 )
-from ._functions import (  # noqa: E402
-    compress_groups,
-    expand_block_indices,
-    mqa_paged_scores,
-    qsa_attention_step,
-    rope_reshape_and_cache,
-    select_paged_tokens,
-    sparse_paged_attention,
-    store_cache_rows,
-    topk_blocks,
-)
+from ._functions import *  # noqa: E402,F403  (every public function, generated from the declarations)
+from ._functions import __all__ as _functions
 from ._step import QSAState, StepMetadata  # noqa: E402
 
-__all__ = [
-    "rope_reshape_and_cache",
-    "compress_groups",
-    "store_cache_rows",
-    "mqa_paged_scores",
-    "topk_blocks",
-    "expand_block_indices",
-    "select_paged_tokens",
-    "sparse_paged_attention",
-    "qsa_attention_step",
-    "QSAState",
-    "StepMetadata",
-    # JAX only: how launches reach XLA (docs/api.md, "Calling from jax.jit")
-    "CUSTOM_CALL_TARGETS",
-    "triton_lowering",
-    "triton_lowering_available",
-    "use_triton_lowering",
-]
+__all__ = [*_functions, "QSAState", "StepMetadata",
+           # JAX only: how launches reach XLA (docs/api.md, "Calling from jax.jit")
+           "CUSTOM_CALL_TARGETS", "triton_lowering", "triton_lowering_available", "use_triton_lowering"]

@@ -29,29 +29,8 @@ _binding.register_ops()
 _report.register()
 
 from ._binding import run_program  # noqa: E402,F401  (the benchmarking seam: docs/api.md)
-from ._functions import (  # noqa: E402
-    compress_groups,
-    expand_block_indices,
-    mqa_paged_scores,
-    qsa_attention_step,
-    rope_reshape_and_cache,
-    select_paged_tokens,
-    sparse_paged_attention,
-    store_cache_rows,
-    topk_blocks,
-)
+from ._functions import *  # noqa: E402,F403  (every public function, generated from the declarations)
+from ._functions import __all__ as _functions
 from ._step import QSAState, StepMetadata  # noqa: E402
 
-__all__ = [
-    "rope_reshape_and_cache",
-    "compress_groups",
-    "store_cache_rows",
-    "mqa_paged_scores",
-    "topk_blocks",
-    "expand_block_indices",
-    "select_paged_tokens",
-    "sparse_paged_attention",
-    "qsa_attention_step",
-    "QSAState",
-    "StepMetadata",
-]
+__all__ = [*_functions, "QSAState", "StepMetadata"]

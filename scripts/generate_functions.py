@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import itertools
 import os
 import sys
 
@@ -107,6 +106,13 @@ def _function(stage, step, framework: str) -> str:
             lines += ["@overload",
                       f"def {stage.name}({_signature(parameters, overrides, stub=True)}) -> "
                       f"{_result_type(stage, step, variant)}: ..."]
+        if len(selectors) > 1:  # one option a bool, the others at their defaults
+            for name in selectors:
+                overrides = {n: ("bool", "...") if n == name else (f"Literal[{defaults[n]}]", "...") for n in selectors}
+                returns = " | ".join(dict.fromkeys(
+                    _result_type(stage, step, v) for values, v in variants.items()
+                    if all(value == defaults[n] for n, value in zip(selectors, values) if n != name)))
+                lines += ["@overload", f"def {stage.name}({_signature(parameters, overrides, stub=True)}) -> {returns}: ..."]
         lines += ["@overload",
                   f"def {stage.name}({_signature(parameters, {n: ('bool', '...') for n in selectors}, stub=True)}) "
                   f"-> {union}: ..."]

@@ -359,7 +359,7 @@ def test_minified_ptx_assembles_to_the_same_sass_for_every_kernel_of_the_step(tm
                          timeout=900, env=dict(os.environ, TRITON_INTERPRET="0"))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     fulls = sorted(tmp_path.glob("*.full.ptx"))
-    assert len(fulls) >= 10, out.stdout  # 5 launches at each batch
+    assert len(fulls) >= 8, out.stdout  # 4 launches at each batch (fused compression and selection)
     for full in fulls:
         small = full.with_name(full.name.replace(".full.ptx", ".minified.ptx"))
         assert _ptx_tokens(small.read_text()) == _ptx_tokens(full.read_text()), full.name

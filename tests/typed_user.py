@@ -83,3 +83,31 @@ def jax_step(q: jax.Array, k: jax.Array, v: jax.Array, index_q: jax.Array, index
     out, state, token_indices = qsa_jax.qsa_attention_step(  # type: ignore[misc]  # two results, not three
         q, k, v, index_q, index_k, state, meta, cos_sin, index_cos_sin, compress_ratio=4, token_topk=8)
     return out
+
+
+def torch_stages(logits: torch.Tensor, visible: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor,
+                 positions: torch.Tensor, token_indices: torch.Tensor, block_table: torch.Tensor,
+                 token_to_req: torch.Tensor) -> torch.Tensor:
+    """The stage functions are typed as declared (scripts/generate_functions.py), not ``Any``."""
+    blocks = qsa_torch.topk_blocks(logits, visible, 16)
+    assert_type(blocks, torch.Tensor)
+    bad: int = qsa_torch.topk_blocks(logits, visible, 16)  # type: ignore[assignment]  # a Tensor, not an int
+    qsa_torch.topk_blocks(logits, visible, k=2.5)  # type: ignore[arg-type]  # k is an int
+    qsa_torch.topk_blocks(logits, visible)  # type: ignore[call-arg]  # k is required
+    q_out, k_out, key_cache, value_cache = qsa_torch.rope_reshape_and_cache(
+        q, k, v, key_cache, value_cache, slots, positions, None, is_neox=True)  # cos_sin None: q, k rotated
+    assert_type(q_out, torch.Tensor)
+    *_, zeros = qsa_torch.rope_reshape_and_cache(q, k, v, key_cache, value_cache, slots, positions, None,
+                                                 is_neox=True, return_zeros=True)  # one result more
+    assert_type(zeros, torch.Tensor)
+    out = qsa_torch.sparse_paged_attention(q, key_cache, value_cache, token_indices, block_table, token_to_req)
+    assert_type(out, torch.Tensor)
+    return blocks + bad + out
+
+
+def jax_stages(logits: jax.Array, visible: jax.Array) -> jax.Array:
+    blocks = qsa_jax.topk_blocks(logits, visible, 16)
+    assert_type(blocks, jax.Array)
+    bad: str = qsa_jax.topk_blocks(logits, visible, 16)  # type: ignore[assignment]  # an Array, not a str
+    return blocks
