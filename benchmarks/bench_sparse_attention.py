@@ -37,6 +37,14 @@ sparse_attention_fp8_sweep.json).
 ``--only decode`` (or ``prefill``) runs those shapes alone (``_decode`` added
 to the file name).
 
+Options beside the plain call (CUDA-graph µs, every shape): ``sinks_graph_us``
+(``sinks=`` one logit per query head), ``lse_graph_us`` (``return_lse=True``),
+``sinks_lse_graph_us`` (both), each also as a ratio to the plain call
+(``*_vs_plain``).  ``merge_graph_us``: ``merge_attention_states`` of two bf16
+``[rows, QH, D]`` partial outputs and their float32 lses (one the call's own,
+``merge_bytes``: both outs and lses read, one out and lse written), with
+``merge_pct_peak`` against the copy rate.  ``--no-options`` skips them.
+
 ``merge``: how the plan merges several splits (``in_launch``: merging programs
 in the partial launch, AttentionTuning.fused_merge; ``launch``: a merge
 launch; ``none``: one split), ``launches`` its launch count.
@@ -195,6 +203,42 @@ def merge_paths(torch, qsa_torch, arrays, smoke):
     return row
 
 
+def merge_function(qsa_torch):
+    """qsa_torch.merge_attention_states (built from its declaration where the adapter does not list it)."""
+    from qsa_kernels import api
+
+    function = getattr(qsa_torch, "merge_attention_states", None)
+    return function or qsa_torch._launch.public(api.plan_merge_attention_states)
+
+
+def merge_bytes(rows, heads, d, out_bytes=2):
+    """merge_attention_states' traffic: two outs and two float32 lses read, one of each written."""
+    return 3 * rows * heads * d * out_bytes + 3 * rows * heads * 4
+
+
+def option_rows(torch, qsa_torch, arrays, plain_us, smoke):
+    """CUDA-graph µs of the call with sinks, with return_lse, with both (ratios to ``plain_us``), and of
+    merge_attention_states over the call's out and lse and a second random partial state."""
+    q = arrays["q"]
+    rows, heads, d = q.shape
+    sinks = torch.randn(heads, device=q.device, dtype=torch.float32)
+    row = {}
+    for name, options in (("sinks", dict(sinks=sinks)), ("lse", dict(return_lse=True)),
+                          ("sinks_lse", dict(sinks=sinks, return_lse=True))):
+        call = lambda: qsa_torch.sparse_paged_attention(**arrays, **options)  # noqa: E731
+        us = common.torch_graph_us(call, smoke=smoke) or common.torch_median_us(call, smoke)
+        row[f"{name}_graph_us"] = us
+        row[f"{name}_vs_plain"] = us / plain_us if us and plain_us else None
+    merge = merge_function(qsa_torch)
+    out_a, lse_a = qsa_torch.sparse_paged_attention(**arrays, return_lse=True)
+    out_b, lse_b = torch.randn_like(out_a), torch.randn_like(lse_a)
+    call = lambda: merge(out_a, lse_a, out_b, lse_b)  # noqa: E731
+    row["merge_bytes"] = merge_bytes(rows, heads, d)
+    row["merge_graph_us"] = common.torch_graph_us(call, smoke=smoke) or common.torch_median_us(call, smoke)
+    row["merge_pct_peak"] = common.pct_peak(row["merge_bytes"], row["merge_graph_us"])
+    return row
+
+
 def seed_us(mode, rows, context):
     return SEED_DECODE_US.get(rows) if mode == "decode" else SEED_PREFILL_US.get((rows, context))
 
@@ -261,6 +305,8 @@ def main():
     parser.add_argument("--merge-paths", action="store_true",
                         help="where the plan splits: also time the split-K merged in its launch and by a merge "
                              "launch (AttentionTuning.fused_merge forced each way), and compare their bits")
+    parser.add_argument("--no-options", action="store_true",
+                        help="skip the sinks / return_lse variants and merge_attention_states beside the plain call")
     args = parser.parse_args()
     import jax
     import torch
@@ -302,6 +348,10 @@ def main():
         f"prefill selection: shared N(0,1) block score + {PREFILL_NOISE} x N(0,1) per row; neighbour_overlap: "
         "fraction of a row's selected block tokens its previous row also selected",
         "seed_us: docs/design.md's H200 table (CUDA-graph replay); speedup_vs_seed uses torch_graph_us",
+        *([] if args.no_options else [
+            "sinks/lse/sinks_lse_graph_us: the call with sinks=, return_lse=True, both (CUDA graph); *_vs_plain: "
+            "over torch_graph_us; merge_graph_us: merge_attention_states of two bf16 [rows, QH, D] outs and "
+            "float32 lses, merge_bytes = 3 outs + 3 lses (two read, one written), merge_pct_peak of the copy rate"]),
     ]
     shapes = [("decode", r, c) for r in g["DECODE_ROWS"] for c in g["CONTEXTS"]]
     shapes += [("prefill", r, c) for r in g["PREFILL_ROWS"] for c in g["CONTEXTS"]]
@@ -359,6 +409,9 @@ def main():
             if row["torch_graph_us"]:
                 row["speedup_vs_seed"] = seed / row["torch_graph_us"]
 
+        if not args.no_options:
+            row.update(option_rows(torch, qsa_torch, arrays, row["torch_graph_us"] or row["torch_us"], args.smoke))
+
         if args.merge_paths and row["splits"] > 1:
             row.update(merge_paths(torch, qsa_torch, arrays, args.smoke))
             if args.fp8 and (mode, rows, context) in g["FP8_SHAPES"]:
@@ -415,6 +468,9 @@ def main():
         "torch_graph_us",
         "torch_graph_gbps", "torch_graph_pct_peak", "seed_us", "speedup_vs_seed", "jax_wall_us", "jax_loop_us",
         "jax_vs_torch_device", "dense_graph_us", "sparse_speedup_vs_dense", "neighbour_overlap"]
+        + ([] if args.no_options else ["sinks_graph_us", "sinks_vs_plain", "lse_graph_us", "lse_vs_plain",
+                                       "sinks_lse_graph_us", "sinks_lse_vs_plain", "merge_bytes", "merge_graph_us",
+                                       "merge_pct_peak"])
         + (["fp8_torch_graph_us", "fp8_torch_graph_pct_peak", "fp8_vs_bf16", "fp8_rel_diff"] if args.fp8 else [])
         + (["fused_merge_graph_us", "merge_launch_graph_us", "fused_merge_bitwise"]
            + (["fp8_fused_merge_graph_us", "fp8_merge_launch_graph_us", "fp8_fused_merge_bitwise"] if args.fp8 else [])

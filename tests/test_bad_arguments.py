@@ -497,9 +497,10 @@ def _attention_rows():
         r("k_cache_dtype", lambda a: dict(k_cache=a["k_cache"].half()), "k_cache must have q's dtype bfloat16"),
         r("v_cache_dtype", lambda a: dict(v_cache=a["v_cache"].half()), "v_cache must have q's dtype bfloat16"),
         r("v_cache_fp8", lambda a: dict(v_cache=a["v_cache"].to(torch.float8_e4m3fn)), "v_cache must have q's dtype bfloat16"),
-        r("d_not_power_of_two", d24, "q must have head dim D a power of two, got 24"),
-        r("d_below_16", d8, "q must have head dim D >= 16, got 8"),
-        r("d_zero", d0, "q must have head dim D a power of two, got 0"),
+        # Any multiple of 16 up to 256 since issue 50 (80, 96, 192 are valid).
+        r("d_not_multiple_of_16", d24, "q must have head dim D a multiple of 16 from 16 to 256, got 24"),
+        r("d_below_16", d8, "q must have head dim D a multiple of 16 from 16 to 256, got 8"),
+        r("d_zero", d0, "q must have head dim D a multiple of 16 from 16 to 256, got 0"),
         r("cache_head_dim", lambda a: dict(k_cache=a["k_cache"][..., :8], v_cache=a["v_cache"][..., :8]), "k_cache must have q's head dim D = 16"),
         r("v_cache_shape", lambda a: dict(v_cache=a["v_cache"][:3]), "v_cache must have k_cache's shape (4, 4, 2, 16)"),
         r("qh_not_multiple_of_kh", lambda a: dict(q=a["q"][:, :3]), "q must have a number of heads QH divisible by k_cache's KH = 2, got QH = 3"),
