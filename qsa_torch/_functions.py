@@ -94,6 +94,8 @@ select_paged_tokens.__doc__ = _doc(_api.plan_select_paged_tokens.doc, 'torch')
 sparse_paged_attention.__doc__ = _doc(_api.plan_sparse_paged_attention.doc, 'torch')
 merge_attention_states.__doc__ = _doc(_api.plan_merge_attention_states.doc, 'torch')
 qsa_attention_step.__doc__ = _doc(_api.plan_qsa_attention_step.doc, 'torch')
+for _function in (rope_reshape_and_cache, compress_groups, store_cache_rows, mqa_paged_scores, topk_blocks, expand_block_indices, select_paged_tokens, sparse_paged_attention, merge_attention_states, qsa_attention_step):
+    _function.__module__ = 'qsa_torch'  # as help() and docs name it
 rope_reshape_and_cache.plan = _plan_seam(_api.plan_rope_reshape_and_cache)  # type: ignore[attr-defined]
 compress_groups.plan = _plan_seam(_api.plan_compress_groups)  # type: ignore[attr-defined]
 store_cache_rows.plan = _plan_seam(_api.plan_store_cache_rows)  # type: ignore[attr-defined]

@@ -27,14 +27,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_both_adapters_generate_every_public_stage_from_its_declaration():
     names = [stage.name for stage in api.STAGES]
-    assert len(set(names)) == len(names) == 8
+    assert len(set(names)) == len(names) == 9 and "merge_attention_states" in names
     for stage in api.STAGES:
         assert isinstance(stage, Stage)
         signature = stage.signature()
         for adapter, framework in ((qsa_torch, "torch"), (qsa_jax, "jax")):
             function = getattr(adapter, stage.name)
             assert function.__module__ == adapter.__name__
-            assert inspect.signature(function) == signature, (stage.name, framework)
+            # (scripts/generate_functions.py: the same parameters; the return annotation per variant)
+            assert inspect.signature(function).parameters == signature.parameters, (stage.name, framework)
             assert function.__doc__ == framework_doc(stage.doc, framework)
             assert inspect.signature(function.plan).parameters == signature.parameters
         # The declaration is the plan's: every parameter but tuning is public, in the plan's order.
@@ -62,8 +63,10 @@ def test_each_function_has_the_variants_its_result_options_make():
     assert [(name, fresh) for name, _, fresh, _ in variants["qsa_attention_step"]] == [
         ("qsa_attention_step", 1), ("qsa_attention_step_return_lse", 2),
         ("qsa_attention_step_return_token_indices", 2), ("qsa_attention_step_return_token_indices_return_lse", 3)]
+    assert [(name, fresh) for name, _, fresh, _ in variants["sparse_paged_attention"]] == [
+        ("sparse_paged_attention", 1), ("sparse_paged_attention_return_lse", 2)]
     single = {name: entries for name, entries in variants.items()
-              if name not in ("rope_reshape_and_cache", "qsa_attention_step")}
+              if name not in ("rope_reshape_and_cache", "qsa_attention_step", "sparse_paged_attention")}
     assert all(len(entries) == 1 and entries[0][0] == name and entries[0][1] == {} for name, entries in single.items())
     assert api.plan_rope_reshape_and_cache.variant({"return_zeros": np.bool_(True)}).name == \
         "rope_reshape_and_cache_return_zeros"

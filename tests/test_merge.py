@@ -18,12 +18,7 @@ from . import reference as R
 from .test_attention import LSE_CASE, PATHS, assert_lse_close, lse_reference, make_inputs, sinks_for
 from .util import DEVICE, assert_bitwise_equal, assert_close, f64, to_jax, tolerance
 
-# The adapters list their public functions by hand: until they name this one, build it from its
-# declaration as they do (the torch op is registered at import from qsa_kernels.api either way).
-merge_torch = getattr(qsa_torch, "merge_attention_states", None) or qsa_torch._launch.public(
-    api.plan_merge_attention_states)
-merge_jax = getattr(qsa_jax, "merge_attention_states", None) or qsa_jax._launch.public(
-    api.plan_merge_attention_states)
+merge_torch, merge_jax = qsa_torch.merge_attention_states, qsa_jax.merge_attention_states
 
 
 def run_jax(*arrays):

@@ -306,7 +306,7 @@ def test_jax_cpu_path_without_torch_names_the_cpu_wheel():
 
     if not runtime.INTERPRETED:
         pytest.skip("a compiled process: qsa_jax launches through jax-triton, without torch")
-    from qsa_jax._launch import CPU_TORCH
+    from qsa_jax._binding import CPU_TORCH
 
     assert CPU_TORCH in (ROOT / "README.md").read_text()  # the README's install table says the same
     code = """

@@ -1221,13 +1221,13 @@ def _call_plan(adapter: str, arguments: dict):
     from qsa_kernels import step as S
 
     if adapter == "torch":
-        from qsa_torch import _launch
+        from qsa_torch import _binding
         state_type, metadata_type = qsa_torch.QSAState, qsa_torch.StepMetadata
     else:
-        from qsa_jax import _launch
+        from qsa_jax import _binding
         state_type, metadata_type = qsa_jax.QSAState, qsa_jax.StepMetadata
     flat = S.state_arguments(arguments, state_type, metadata_type)
-    return S.step_results(_launch.call(S.plan_qsa_attention_step, flat), arguments["state"])
+    return S.step_results(_binding.call(S.plan_qsa_attention_step, flat), arguments["state"])
 
 
 def test_step_sinks_and_lse_equal_the_attention_stage_and_the_reference():
