@@ -375,6 +375,13 @@ def _make_op(stage: Stage, variant: Variant):
     op = hook.define_op(stage, variant, schema, names, implementation, fake) if hook is not None else None
     if op is None:
         op = _custom_op(stage, variant, schema, names, implementation, fake)
+
+    def no_vmap(info, in_dims, *values, **keywords):
+        batched = next((n for n, d in zip(names, in_dims) if d is not None), names[0])
+        raise NotImplementedError(f"{stage.name} does not support torch.vmap ({stage.label(batched)} is batched): "
+                                  f"call it on the whole batch (its arrays already carry a row dimension)")
+
+    torch.library.register_vmap(op, no_vmap)
     _IMPLEMENTATIONS[op] = implementation
     return op, parameters
 
