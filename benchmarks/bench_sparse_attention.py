@@ -204,11 +204,8 @@ def merge_paths(torch, qsa_torch, arrays, smoke):
 
 
 def merge_function(qsa_torch):
-    """qsa_torch.merge_attention_states (built from its declaration where the adapter does not list it)."""
-    from qsa_kernels import api
-
-    function = getattr(qsa_torch, "merge_attention_states", None)
-    return function or qsa_torch._launch.public(api.plan_merge_attention_states)
+    """qsa_torch.merge_attention_states."""
+    return qsa_torch.merge_attention_states
 
 
 def merge_bytes(rows, heads, d, out_bytes=2):

@@ -61,6 +61,10 @@ chunk per request; docs/api.md) at 8 and 64 requests (both smoke batches with
 ``--smoke``): ``multi_token_*`` columns, its launches, CUDA-graph µs (per
 step of ``B x N`` rows) and eager µs, and ``multi_token_over_one_row``, its
 graph time over the one-row step's.  The rows' positions end at ``L - 1``.
+``--engine-pattern``: also ``engine_graph_us``, the step compiled once with a
+dynamic token count (``torch.compile(dynamic=True)``, as vLLM compiles its
+model) and then captured in a CUDA graph and replayed, as engines do per
+batch size (per step; beside ``torch_graph_us``, the hand-captured graph).
 ``--unfused``: the step's stage 2 and index-query RoPE as separate launches
 (``StepTuning(fuse_stages=False)``; results in step_unfused.json by default),
 to compare with the fused default.
@@ -179,7 +183,7 @@ class Shape:
         return qsa_torch.qsa_attention_step(**self.inputs, state=self.state, metadata=self.meta, cos_sin=self.cos_sin,
                                             index_cos_sin=self.index_cos_sin, **self.options)[0]
 
-    def compiled_step(self, mode: str | None, every_input_static: bool = False):
+    def compiled_step(self, mode: str | None, every_input_static: bool = False, dynamic: bool | None = None):
         """``torch.compile`` of the step (fullgraph: no graph break allowed), over this shape's tensors.
 
         The caches are marked static addresses, as a module's buffers would
@@ -196,7 +200,7 @@ class Shape:
         if every_input_static:
             for tensor in self.tensors():
                 torch._dynamo.mark_static_address(tensor)
-        step = torch.compile(qsa_torch.qsa_attention_step, fullgraph=True, mode=mode)
+        step = torch.compile(qsa_torch.qsa_attention_step, fullgraph=True, mode=mode, dynamic=dynamic)
         return lambda: step(**self.inputs, state=self.state, metadata=self.meta, cos_sin=self.cos_sin,
                             index_cos_sin=self.index_cos_sin, **self.options)[0]
 
@@ -366,6 +370,7 @@ class Runner:
         self.merge_paths = False
         self.pdl_paths = False
         self.rope_paths = False
+        self.engine_pattern = False
         self.multi_token_rows = 0  # --multi-token-rows: 0, no multi-token columns
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.share = "dlpack"
@@ -393,6 +398,8 @@ class Runner:
             row.update(self.pdl_path_columns(shape))
         if self.rope_paths:
             row.update(self.rope_path_columns(shape))
+        if self.engine_pattern:
+            row.update(self.engine_columns(shape, label))
         if not self.fp8:  # compiled columns and the dense layer (it reads bf16 caches) come from a bf16 run
             if not self.skip_compile:
                 row.update(self.compiled(shape, label))
@@ -480,6 +487,21 @@ class Runner:
                                                                     smoke=self.smoke)
                 columns[f"{name}_eager_wall_us"] = common.torch_wall_us(shape.torch_step, smoke=self.smoke)
         return columns
+
+    def engine_columns(self, shape: Shape, label: str) -> dict:
+        """The engine pattern (vLLM's): the step compiled once with a dynamic token count
+        (``dynamic=True``, default mode), then that compiled step captured in a CUDA graph and
+        replayed: ``engine_graph_us`` per step, beside the hand-captured graph's ``torch_graph_us``."""
+        if self.device.type != "cuda":
+            return {}
+        try:
+            self.torch._dynamo.reset()
+            step = shape.compiled_step(None, dynamic=True)
+            step()  # compile
+            return {"engine_graph_us": common.torch_graph_us(step, calls=LOOP_CALLS, smoke=self.smoke)}
+        except Exception as error:  # keep the other columns of the shape
+            self.notes.append(f"{label}: the engine pattern failed: {type(error).__name__}: {str(error)[:200]}")
+            return {}
 
     def graph_wall_us(self, shape: Shape) -> float | None:
         """A hand-captured CUDA graph of one step, replayed back to back: wall per replay."""
@@ -583,6 +605,8 @@ def main():
                                     "(results in step_topk-tuning.json)")
     p.add_argument("--pdl-paths", action="store_true",
                    help="also the step's graph us and eager wall with programmatic dependent launch off and on")
+    p.add_argument("--engine-pattern", action="store_true",
+                   help="also the step compiled with dynamic=True, then captured in a CUDA graph (engine_graph_us)")
     p.add_argument("--rope-paths", action="store_true",
                    help="also the step's launches, graph us and eager wall with stage 1 in its own launch and in "
                         "stage 2's (StepTuning.fuse_rope each way, alternating)")
@@ -636,6 +660,7 @@ def run(args, fp8: bool) -> None:
     runner.merge_paths = args.merge_paths
     runner.pdl_paths = args.pdl_paths
     runner.rope_paths = args.rope_paths
+    runner.engine_pattern = args.engine_pattern
     if args.multi_token_rows < 0 or args.multi_token_rows == 1:
         raise SystemExit("bench_step --multi-token-rows: N >= 2 (rows per request), or 0 for none")
     runner.multi_token_rows = args.multi_token_rows
@@ -684,6 +709,8 @@ def run(args, fp8: bool) -> None:
         columns[columns.index("torch_graph_us") + 1:1] = [
             f"{name}_{kind}" for name in ("rope_launch", "rope_fused", "rope_launch_again", "rope_fused_again")
             for kind in ("launches", "graph_us", "eager_wall_us")]
+    if args.engine_pattern:
+        columns[columns.index("torch_graph_us") + 1:1] = ["engine_graph_us"]
     if args.multi_token_rows:
         columns[columns.index("torch_graph_us") + 1:1] = [
             "multi_token_rows", "multi_token_launches", "multi_token_eager_us", "multi_token_graph_us",

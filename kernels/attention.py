@@ -7,35 +7,21 @@ tokens it loads the logical positions, maps them to physical pages through
 the row's request's block table, gathers K and V as ``[BLOCK_N, D]`` rows
 (contiguous D) and runs an online softmax in the log2 domain.
 
-With one split the program writes the output directly.  With several (few
-programs: decode), each split writes its normalised float32 partial output
-and log2-sum-exp, and the partials are weighted by ``2 ** (lse - max lse)``:
-exactly the softmax over the union of the splits, combined in the fixed
-order 0..S-1 (:func:`_merge_splits`), by a merge launch (one program per
-(row, head)); or, with ``AttentionTuning.fused_merge`` (off by default:
-slower on the H200, :func:`merges_in_launch`), in the same launch: per (row,
-KV head), the first S programs to draw a start ticket attend a split each and
-publish it, and the GROUP programs that start after them wait for every
-split and merge one query head each (:func:`sparse_attention_fused_merge_kernel`).
-Both merge with the same elementwise code: the same bits.
+With one split the program writes the output directly.  With several
+(decode), each split writes its normalised float32 partial output and
+log2-sum-exp, merged exactly in the fixed order 0..S-1 (:func:`_merge_splits`)
+by a merge launch, or in the same launch (``AttentionTuning.fused_merge``,
+off: slower on the H200; :func:`sparse_attention_fused_merge_kernel`); the
+same elementwise code, the same bits.
 
-Numerics (the seed's): q.k in the cache dtype with float32 accumulation, the
-scale applied to the float32 scores, probabilities rounded to the value dtype
-for the P.V product while the normaliser sums them in float32.
+Numerics (the seed's): q.k in the cache dtype, float32 accumulation and
+scores; probabilities rounded to the value dtype for P.V, summed in float32.
 
-fp8 e4m3 caches (``stored = value / scale``, as stage 1 writes them): each
-gathered K/V tile is converted to q's dtype, which holds every e4m3 value
-exactly and NaN codes as NaN (:func:`.fp8.widen_e4m3`: for bf16 on integer
-ops, not Triton's cast), so the dots are the same 16-bit tensor-core dots as for 16-bit caches
-(an fp8 dot would round q to fp8).  The tiles are widened in registers in
-the layout they were loaded in and reach the dots through shared memory as
-16-bit values, like 16-bit tiles (Triton would otherwise stage the fp8 bytes
-and widen them in the dot-operand layout, reading V from shared memory one
-byte at a time); V is widened after the softmax, so that its 16-bit tile
-reuses K's shared memory.  ``k_scale`` is
-folded into the float32 score scale, ``softmax_scale * k_scale * log2(e)``;
-``v_scale`` multiplies each program's float32 output once (``acc /
-normaliser * v_scale``), never the values.  So the result is that of a
+fp8 e4m3 caches (``stored = value / scale``): each gathered tile is widened
+exactly to q's dtype in registers (:func:`.fp8.widen_e4m3`, NaN kept), so the
+dots are the 16-bit dots of 16-bit caches (V after the softmax, reusing K's
+shared memory); ``k_scale`` is folded into the float32 score scale and
+``v_scale`` multiplies each program's float32 output once: the result of a
 16-bit cache holding the dequantised values, up to the rounding of those
 scale products.
 """
@@ -246,11 +232,8 @@ def _attend_split(
         running_max = new_max
         valid_tokens += valid.to(tl.int32)
 
-    # With valid tokens: a finite normaliser is >= 1 (the max weighs 1); a NaN
-    # one gives NaN; a zero one gives 0 / 0 = NaN and lse = -inf (a split the
-    # merge weighs 0 unless no split has any weight).
-    # (The 1.0 stand-ins only keep the interpreter's NumPy from warning; a row
-    # without valid tokens has acc = 0.)
+    # With valid tokens a finite normaliser is >= 1; a NaN one gives NaN; a zero one 0 / 0 = NaN and
+    # lse -inf.  (The 1.0 stand-ins only keep the interpreter's NumPy quiet: no valid token, acc = 0.)
     has_tokens = tl.sum(valid_tokens, axis=0) > 0
     if SINKS:
         # The head's sink joins the denominator once, in split 0 (the merge adds the splits'
@@ -366,9 +349,8 @@ def _merge_splits(
     for split in tl.static_range(NUM_SPLITS):
         lse_max = tl.maximum(lse_max, tl.load(lse_at + split * lse_ss, mask=head_ok, other=-float("inf"),
                                               cache_modifier=".cg"))
-    # No split has weight (lse -inf everywhere): each partial is 0 (no valid
-    # token) or NaN (valid tokens, all scores -inf); their plain sum is the
-    # row.  (max.f32 drops a NaN lse on the GPU; its weight is NaN either way.)
+    # No split has weight (lse -inf everywhere): each partial is 0 or NaN; their plain sum is the row.
+    # (max.f32 drops a NaN lse on the GPU; its weight is NaN either way.)
     no_weight = lse_max == -float("inf")
     lse_max = tl.where(no_weight, 0.0, lse_max)
 

@@ -34,11 +34,11 @@ from . import __version__, runtime
 
 __all__ = ["FIELDS", "REPORTERS_GROUP", "register_reporter", "report", "main"]
 
-#: The report's lines, in order (every one is always printed).
+#: The report's own lines, in order (every one is always printed; the adapters' follow them).
 FIELDS = (
     "qsa-kernels", "python", "platform", "numpy", "triton", "torch", "jax", "jaxlib", "jax CUDA plugin",
-    "jax-triton", "ml_dtypes", "NVIDIA driver", "devices", "environment", "kernels run", "JAX lowering",
-    "torch eager calls", "torch fast launcher", "torch.compile", "CUDA queried", "CUDA initialised",
+    "jax-triton", "ml_dtypes", "NVIDIA driver", "devices", "environment", "kernels run", "CUDA queried",
+    "CUDA initialised",
 )
 NOT_INSTALLED = "not installed"
 CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"

@@ -47,7 +47,8 @@ from . import runtime
 __all__ = ["EMIT", "ENABLED", "TRIGGER", "dependent", "launches_early", "supported", "wait_for_previous_kernel"]
 
 
-def _switch(variable: str, default: str, choices: tuple[str, ...]) -> str:
+def _choice(variable: str, default: str, choices: tuple[str, ...]) -> str:
+    """A ``QSA_*`` variable that names one of ``choices`` (on/off ones: ``runtime.env_switch``)."""
     value = os.environ.get(variable, default).strip().lower() or default
     if value not in choices:
         raise ValueError(f"{variable} must be one of {', '.join(map(repr, choices))}, got {value!r}")
@@ -57,7 +58,7 @@ def _switch(variable: str, default: str, choices: tuple[str, ...]) -> str:
 #: ``QSA_PDL=0`` launches every kernel the ordinary way (``1``, the default:
 #: early where :data:`EMIT`).  Read once, at import; benchmarks and tests set
 #: the attribute (the torch launcher keys its bindings on it).
-ENABLED: bool = _switch("QSA_PDL", "1", ("0", "1")) == "1"
+ENABLED: bool = runtime.env_switch("QSA_PDL", default=True)
 
 
 def supported(capability: tuple[int, int]) -> bool:
@@ -68,9 +69,9 @@ def supported(capability: tuple[int, int]) -> bool:
 def _emits() -> bool:
     if runtime.INTERPRETED:
         return False
-    forced = _switch("QSA_PDL_EMIT", "auto", ("auto", "0", "1"))
-    if forced != "auto":  # offline compiles for sm_90 on a machine without it (tests/test_compile_sm90.py)
-        return forced == "1"
+    if os.environ.get("QSA_PDL_EMIT", "").strip().lower() not in ("", "auto"):
+        # offline compiles for sm_90 on a machine without it (tests/test_compile_sm90.py)
+        return runtime.env_switch("QSA_PDL_EMIT", default=False)
     capabilities = runtime.nvml_capabilities()
     return bool(capabilities) and all(map(supported, capabilities))
 
@@ -89,7 +90,7 @@ _MARK = "qsa_waits_for_previous_kernel"
 #: ends, CUDA's implicit trigger; the default) or ``"start"`` (right after its
 #: wait: the next kernel's programs may take free SMs while this one runs).
 #: Read once, at import (``QSA_PDL_TRIGGER``): it is compiled into every kernel.
-TRIGGER: str = _switch("QSA_PDL_TRIGGER", "exit", ("exit", "start"))
+TRIGGER: str = _choice("QSA_PDL_TRIGGER", "exit", ("exit", "start"))
 _TRIGGER_AT_START = tl.constexpr(TRIGGER == "start")
 
 

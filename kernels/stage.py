@@ -50,7 +50,7 @@ from .docs import framework_doc
 from .launch import Program
 from .validate import Checker, Option, missing_array_error, naming
 
-__all__ = ["RUN_PROGRAM_DOC", "Stage", "Variant", "clear_plan_caches", "make_function", "make_public", "stage",
+__all__ = ["RUN_PROGRAM_DOC", "Stage", "Variant", "clear_plan_caches", "make_function", "plan_seam", "stage",
            "stage_named", "when"]
 
 _MISSING = object()
@@ -455,19 +455,13 @@ def make_function(stage: Stage, call: Callable[[Stage, dict], Any], *, framework
     return function
 
 
-def make_public(stage: Stage, *, call: Callable[[Stage, dict], Any], plan: Callable[[Stage, dict], Program],
-                framework: str, module: str):
-    """``stage``'s public function for one adapter, and its planning seam ``function.plan``.
-
-    ``call(stage, arguments)`` runs a call; ``plan(stage, arguments)``
-    returns the Program it would run.  ``function.plan`` takes the same
-    arguments as ``function`` (so tests and benchmarks see exactly what a
-    call plans, arrays included) and launches nothing.
-    """
-    function = make_function(stage, call, framework=framework, module=module)
-    function.plan = make_function(stage, plan, framework=framework, module=module)
-    function.plan.__qualname__ = f"{stage.name}.plan"
-    function.plan.__doc__ = (f"The Program ``{stage.name}`` runs for these arguments (validated and memoised "
-                             "as a call's; nothing is launched).")
-    function.plan.__annotations__["return"] = "Program"
-    return function
+def plan_seam(stage: Stage, plan: Callable[[Stage, dict], Program], *, framework: str, module: str):
+    """``function.plan`` for one adapter: a function with ``stage``'s public signature returning
+    ``plan(stage, arguments)``, the Program a call with those arguments runs (nothing launched), so
+    that tests and benchmarks see exactly what a call plans, arrays included."""
+    seam = make_function(stage, plan, framework=framework, module=module)
+    seam.__qualname__ = f"{stage.name}.plan"
+    seam.__doc__ = (f"The Program ``{stage.name}`` runs for these arguments (validated and memoised as a "
+                    "call's; nothing is launched).")
+    seam.__annotations__["return"] = "Program"
+    return seam

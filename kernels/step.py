@@ -24,14 +24,10 @@ Order within a step (every write lands before the read that needs it):
 3. RoPE the index queries at their positions; score, top-k, expand;
 4. sparse attention over the selected tokens.
 
-With at most ``StepTuning.fused_max_rows`` rows, stage 2 and the index
-queries' RoPE are one launch (``fused.plan_compress_rotate_store``) in
-that order, bit for bit the separate launches (:func:`_fuses_compression`),
-and stage 1's programs run in that launch too (``StepTuning.fuse_rope``:
-stage 1 touches none of stage 2's arrays); the selection is one launch for
-few rows (``SelectTuning.fused``): four launches per decode step at 1-8
-requests (three with the attention's merge in its launch,
-``AttentionTuning(fused_merge=True)``, measured slower).
+With at most ``StepTuning.fused_max_rows`` rows, stages 1, 2 and the index
+queries' RoPE are one launch (``fused.plan_compress_rotate_store``, bit for
+bit the separate launches: :func:`_fuses_compression`) and the selection one
+more (``SelectTuning.fused``): four launches per decode step at 1-8 requests.
 """
 
 from __future__ import annotations
@@ -61,7 +57,7 @@ ATTENTION_DTYPES = ("bfloat16", "float16")
 if TYPE_CHECKING:  # annotations only
     from .paging import CacheGeometry, HostStepMetadata
 
-__all__ = ["plan_qsa_attention_step", "state_arguments", "step_results", "STEP_DOC", "STATE_DOC",
+__all__ = ["plan_qsa_attention_step", "public_results", "state_arguments", "STEP_DOC", "STATE_DOC",
            "METADATA_DOC", "METADATA_FIELDS", "STATE_FIELDS", "SCALE_FIELDS", "STEP_ARRAYS", "LABELS"]
 
 #: QSAState's optional scales, after its four caches (``None`` for 16-bit caches).
@@ -633,16 +629,6 @@ def state_arguments(function_arguments: dict, state_type: type, metadata_type: t
     arguments.update({name: getattr(state, name) for name in STATE_FIELDS + SCALE_FIELDS})
     arguments.update({name: getattr(metadata, name) for name in METADATA_FIELDS})
     return arguments
-
-
-def step_results(results: tuple, state, return_token_indices: bool = False, return_lse: bool = False):
-    """``(out, state[, token_indices][, lse])`` from the plan's results (``state`` itself where every
-    cache is the one it holds: torch's, updated in place).  The optional results are those the
-    plan returned, in its order (the flags are not needed: kept for the adapters' calls)."""
-    out, caches = results[0], results[1:1 + len(STATE_FIELDS)]
-    if not all(map(operator.is_, caches, map(getattr, (state,) * len(STATE_FIELDS), STATE_FIELDS))):
-        state = dataclasses.replace(state, **dict(zip(STATE_FIELDS, caches)))
-    return (out, state, *results[1 + len(STATE_FIELDS):])
 
 
 def public_results(results: tuple, state) -> tuple:

@@ -40,7 +40,8 @@ if TYPE_CHECKING:  # the annotations' array types (the same names in both adapte
 from qsa_kernels import runtime
 from qsa_kernels.launch import (ArrayInfo, Buffer, Launch, Program, check_scale_values, check_scales, execute,
                                 kernel_name, triton_launch)
-from qsa_kernels.stage import RUN_PROGRAM_DOC, Stage, make_function
+from qsa_kernels.stage import RUN_PROGRAM_DOC, Stage
+from qsa_kernels.stage import plan_seam as stage_plan_seam
 from qsa_kernels.validate import check_host_indices_fit_int32, device_error, type_error
 
 from . import _sharding
@@ -323,9 +324,9 @@ def triton_lowering() -> str:
     """How Triton launches traced from now on reach XLA: ``"ffi"``, ``"legacy"`` or
     ``"jax-triton"`` (``"interpreter"`` in a process without a CUDA device, where every
     launch runs from a host callback instead)."""
-    if runtime.INTERPRETED:
-        return "interpreter"
-    return hook.lowering() if hook is not None else "jax-triton"
+    if hook is not None:
+        return hook.lowering()  # (its QSA_JAX_LOWERING checked first, interpreted or not)
+    return "interpreter" if runtime.INTERPRETED else "jax-triton"
 
 
 def triton_lowering_available(name: str) -> bool:
@@ -429,11 +430,7 @@ def plan(stage: Stage, arguments: Mapping[str, object]) -> Program:
 
 def plan_seam(stage: Stage):
     """``function.plan``: the Program a call with the same arguments runs (nothing launched)."""
-    seam = make_function(stage, plan, framework="jax", module="qsa_jax")
-    seam.__qualname__ = f"{stage.name}.plan"
-    seam.__doc__ = (f"The Program ``{stage.name}`` runs for these arguments (validated and memoised as a "
-                    "call's; nothing is launched).")
-    return seam
+    return stage_plan_seam(stage, plan, framework='jax', module='qsa_jax')
 
 
 def run_program(program: Program, arrays: Mapping[str, ArrayLike | None]) -> tuple[Array, ...]:

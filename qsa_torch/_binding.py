@@ -34,6 +34,7 @@ from __future__ import annotations
 import inspect
 from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
+import numpy as np
 import torch
 from torch.fx.experimental import symbolic_shapes
 
@@ -42,7 +43,8 @@ if TYPE_CHECKING:  # the annotations' array types (the same names in both adapte
 
 from qsa_kernels import api, runtime
 from qsa_kernels.launch import ArrayInfo, Buffer, Launch, Program, execute
-from qsa_kernels.stage import RUN_PROGRAM_DOC, Stage, Variant, make_function
+from qsa_kernels.stage import RUN_PROGRAM_DOC, Stage, Variant
+from qsa_kernels.stage import plan_seam as stage_plan_seam
 from qsa_kernels.validate import device_error, type_error
 
 __all__ = ["DTYPES", "NAMESPACE", "Accelerator", "call", "hook", "info", "install", "op_call", "plan",
@@ -442,7 +444,7 @@ def _concrete(value):
 def call(stage: Stage, arguments: Mapping[str, object]):
     """Run the public function ``stage`` declares, given its arguments by name."""
     if torch.compiler.is_compiling():  # traced: the op lands in the graph; its fake validates
-        results = _op_results(stage, arguments)
+        results = _op_results(stage, arguments, canonical=False)
     else:
         if hook is not None:
             program, ran = hook.run(stage, arguments, eager=True)
@@ -455,8 +457,17 @@ def call(stage: Stage, arguments: Mapping[str, object]):
     return results[0] if len(results) == 1 else results
 
 
-def _op_results(stage: Stage, arguments: Mapping[str, object]) -> tuple:
-    """The call's op run; its results in the variant's order (arrays updated in place as given)."""
+def _op_results(stage: Stage, arguments: Mapping[str, object], canonical: bool = True) -> tuple:
+    """The call's op run; its results in the variant's order (arrays updated in place as given).
+
+    The op's schema takes Python numbers: options are passed canonical (``np.int64(3)`` as ``3``;
+    traced, a NumPy scalar as its Python value, the op's fake checks the rest)."""
+    if canonical:
+        arguments = {name: stage.options[name].canonical(stage.name, name, value) if name in stage.options
+                     else value for name, value in arguments.items()}
+    else:
+        arguments = {name: value.item() if isinstance(value, np.generic) else value
+                     for name, value in arguments.items()}
     variant = stage.variant(arguments)
     op, values = op_call(stage, arguments)
     fresh = op(*values)
@@ -472,8 +483,4 @@ def plan(stage: Stage, arguments: Mapping[str, object]) -> Program:
 
 def plan_seam(stage: Stage):
     """``function.plan``: the Program a call with the same arguments runs (nothing launched)."""
-    seam = make_function(stage, plan, framework="torch", module="qsa_torch")
-    seam.__qualname__ = f"{stage.name}.plan"
-    seam.__doc__ = (f"The Program ``{stage.name}`` runs for these arguments (validated and memoised as a "
-                    "call's; nothing is launched).")
-    return seam
+    return stage_plan_seam(stage, plan, framework='torch', module='qsa_torch')

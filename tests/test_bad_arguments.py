@@ -128,6 +128,12 @@ def topk():
     return dict(logits=floats(3, 10, dtype=FP32), visible_blocks=ints([10, 4, 0])), dict(k=3)
 
 
+def merge():
+    """Two partial attentions of R = 2 rows x 4 heads x d16."""
+    return dict(out_a=floats(2, 4, 16, dtype=BF16), lse_a=floats(2, 4, dtype=FP32), out_b=floats(2, 4, 16, dtype=BF16),
+                lse_b=floats(2, 4, dtype=FP32)), {}
+
+
 def expand():
     """R = 3 rows, B = 2, ratio 2, token_topk 4 (2 blocks a row)."""
     return dict(block_indices=ints([[0, 1], [2, -1], [0, 3]]), query_positions=ints([5, 9, 7]),
@@ -189,6 +195,7 @@ BASES: dict[str, Callable] = {
     "expand_block_indices": expand,
     "select_paged_tokens": select,
     "sparse_paged_attention": attention,
+    "merge_attention_states": merge,
 }
 
 
@@ -462,6 +469,17 @@ def _topk_rows():
     ]
 
 
+def _merge_rows():
+    r = _rows("merge_attention_states")
+    return [
+        r("out_b_shape", lambda a: dict(out_b=a["out_b"][:, :3]), "out_b must have out_a's shape"),
+        r("lse_a_dtype", lambda a: dict(lse_a=a["lse_a"].to(BF16)), "lse_a must have dtype float32"),
+        r("lse_b_shape", lambda a: dict(lse_b=a["lse_b"][:, :2]), "lse_b must be [R, H] = (2, 4)"),
+        r("out_a_rank", lambda a: dict(out_a=a["out_a"][0]), "out_a must be [R, H, D]"),
+        r("out_a_dtype", lambda a: dict(out_a=a["out_a"].to(I32)), "out_a must have dtype"),
+    ]
+
+
 def _expand_rows():
     r = _rows("expand_block_indices")
     return [
@@ -581,7 +599,7 @@ def _expanded_rows():
 
 
 TABLE = (_rope_rows() + _compress_rows() + _store_rows() + _scores_rows() + _topk_rows() + _expand_rows()
-         + _select_rows() + _attention_rows() + _non_contiguous_rows() + _missing_array_rows()
+         + _select_rows() + _attention_rows() + _merge_rows() + _non_contiguous_rows() + _missing_array_rows()
          + _expanded_rows())
 
 

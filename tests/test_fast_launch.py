@@ -31,9 +31,6 @@ from qsa_torch._accel._fast_launch import Binding, FastLauncher, SpecializationD
 
 from . import _fast_launch_kernels as kernels
 
-from .util import needs_accelerator
-
-pytestmark = needs_accelerator
 
 
 def binder_of(kernel):

@@ -18,9 +18,6 @@ import torch
 
 from qsa_torch._accel import _fast_launch, _internals
 
-from .util import needs_accelerator
-
-pytestmark = needs_accelerator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

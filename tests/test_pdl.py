@@ -98,9 +98,11 @@ def test_the_wait_is_emitted_only_in_compiled_processes_on_sm90_hosts(monkeypatc
         assert pdl._emits() is emits
     monkeypatch.setattr(runtime, "INTERPRETED", True)
     assert pdl._emits() is False  # the interpreter cannot run the instructions
-    monkeypatch.setenv("QSA_PDL_EMIT", "yes")
     monkeypatch.setattr(runtime, "INTERPRETED", False)
-    with pytest.raises(ValueError, match="QSA_PDL_EMIT must be one of 'auto', '0', '1', got 'yes'"):
+    monkeypatch.setenv("QSA_PDL_EMIT", "yes")  # the one switch parser's spellings (runtime.env_switch)
+    assert pdl._emits() is True
+    monkeypatch.setenv("QSA_PDL_EMIT", "sometimes")
+    with pytest.raises(ValueError, match="QSA_PDL_EMIT must be one of 1, on, true, yes"):
         pdl._emits()
 
 

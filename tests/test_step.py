@@ -1217,7 +1217,7 @@ def test_step_without_cos_sin_is_an_identity_table(index_rows):
 
 def _call_plan(adapter: str, arguments: dict):
     """The step with the plan's own options, through the adapter's generic call (the path its public
-    ``qsa_attention_step`` takes) and ``step_results``."""
+    ``qsa_attention_step`` takes) and ``public_results``."""
     from qsa_kernels import step as S
 
     if adapter == "torch":
@@ -1227,7 +1227,7 @@ def _call_plan(adapter: str, arguments: dict):
         from qsa_jax import _binding
         state_type, metadata_type = qsa_jax.QSAState, qsa_jax.StepMetadata
     flat = S.state_arguments(arguments, state_type, metadata_type)
-    return S.step_results(_binding.call(S.plan_qsa_attention_step, flat), arguments["state"])
+    return S.public_results(_binding.call(S.plan_qsa_attention_step, flat), arguments["state"])
 
 
 def test_step_sinks_and_lse_equal_the_attention_stage_and_the_reference():
