@@ -15,7 +15,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 start=$(date +%s)
 # The GPU cases of the changed code (the engine pattern at 1, 8, 64 requests x 128K; LSE, sinks and
 # head dims at production shapes; merge; the step's production geometry and JAX lowerings; ops).
-timeout 330 python3 -m pytest -q -p no:cacheprovider -x -rfEs \
+timeout 290 python3 -m pytest -q -p no:cacheprovider -x -rfEs \
   tests/test_dynamic_shapes.py tests/test_merge.py tests/test_tensor_kinds.py tests/test_binding.py \
   "tests/test_attention.py" "tests/test_step.py" -m "gpu or not gpu" \
   -k "engine or gpu or production or lse or sink or head_dim or merge or negative or kinds or binding or one_compiled" \
@@ -23,14 +23,14 @@ timeout 330 python3 -m pytest -q -p no:cacheprovider -x -rfEs \
 echo "pytest rc $? wall $(( $(date +%s) - start )) s" >> "$OUT/gpu.txt"
 shapes=decode:1:131072,decode:8:131072,decode:64:131072
 start=$(date +%s)
-timeout 150 python3 benchmarks/bench_step.py --shapes $shapes --engine-pattern --skip-compile --skip-jax \
+timeout 130 python3 benchmarks/bench_step.py --shapes $shapes --engine-pattern --skip-compile --skip-jax \
   --json "$OUT/step_engine.json" > "$OUT/bench.log" 2>&1
 echo "bench_step (accelerated) rc $? wall $(( $(date +%s) - start )) s" >> "$OUT/gpu.txt"
 start=$(date +%s)
-QSA_ACCELERATE=0 timeout 90 python3 benchmarks/bench_step.py --shapes decode:1:131072,decode:8:131072 --skip-compile \
+QSA_ACCELERATE=0 timeout 75 python3 benchmarks/bench_step.py --shapes decode:1:131072,decode:8:131072 --skip-compile \
   --skip-jax --json "$OUT/step_binding.json" >> "$OUT/bench.log" 2>&1
 echo "bench_step (QSA_ACCELERATE=0) rc $? wall $(( $(date +%s) - start )) s" >> "$OUT/gpu.txt"
 start=$(date +%s)
-timeout 80 python3 benchmarks/bench_sparse_attention.py --only decode --json "$OUT/attention_options.json" \
+timeout 60 python3 benchmarks/bench_sparse_attention.py --only decode --json "$OUT/attention_options.json" \
   >> "$OUT/bench.log" 2>&1
 echo "bench_sparse_attention rc $? wall $(( $(date +%s) - start )) s" >> "$OUT/gpu.txt"
