@@ -15,7 +15,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 start=$(date +%s)
 # The GPU cases of the changed code (the engine pattern at 1, 8, 64 requests x 128K; LSE, sinks and
 # head dims at production shapes; merge; the step's production geometry and JAX lowerings; ops).
-timeout 290 python3 -m pytest -q -p no:cacheprovider -x -rfEs \
+timeout 290 python3 -m pytest -q -p no:cacheprovider -rfEs \
   tests/test_dynamic_shapes.py tests/test_merge.py tests/test_tensor_kinds.py tests/test_binding.py \
   "tests/test_attention.py" "tests/test_step.py" -m "gpu or not gpu" \
   -k "engine or gpu or production or lse or sink or head_dim or merge or negative or kinds or binding or one_compiled" \
