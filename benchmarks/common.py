@@ -251,11 +251,26 @@ def environment() -> dict:
     return info
 
 
+def commit() -> str:
+    """The checkout's commit: ``QSA_COMMIT`` (a copy without .git, e.g. the device machine's), else git's."""
+    if os.environ.get("QSA_COMMIT"):
+        return os.environ["QSA_COMMIT"]
+    try:
+        import subprocess
+
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
 def write_json(path: str, benchmark: str, rows: list[dict], notes: list[str] | None = None) -> None:
+    """The run's JSON: its date, card and commit (docs/performance.md cites them), environment, rows."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"benchmark": benchmark, "environment": environment(), "peak_gbps": PEAK_GBPS,
-                   "notes": notes or [], "rows": rows}, f, indent=1)
+        json.dump({"benchmark": benchmark, "date": time.strftime("%Y-%m-%d"), "card": card(), "commit": commit(),
+                   "environment": environment(), "peak_gbps": PEAK_GBPS, "notes": notes or [], "rows": rows},
+                  f, indent=1)
     print(f"wrote {path}")
 
 
