@@ -81,20 +81,29 @@ def test_the_scan_finds_private_names():
 
 
 def _imports(path: Path) -> set[str]:
+    """Every module path ``path`` imports from, and each name it imports under it (``a.b``, ``a.b.c``)."""
+    names = set()
+    for base, imported in _import_statements(path):
+        names.add(base)
+        names.update(f"{base}.{name}" for name in imported)
+    return names
+
+
+def _import_statements(path: Path) -> list[tuple[str, tuple[str, ...]]]:
+    """``(module, names)`` per import of ``path``, relative imports resolved (``import a.b``: ``(a.b, ())``)."""
     tree = ast.parse(path.read_text(), str(path))
     package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
-    names = set()
+    found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
+            found += [(alias.name, ()) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 parent = package.split(".")[:len(package.split(".")) - node.level + 1]
                 base = ".".join(parent + ([node.module] if node.module else []))
-            names.add(base)
-            names.update(f"{base}.{alias.name}" for alias in node.names)
-    return names
+            found.append((base, tuple(alias.name for alias in node.names)))
+    return found
 
 
 @pytest.mark.parametrize("package", sorted(ACCELERATORS))
@@ -117,19 +126,10 @@ def test_the_kernels_import_no_adapter():
 
 def _module_imports(path: Path, modules: set[str]) -> set[str]:
     """The modules of ``modules`` that ``path`` imports (``from . import x``: the module x)."""
-    tree = ast.parse(path.read_text(), str(path))
-    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
     found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parent = package.split(".")[:len(package.split(".")) - node.level + 1]
-                base = ".".join(parent + ([node.module] if node.module else []))
-            for alias in node.names:
-                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+    for base, imported in _import_statements(path):
+        found.update([base] if not imported else
+                     (f"{base}.{name}" if f"{base}.{name}" in modules else base for name in imported))
     return found & modules
 
 
