@@ -167,7 +167,8 @@ def test_the_generated_functions_are_current():
 def test_without_the_accelerator_nothing_of_it_is_imported():
     code = ("import sys, qsa_torch, qsa_jax, torch\n"
             "from qsa_torch import _binding as t\nfrom qsa_jax import _binding as j\n"
-            "x = torch.randn(3, 40)\nv = torch.full((3,), 40, dtype=torch.int32)\n"
+            "d = 'cuda' if torch.cuda.is_available() else 'cpu'\n"
+            "x = torch.randn(3, 40, device=d)\nv = torch.full((3,), 40, dtype=torch.int32, device=d)\n"
             "print(t.hook is None, j.hook is None, qsa_jax.triton_lowering(),\n"
             "      any(m.startswith(('qsa_torch._accel', 'qsa_jax._lowering')) for m in sys.modules),\n"
             "      qsa_torch.topk_blocks(x, v, 3).tolist() == torch.topk(x, 3).indices.sort().values.tolist())\n")

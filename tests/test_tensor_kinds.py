@@ -105,10 +105,11 @@ def test_a_nested_tensor_after_steady_calls_does_not_crash_the_process():
     """Issue 52, item 1: after two ordinary calls a nested tensor reached torch's C guard check, which
     threw a C++ exception nothing caught (the process aborted, exit 134)."""
     code = ("import torch, qsa_torch\n"
-            "x = torch.randn(3, 40); v = torch.full((3,), 40, dtype=torch.int32)\n"
+            "d = 'cuda' if torch.cuda.is_available() else 'cpu'\n"
+            "x = torch.randn(3, 40, device=d); v = torch.full((3,), 40, dtype=torch.int32, device=d)\n"
             "for _ in range(3): qsa_torch.topk_blocks(x, v, 4)\n"
             "try:\n"
-            "    qsa_torch.topk_blocks(torch.nested.nested_tensor([torch.randn(40), torch.randn(40)]), v, 4)\n"
+            "    qsa_torch.topk_blocks(torch.nested.nested_tensor([torch.randn(40), torch.randn(40)], device=d), v, 4)\n"
             "except TypeError as e:\n"
             "    print('refused:', e)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
