@@ -306,6 +306,11 @@ def test_an_input_that_requires_grad_is_refused_naming_the_function(how):
     with observe_launches() as launches:
         with pytest.raises(error, match=not_differentiable("sparse_paged_attention", "q")):
             run_as(how, function)(**dict(arguments, q=q))
+    if how == "compiled" and not OWN_KERNELS:
+        # Dynamo falls back to running the op where it broke the graph; torch.library.custom_op's
+        # autograd refuses in its formula's set-up, after the op's kernels ran (docs/api.md): an op
+        # that writes nothing in place, so nothing but the launch happened.
+        return
     assert launches == [], "a refused call launched"
 
 
