@@ -21,8 +21,8 @@ Conventions every kernel follows, so one signature serves both adapters:
 CPU path) call it with their own ``allocate`` and ``launch`` callables, so
 allocation, skipped empty launches, output threading, fills of unwritten
 buffers and instrumentation (:func:`observe_launches`) behave the same
-everywhere.  The one exception is torch's steady eager calls
-(``qsa_torch._eager``): they run a :class:`Schedule` of the same Program --
+everywhere.  The one exception is the torch accelerator's steady eager calls
+(``qsa_torch._accel._eager``): they run a :class:`Schedule` of the same Program --
 the same launches, fills and results, workspaces carved from one
 allocation -- and fall back to :func:`execute` whenever an observer is
 registered.

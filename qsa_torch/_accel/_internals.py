@@ -1,6 +1,6 @@
 """Which of torch's private internals this process uses: one table, one switch.
 
-The ops' own dispatcher kernels (``qsa_torch._launch``, "Op registration")
+The ops' own dispatcher kernels (``qsa_torch._accel._ops``)
 and the eager path's version bumps call into ``torch._C``:
 ``_AutoDispatchBelowADInplaceOrView``, ``_after_ADInplaceOrView_keyset``,
 ``_any_requires_grad``, ``_increment_version`` and ``OpOverload.redispatch``
@@ -18,7 +18,7 @@ every torch: where a name is missing, a mode is assumed (the call goes
 through its op, which is always correct).
 
 The eager path's check that a call's tensors match a recent call's
-(``qsa_torch._eager``) uses ``torch._C._dynamo.guards.TensorGuards``, the C
+(``qsa_torch._accel._eager``) uses ``torch._C._dynamo.guards.TensorGuards``, the C
 check ``torch.compile`` guards its graphs with (type, dispatch keys -- so
 device type, layout and the neg/conj bits --, dtype, device index,
 requires_grad, sizes, strides), with the torch minors in
