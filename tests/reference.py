@@ -228,6 +228,36 @@ def mean_pool_groups(keys, compress_ratio):
 # Stage 4: sparse paged attention
 # --------------------------------------------------------------------------
 
+def _attention_slots(q, k_cache, v_cache, token_indices, block_table, token_to_req, softmax_scale):
+    """What both references of stage 4 start from: ``(q, k_cache, v_cache, scale, group, slots)``,
+    the arrays float64, ``group`` the query heads of a KV head, and ``slots[row]`` the
+    ``(pages, offsets)`` of the row's valid selected tokens (duplicates kept; none for a row
+    without a valid request).  ``k_cache``/``v_cache`` are ``[blocks, P, KH, D]``."""
+    q = np.asarray(q, np.float64)
+    k_cache = np.asarray(k_cache, np.float64)
+    v_cache = np.asarray(v_cache, np.float64)
+    rows, qh, d = q.shape
+    num_blocks, page_size, kh, _ = k_cache.shape
+    num_requests, table_width = block_table.shape
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    slots = []
+    for row in range(rows):
+        request = int(token_to_req[row])
+        pages, offsets = [], []
+        if 0 <= request < num_requests:
+            for token in token_indices[row]:
+                token = int(token)
+                logical_page, offset = divmod(token, page_size)
+                if token < 0 or logical_page >= table_width:
+                    continue
+                page = int(block_table[request, logical_page])
+                if 0 <= page < num_blocks:
+                    pages.append(page)
+                    offsets.append(offset)
+        slots.append((pages, offsets))
+    return q, k_cache, v_cache, scale, qh // kh, slots
+
+
 def sparse_paged_attention(q, k_cache, v_cache, token_indices, block_table, token_to_req,
                            softmax_scale=None):
     """Reference of stage 4: ``out [R, QH, D]`` float64.
@@ -236,34 +266,13 @@ def sparse_paged_attention(q, k_cache, v_cache, token_indices, block_table, toke
     kept) and runs plain softmax attention per query head; a row with no
     valid token is zeros.  ``k_cache``/``v_cache`` are ``[blocks, P, KH, D]``.
     """
-    q = np.asarray(q, np.float64)
-    k_cache = np.asarray(k_cache, np.float64)
-    v_cache = np.asarray(v_cache, np.float64)
-    rows, qh, d = q.shape
-    num_blocks, page_size, kh, _ = k_cache.shape
-    num_requests, table_width = block_table.shape
-    group = qh // kh
-    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    q, k_cache, v_cache, scale, group, slots = _attention_slots(
+        q, k_cache, v_cache, token_indices, block_table, token_to_req, softmax_scale)
     out = np.zeros_like(q)
-    for row in range(rows):
-        request = int(token_to_req[row])
-        if not 0 <= request < num_requests:
-            continue
-        pages, offsets = [], []
-        for token in token_indices[row]:
-            token = int(token)
-            if token < 0:
-                continue
-            logical_page, offset = divmod(token, page_size)
-            if logical_page >= table_width:
-                continue
-            page = int(block_table[request, logical_page])
-            if 0 <= page < num_blocks:
-                pages.append(page)
-                offsets.append(offset)
+    for row, (pages, offsets) in enumerate(slots):
         if not pages:
             continue
-        for head in range(qh):
+        for head in range(q.shape[1]):
             keys = k_cache[pages, offsets, head // group]
             values = v_cache[pages, offsets, head // group]
             scores = keys @ q[row, head] * scale
@@ -436,30 +445,12 @@ def sparse_paged_attention_lse(q, k_cache, v_cache, token_indices, block_table, 
     valid token and no sink: out 0, lse -inf; with a sink: out 0, lse = sink.
     Scores all -inf without a sink: lse -inf and out NaN (exp(-inf - -inf)).
     """
-    q = np.asarray(q, np.float64)
-    k_cache = np.asarray(k_cache, np.float64)
-    v_cache = np.asarray(v_cache, np.float64)
-    rows, qh, d = q.shape
-    num_blocks, page_size, kh, _ = k_cache.shape
-    num_requests, table_width = block_table.shape
-    group = qh // kh
-    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    q, k_cache, v_cache, scale, group, slots = _attention_slots(
+        q, k_cache, v_cache, token_indices, block_table, token_to_req, softmax_scale)
     out = np.zeros_like(q)
-    lse = np.full((rows, qh), -np.inf)
-    for row in range(rows):
-        request = int(token_to_req[row])
-        pages, offsets = [], []
-        if 0 <= request < num_requests:
-            for token in token_indices[row]:
-                token = int(token)
-                logical_page, offset = divmod(token, page_size)
-                if token < 0 or logical_page >= table_width:
-                    continue
-                page = int(block_table[request, logical_page])
-                if 0 <= page < num_blocks:
-                    pages.append(page)
-                    offsets.append(offset)
-        for head in range(qh):
+    lse = np.full(q.shape[:2], -np.inf)
+    for row, (pages, offsets) in enumerate(slots):
+        for head in range(q.shape[1]):
             keys = k_cache[pages, offsets, head // group]
             values = v_cache[pages, offsets, head // group]
             with np.errstate(invalid="ignore", over="ignore"):
