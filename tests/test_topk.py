@@ -888,16 +888,30 @@ def test_ticketed_path_production(rows, columns, k, kind):
     """The ticketed path forced on every branch at production widths, with
     the programs of a row running concurrently: exact, and the same bits
     run after run (whichever program finishes last)."""
+    _check_ticketed_production(_production_logits(kind, rows, columns, seed=32), k, runs=5)
+
+
+def _production_logits(kind: str, rows: int, columns: int, seed: int = 35) -> torch.Tensor:
+    """``kind``'s logits; the random kinds draw from ``seed`` (special), ``seed + 1``
+    (narrow) and ``seed - 1`` (half-normal)."""
+    if kind == "half-normal":  # the benchmarks' scores
+        return torch.randn(rows, columns, generator=torch.Generator().manual_seed(seed - 1)).abs_()
     if kind == "special":
-        logits = topk_logits(32, rows, columns, special=True)
-    elif kind == "ties":
-        logits = torch.full((rows, columns), 0.25)
-    elif kind == "narrow":
-        logits = 1.0 + torch.randint(0, 1000, (rows, columns), generator=torch.Generator().manual_seed(33)) * 1e-6
-    else:
-        logits = torch.arange(columns, dtype=torch.float32).repeat(rows, 1) / columns
-        if kind == "decreasing":
-            logits = logits.flip(1)
+        return topk_logits(seed, rows, columns, special=True)
+    if kind == "ties":
+        return torch.full((rows, columns), 0.25)
+    if kind == "narrow":
+        return 1.0 + torch.randint(0, 1000, (rows, columns), generator=torch.Generator().manual_seed(seed + 1)) * 1e-6
+    if kind == "wide":  # 1e-30..1e30 with neighbouring floats near the threshold
+        return adjacent_case(columns, rows, 512)
+    logits = torch.arange(columns, dtype=torch.float32).repeat(rows, 1) / columns
+    return logits.flip(1) if kind == "decreasing" else logits
+
+
+def _check_ticketed_production(logits: torch.Tensor, k: int, runs: int) -> None:
+    """The ticketed path forced on ``logits`` (the last row's visible width cut by a third):
+    the reference's columns, the same bits over ``runs`` more runs, and torch = JAX."""
+    rows, columns = logits.shape
     visible = torch.full((rows,), columns, dtype=torch.int32)
     visible[-1] = columns - columns // 3
     logits, visible = logits.to(DEVICE), visible.to(DEVICE)
@@ -905,25 +919,11 @@ def test_ticketed_path_production(rows, columns, k, kind):
     with tuning.override(topk=TopkTuning(path="ticketed")):
         out = qsa_torch.topk_blocks(logits, visible, k)
         assert np.array_equal(host(out), expected)
-        for _ in range(5):
+        for _ in range(runs):
             assert torch.equal(qsa_torch.topk_blocks(logits, visible, k), out)
-        jax_out = jax.jit(qsa_jax.topk_blocks, static_argnums=2)(to_jax(logits), to_jax(visible), k)
+        # A fresh function: JAX plans when it traces, under the tuning then in force.
+        jax_out = jax.jit(lambda x, v: qsa_jax.topk_blocks(x, v, k))(to_jax(logits), to_jax(visible))
     assert_bitwise_equal(out, jax_out, "ticketed top-k torch vs jax")
-
-
-def _production_logits(kind: str, rows: int, columns: int) -> torch.Tensor:
-    if kind == "half-normal":  # the benchmarks' scores
-        return torch.randn(rows, columns, generator=torch.Generator().manual_seed(34)).abs_()
-    if kind == "special":
-        return topk_logits(35, rows, columns, special=True)
-    if kind == "ties":
-        return torch.full((rows, columns), 0.25)
-    if kind == "narrow":
-        return 1.0 + torch.randint(0, 1000, (rows, columns), generator=torch.Generator().manual_seed(36)) * 1e-6
-    if kind == "wide":  # 1e-30..1e30 with neighbouring floats near the threshold
-        return adjacent_case(columns, rows, 512)
-    logits = torch.arange(columns, dtype=torch.float32).repeat(rows, 1) / columns
-    return logits.flip(1) if kind == "decreasing" else logits
 
 
 @pytest.mark.gpu
@@ -939,19 +939,7 @@ def test_ticketed_selection_production(rows, columns, k, kind):
     """The ticketed path forced at production widths, the programs of a
     row running concurrently: exact, the same bits over 20 runs
     (whichever programs finish first), and torch = JAX."""
-    logits = _production_logits(kind, rows, columns)
-    visible = torch.full((rows,), columns, dtype=torch.int32)
-    visible[-1] = columns - columns // 3
-    logits, visible = logits.to(DEVICE), visible.to(DEVICE)
-    expected = sorted_reference(host(logits), host(visible), k)
-    with tuning.override(topk=TopkTuning(path="ticketed")):
-        out = qsa_torch.topk_blocks(logits, visible, k)
-        assert np.array_equal(host(out), expected)
-        for _ in range(20):
-            assert torch.equal(qsa_torch.topk_blocks(logits, visible, k), out)
-        # A fresh function: JAX plans when it traces, under the tuning then in force.
-        jax_out = jax.jit(lambda x, v: qsa_jax.topk_blocks(x, v, k))(to_jax(logits), to_jax(visible))
-    assert_bitwise_equal(out, jax_out, "ticketed top-k torch vs jax")
+    _check_ticketed_production(_production_logits(kind, rows, columns), k, runs=20)
 
 
 @pytest.mark.gpu
