@@ -701,6 +701,50 @@ def test_nan_in_stored_keys_scores_as_16bit_keys():
                          "fp8 vs bf16 selection")
 
 
+class Fp8BesideBf16:
+    """A random bf16 step state and its fp8 copy (:func:`fp8_state`, below), with what stepping
+    them side by side takes: the generator (for the inputs), a pager and the RoPE tables."""
+
+    def __init__(self, model: Model, seed: int, pager_seed: int, geometry: CacheGeometry = GEOMETRY,
+                 positions: int = 64):
+        self.model = model
+        self.g = torch.Generator().manual_seed(seed)
+        self.pager = PagedRequests(geometry, seed=pager_seed)
+        self.cos_sin, self.index_cos_sin = rope_table(model.D, positions), rope_table(model.DI, positions)
+        self.bf16_state = random_state(model, self.g, geometry)
+        self.state = fp8_state(clone_state(self.bf16_state))
+
+    def options(self, host_meta) -> dict:
+        """The torch step's arguments but the inputs and the state."""
+        return dict(metadata=qsa_torch.StepMetadata.from_host(host_meta, DEVICE), cos_sin=self.cos_sin,
+                    index_cos_sin=self.index_cos_sin, return_token_indices=True, **self.model.options())
+
+    def jax_step(self, **jit):
+        """The JAX step under a fresh ``jax.jit(..., **jit)`` (JAX plans when it traces, under the
+        tuning then in force), called as ``(torch inputs, JAX state, host_meta)``: ``(out, state,
+        token_indices)``."""
+        step = jax.jit(lambda i, s, m, c, ic: qsa_jax.qsa_attention_step(
+            **i, state=s, metadata=m, cos_sin=c, index_cos_sin=ic, return_token_indices=True,
+            **self.model.options()), **jit)
+        return lambda inputs, state, host_meta: step(
+            {n: to_jax(a) for n, a in inputs.items()}, state, qsa_jax.StepMetadata.from_host(host_meta),
+            to_jax(self.cos_sin), to_jax(self.index_cos_sin))
+
+
+def jax_state(state: qsa_torch.QSAState) -> qsa_jax.QSAState:
+    """The same state for qsa_jax (its None scales kept)."""
+    return step_to_jax(dict(state=state))["state"]
+
+
+def assert_nan_as_bf16(out, state, bf16_out, bf16_state) -> None:
+    """NaN out elements (some, not all) and NaN cache places of an fp8 step as of its bf16 twin."""
+    nan = np.isnan(f64(bf16_out))
+    assert nan.any() and not nan.all()
+    assert np.array_equal(np.isnan(f64(out)), nan), "NaN out elements"
+    for name in ("key_cache", "value_cache", "compressed_key_cache"):
+        assert np.array_equal(np.isnan(f64(getattr(state, name))), np.isnan(f64(getattr(bf16_state, name)))), name
+
+
 def _nan_step_inputs(model, rows, g):
     """random_inputs with NaN in k (row 2), v (row 5) and index_k (row 3)."""
     inputs = random_inputs(model, rows, g)
@@ -717,34 +761,19 @@ def test_step_nan_with_fp8_caches_as_with_bf16(fuse):
     key's group is stored NaN by the fused or the separate compression launches), torch and
     JAX bitwise.  token_topk covers every group, so the selection does not depend on scores."""
     model = Model(token_topk=48, index_dtype=torch.bfloat16)
-    g = torch.Generator().manual_seed(34)
-    pager = PagedRequests(GEOMETRY, seed=2)
-    cos_sin, index_cos_sin = rope_table(model.D), rope_table(model.DI)
-    bf16_state = random_state(model, g)
-    state = fp8_state(clone_state(bf16_state))
-    host_meta = pager.step({"a": 9, "b": 6})
-    inputs = _nan_step_inputs(model, host_meta.num_rows, g)
-    meta = qsa_torch.StepMetadata.from_host(host_meta, DEVICE)
-    step = dict(metadata=meta, cos_sin=cos_sin, index_cos_sin=index_cos_sin, return_token_indices=True,
-                **model.options())
+    run = Fp8BesideBf16(model, seed=34, pager_seed=2)
+    host_meta = run.pager.step({"a": 9, "b": 6})
+    inputs = _nan_step_inputs(model, host_meta.num_rows, run.g)
+    step = run.options(host_meta)
     with tuning.override(step=tuning.StepTuning(fuse_stages=fuse)):
-        jax_state = qsa_jax.QSAState(**{f.name: None if getattr(state, f.name) is None
-                                        else to_jax(getattr(state, f.name)) for f in dataclasses.fields(state)})
-        jax_out, jax_state, _ = jax.jit(lambda i, s, m, c, ic: qsa_jax.qsa_attention_step(
-            **i, state=s, metadata=m, cos_sin=c, index_cos_sin=ic, return_token_indices=True, **model.options()))(
-            {n: to_jax(a) for n, a in inputs.items()}, jax_state, qsa_jax.StepMetadata.from_host(host_meta),
-            to_jax(cos_sin), to_jax(index_cos_sin))
-        out, state, _ = qsa_torch.qsa_attention_step(**inputs, state=state, **step)
-        bf16_out, bf16_state, _ = qsa_torch.qsa_attention_step(**inputs, state=bf16_state, **step)
-    nan = np.isnan(f64(bf16_out))
-    assert nan.any() and not nan.all()
-    assert np.array_equal(np.isnan(f64(out)), nan), "NaN out elements"
-    for name in ("key_cache", "value_cache", "compressed_key_cache"):
-        assert np.array_equal(np.isnan(f64(getattr(state, name))), np.isnan(f64(getattr(bf16_state, name)))), name
+        jax_out, jax_state_after, _ = run.jax_step()(inputs, jax_state(run.state), host_meta)
+        out, state, _ = qsa_torch.qsa_attention_step(**inputs, state=run.state, **step)
+        bf16_out, bf16_state, _ = qsa_torch.qsa_attention_step(**inputs, state=run.bf16_state, **step)
+    assert_nan_as_bf16(out, state, bf16_out, bf16_state)
     assert np.isnan(f64(state.compressed_key_cache)).any(), "the NaN index key's group is stored NaN"
     assert_bitwise_equal(out, jax_out, "torch vs JAX out")
     for name in STATE_FIELDS:
-        assert_bitwise_equal(getattr(state, name), getattr(jax_state, name), f"torch vs JAX {name}")
+        assert_bitwise_equal(getattr(state, name), getattr(jax_state_after, name), f"torch vs JAX {name}")
 
 
 # GPU: the readers' NaN codes at production geometry (the launch table's rows, the bf16 bit
@@ -839,36 +868,22 @@ def test_step_fp8_nan_production_heads(fuse):
     model = Model(QH=24, KH=2, D=256, IH=4, DI=128, ratio=4, token_topk=1024, index_dtype=torch.bfloat16)
     geometry = CacheGeometry(page_size=64, num_pages=24, compress_ratio=4, compressed_page_size=64,
                              num_compressed_pages=8, max_context=1024, max_requests=2)
-    g = torch.Generator().manual_seed(35)
-    pager = PagedRequests(geometry, seed=3)
-    cos_sin, index_cos_sin = rope_table(model.D, 1024), rope_table(model.DI, 1024)
-    bf16_state = random_state(model, g, geometry)
-    state = fp8_state(clone_state(bf16_state))
-    jax_state = qsa_jax.QSAState(**{f.name: None if getattr(state, f.name) is None
-                                    else to_jax(getattr(state, f.name)) for f in dataclasses.fields(state)})
+    run = Fp8BesideBf16(model, seed=35, pager_seed=3, geometry=geometry, positions=1024)
+    state, bf16_state, jax_state_now = run.state, run.bf16_state, jax_state(run.state)
     for schedule in ({"a": 300, "b": 200}, {"a": 1, "b": 1}):  # the decode row of a attends the NaN K/V
-        host_meta = pager.step(schedule)
-        inputs = (_nan_step_inputs if host_meta.num_rows > 5 else random_inputs)(model, host_meta.num_rows, g)
-        meta = qsa_torch.StepMetadata.from_host(host_meta, DEVICE)
-        step = dict(metadata=meta, cos_sin=cos_sin, index_cos_sin=index_cos_sin, return_token_indices=True,
-                    **model.options())
+        host_meta = run.pager.step(schedule)
+        inputs = (_nan_step_inputs if host_meta.num_rows > 5 else random_inputs)(model, host_meta.num_rows, run.g)
+        step = run.options(host_meta)
         with tuning.override(step=tuning.StepTuning(fuse_stages=fuse)):
-            jax_out, jax_state, jax_indices = jax.jit(lambda i, s, m, c, ic: qsa_jax.qsa_attention_step(
-                **i, state=s, metadata=m, cos_sin=c, index_cos_sin=ic, return_token_indices=True,
-                **model.options()))({n: to_jax(a) for n, a in inputs.items()}, jax_state,
-                                    qsa_jax.StepMetadata.from_host(host_meta), to_jax(cos_sin), to_jax(index_cos_sin))
+            jax_out, jax_state_now, jax_indices = run.jax_step()(inputs, jax_state_now, host_meta)
             out, state, indices = qsa_torch.qsa_attention_step(**inputs, state=state, **step)
             bf16_out, bf16_state, bf16_indices = qsa_torch.qsa_attention_step(**inputs, state=bf16_state, **step)
         assert_bitwise_equal(indices, bf16_indices, "every group selected: the same tokens")
-        nan = np.isnan(f64(bf16_out))
-        assert nan.any() and not nan.all()
-        assert np.array_equal(np.isnan(f64(out)), nan), "NaN out elements"
-        for name in ("key_cache", "value_cache", "compressed_key_cache"):
-            assert np.array_equal(np.isnan(f64(getattr(state, name))), np.isnan(f64(getattr(bf16_state, name)))), name
+        assert_nan_as_bf16(out, state, bf16_out, bf16_state)
         assert_bitwise_equal(out, jax_out, "torch vs JAX out")
         assert_bitwise_equal(indices, jax_indices, "torch vs JAX token_indices")
         for name in STATE_FIELDS:
-            assert_bitwise_equal(getattr(state, name), getattr(jax_state, name), f"torch vs JAX {name}")
+            assert_bitwise_equal(getattr(state, name), getattr(jax_state_now, name), f"torch vs JAX {name}")
 
 
 # --------------------------------------------------------------------------
@@ -903,32 +918,21 @@ def test_step_fp8_caches_torch_jax_bitwise_and_close_to_bf16():
     every cache).  With token_topk covering every group, the selection cannot depend on the
     scores, so it equals the bf16 run's and out is within fp8's rounding of it."""
     model = Model(token_topk=48, index_dtype=torch.bfloat16)
-    g = torch.Generator().manual_seed(21)
-    pager = PagedRequests(GEOMETRY, seed=2)
-    cos_sin, index_cos_sin = rope_table(model.D), rope_table(model.DI)
-    bf16_state = random_state(model, g)
-    state = fp8_state(clone_state(bf16_state))
-    jax_state = qsa_jax.QSAState(**{f.name: None if getattr(state, f.name) is None else to_jax(getattr(state, f.name))
-                                    for f in dataclasses.fields(state)})
-    jax_step = jax.jit(lambda i, s, m, c, ic: qsa_jax.qsa_attention_step(
-        **i, state=s, metadata=m, cos_sin=c, index_cos_sin=ic, return_token_indices=True, **model.options()),
-        donate_argnums=(1,))
+    run = Fp8BesideBf16(model, seed=21, pager_seed=2)
+    state, bf16_state, jax_state_now = run.state, run.bf16_state, jax_state(run.state)
+    jax_step = run.jax_step(donate_argnums=(1,))
     for schedule in ({"a": 9, "b": 6}, {"a": 1, "b": 1, "c": 5}):  # prefill chunks; decode rows and a join
-        host_meta = pager.step(schedule)
-        inputs = random_inputs(model, host_meta.num_rows, g)
-        meta = qsa_torch.StepMetadata.from_host(host_meta, DEVICE)
-        step = dict(metadata=meta, cos_sin=cos_sin, index_cos_sin=index_cos_sin, return_token_indices=True,
-                    **model.options())
+        host_meta = run.pager.step(schedule)
+        inputs = random_inputs(model, host_meta.num_rows, run.g)
+        step = run.options(host_meta)
         out, state, indices = qsa_torch.qsa_attention_step(**inputs, state=state, **step)
         bf16_out, bf16_state, bf16_indices = qsa_torch.qsa_attention_step(**inputs, state=bf16_state, **step)
-        jax_out, jax_state, jax_indices = jax_step({n: to_jax(a) for n, a in inputs.items()}, jax_state,
-                                                   qsa_jax.StepMetadata.from_host(host_meta), to_jax(cos_sin),
-                                                   to_jax(index_cos_sin))
+        jax_out, jax_state_now, jax_indices = jax_step(inputs, jax_state_now, host_meta)
         assert state.key_cache.dtype == FP8 and state.compressed_key_cache.dtype == FP8
         assert_bitwise_equal(out, jax_out, "torch vs JAX out")
         assert_bitwise_equal(indices, jax_indices, "torch vs JAX token_indices")
         for name in STATE_FIELDS + SCALE_FIELDS:
-            assert_bitwise_equal(getattr(state, name), getattr(jax_state, name), f"torch vs JAX {name}")
+            assert_bitwise_equal(getattr(state, name), getattr(jax_state_now, name), f"torch vs JAX {name}")
         assert_bitwise_equal(indices, bf16_indices, "every group selected: the same tokens as bf16")
         assert_close(out, f64(bf16_out), 8e-2, "fp8 step vs bf16 step")
 
@@ -938,17 +942,12 @@ def test_step_fp8_selection_close_to_bf16():
     """A real choice of blocks (top 8 tokens of up to 11 groups): fp8 compressed keys select
     most of bf16's blocks (on random data; measured on the benchmark data: ~0.97)."""
     model = Model(token_topk=8, index_dtype=torch.bfloat16)
-    g = torch.Generator().manual_seed(22)
-    pager = PagedRequests(GEOMETRY, seed=4)
-    cos_sin, index_cos_sin = rope_table(model.D), rope_table(model.DI)
-    bf16_state = random_state(model, g)
-    state = fp8_state(clone_state(bf16_state))
-    step = dict(cos_sin=cos_sin, index_cos_sin=index_cos_sin, return_token_indices=True, **model.options())
-    host_meta = pager.step({"a": 44, "b": 40, "c": 37})
-    inputs = random_inputs(model, host_meta.num_rows, g)
-    meta = qsa_torch.StepMetadata.from_host(host_meta, DEVICE)
-    _, _, indices = qsa_torch.qsa_attention_step(**inputs, state=state, metadata=meta, **step)
-    _, _, bf16_indices = qsa_torch.qsa_attention_step(**inputs, state=bf16_state, metadata=meta, **step)
+    run = Fp8BesideBf16(model, seed=22, pager_seed=4)
+    host_meta = run.pager.step({"a": 44, "b": 40, "c": 37})
+    inputs = random_inputs(model, host_meta.num_rows, run.g)
+    step = run.options(host_meta)
+    _, _, indices = qsa_torch.qsa_attention_step(**inputs, state=run.state, **step)
+    _, _, bf16_indices = qsa_torch.qsa_attention_step(**inputs, state=run.bf16_state, **step)
     same = [len(set(a[a >= 0]) & set(b[b >= 0])) / max(1, (b >= 0).sum()) for a, b in zip(host(indices), host(bf16_indices))]
     assert np.mean(same) >= 0.8, f"fp8 selection matches bf16's on {np.mean(same):.2f} of the tokens"
 
