@@ -20,8 +20,8 @@ from .compress import cache_rows, check_compress_groups, check_store_cache_rows,
 from .fp8 import quantise
 from .launch import ArrayInfo, Buffer, Launch, Program, fused_launch
 from .pdl import dependent, wait_for_previous_kernel
-from .rope_cache import (check_rope_rows, rope_cache_kernel, rope_cache_program, rope_cos_sin, rope_pairs,
-                         rope_query_heads, rotate)
+from .rope_cache import (block_half, check_rope_rows, in_lanes, query_tiles, rope_cache_kernel, rope_cache_program,
+                         rope_cos_sin, rope_pairs, rope_query_heads, rotate)
 from .stage import stage
 from .tuning import RopeCacheTuning
 from .validate import BOOL, NONNEGATIVE_INT, POSITIVE_INT, Checker
@@ -54,6 +54,7 @@ def compress_rotate_store_kernel(
     D: tl.constexpr, F: tl.constexpr, BLOCK_R: tl.constexpr, RATIO: tl.constexpr, RING: tl.constexpr,
     CPAGE: tl.constexpr, IS_NEOX: tl.constexpr, QUANTISE: tl.constexpr, WIDE_FIRST_POSITIONS: tl.constexpr,
     IH: tl.constexpr, BLOCK_H: tl.constexpr, NUM_Q_TILES: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,  # D/2 padded to a power of two (D/2 itself at power-of-two D)
 ):
     """The composed step's compression stage in one launch (see plan_compress_rotate_store).
 
@@ -72,7 +73,8 @@ def compress_rotate_store_kernel(
         ring_out_ptr, compressed_out_ptr, index_q_out_ptr,
         T, num_requests, num_ring_blocks, num_ring_slots, num_compressed_slots, max_position, max_row_position,
         raw_sr, ring_sb, ring_sp, table_sr, ck_sb, ck_sp, cs_sr, q_sr, q_sh, qo_sr, qo_sh,
-        D, F, BLOCK_R, RATIO, RING, CPAGE, IS_NEOX, QUANTISE, WIDE_FIRST_POSITIONS, IH, BLOCK_H, NUM_Q_TILES)
+        D, F, BLOCK_R, RATIO, RING, CPAGE, IS_NEOX, QUANTISE, WIDE_FIRST_POSITIONS, IH, BLOCK_H, NUM_Q_TILES,
+        BLOCK_HALF)
 
 
 @triton.jit
@@ -86,10 +88,10 @@ def compress_rotate_store_program(
     raw_sr, ring_sb, ring_sp, table_sr, ck_sb, ck_sp, cs_sr, q_sr, q_sh, qo_sr, qo_sh,
     D: tl.constexpr, F: tl.constexpr, BLOCK_R: tl.constexpr, RATIO: tl.constexpr, RING: tl.constexpr,
     CPAGE: tl.constexpr, IS_NEOX: tl.constexpr, QUANTISE: tl.constexpr, WIDE_FIRST_POSITIONS: tl.constexpr,
-    IH: tl.constexpr, BLOCK_H: tl.constexpr, NUM_Q_TILES: tl.constexpr,
+    IH: tl.constexpr, BLOCK_H: tl.constexpr, NUM_Q_TILES: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     """One program of ``compress_rotate_store_kernel`` (also run by ``rope_compress_store_kernel``)."""
-    i, d_a, d_b, freq_a, freq_b = rope_pairs(D, F, IS_NEOX)
+    i, d_a, d_b, freq_a, freq_b = rope_pairs(D, F, IS_NEOX, BLOCK_HALF)
     if program == 0:
         rows = tl.arange(0, BLOCK_R)
         in_batch = rows < T
@@ -123,16 +125,18 @@ def compress_rotate_store_program(
         if QUANTISE:
             rotated_a = quantise(rotated_a, scale_ptr, compressed_out_ptr.dtype.element_ty)
             rotated_b = quantise(rotated_b, scale_ptr, compressed_out_ptr.dtype.element_ty)
-        tl.store(compressed_out_ptr + cache_row[:, None] + d_a[None, :], rotated_a, mask=write[:, None])
-        tl.store(compressed_out_ptr + cache_row[:, None] + d_b[None, :], rotated_b, mask=write[:, None])
+        pairs_written = in_lanes(write[:, None], i, D // 2, BLOCK_HALF)
+        tl.store(compressed_out_ptr + cache_row[:, None] + d_a[None, :], rotated_a, mask=pairs_written)
+        tl.store(compressed_out_ptr + cache_row[:, None] + d_b[None, :], rotated_b, mask=pairs_written)
         # Pool first, then overwrite the ring: no thread stores a ring row before
         # every thread's ring loads are done (the loads' values are used above).
         tl.debug_barrier()
         write, ring_row = cache_rows(ring_slots_ptr, rows, in_batch, num_ring_slots, ring_sb, ring_sp, RING)
         write = write & row_ok
-        cols = tl.arange(0, D)
-        values = tl.load(raw_keys_ptr + rows[:, None] * raw_sr + cols[None, :], mask=write[:, None])
-        tl.store(ring_out_ptr + ring_row[:, None] + cols[None, :], values, mask=write[:, None])
+        cols = tl.arange(0, 2 * BLOCK_HALF)  # D padded to a power of two
+        written = in_lanes(write[:, None], cols, D, 2 * BLOCK_HALF)
+        values = tl.load(raw_keys_ptr + rows[:, None] * raw_sr + cols[None, :], mask=written)
+        tl.store(ring_out_ptr + ring_row[:, None] + cols[None, :], values, mask=written)
     else:
         # Stage 1's query path over index_q's row t (its heads in tiles of BLOCK_H).
         t = (program - 1).to(tl.int64)
@@ -140,9 +144,9 @@ def compress_rotate_store_program(
         _position_ok, q_cos_a, q_sin_a, q_cos_b, q_sin_b = rope_cos_sin(
             cos_sin_ptr, position, True, i < D // 2, max_position, cs_sr, freq_a, freq_b, F)
         for head_tile in tl.static_range(NUM_Q_TILES):
-            rope_query_heads(index_q_ptr, index_q_out_ptr, index_q_out_ptr, t, head_tile, d_a, d_b,
+            rope_query_heads(index_q_ptr, index_q_out_ptr, index_q_out_ptr, t, head_tile, i, d_a, d_b,
                               q_cos_a[None, :], q_sin_a[None, :], q_cos_b[None, :], q_sin_b[None, :],
-                              q_sr, q_sh, qo_sr, qo_sh, IH, BLOCK_H, False)
+                              q_sr, q_sh, qo_sr, qo_sh, D, IH, BLOCK_H, False, BLOCK_HALF)
 
 
 @dependent
@@ -171,10 +175,11 @@ def rope_compress_store_kernel(
     r_HAS_OFFSETS: tl.constexpr, r_HAS_SWA: tl.constexpr, r_WRITE_ZEROS: tl.constexpr,
     r_FP8_CACHE: tl.constexpr, r_K_DX: tl.constexpr, r_K_PX: tl.constexpr, r_V_DX: tl.constexpr,
     r_V_PX: tl.constexpr, r_ROPE: tl.constexpr, r_K_SCALED: tl.constexpr, r_V_SCALED: tl.constexpr,
+    r_BLOCK_HALF: tl.constexpr,
     c_D: tl.constexpr, c_F: tl.constexpr, c_BLOCK_R: tl.constexpr, c_RATIO: tl.constexpr, c_RING: tl.constexpr,
     c_CPAGE: tl.constexpr, c_IS_NEOX: tl.constexpr, c_QUANTISE: tl.constexpr,
     c_WIDE_FIRST_POSITIONS: tl.constexpr, c_IH: tl.constexpr, c_BLOCK_H: tl.constexpr,
-    c_NUM_Q_TILES: tl.constexpr,
+    c_NUM_Q_TILES: tl.constexpr, c_BLOCK_HALF: tl.constexpr,
 ):
     """The composed step's stages 1 and 2 and its index-query RoPE in one launch (plan_rope_compress_store).
 
@@ -196,7 +201,8 @@ def rope_compress_store_kernel(
             r_qo_sr, r_qo_sh, r_ko_sr, r_ko_sh, r_kc_sb, r_kc_sh, r_kc_sd1, r_kc_sd2, r_kc_sp1, r_kc_sp2,
             r_vc_sb, r_vc_sh, r_vc_sd1, r_vc_sd2, r_vc_sp1, r_vc_sp2,
             r_D, r_F, r_QH, r_KH, r_BLOCK_H, r_BLOCK_KH, r_NUM_Q_TILES, r_PAGE, r_IS_NEOX, r_HAS_OFFSETS,
-            r_HAS_SWA, r_WRITE_ZEROS, r_FP8_CACHE, r_K_DX, r_K_PX, r_V_DX, r_V_PX, r_ROPE, r_K_SCALED, r_V_SCALED)
+            r_HAS_SWA, r_WRITE_ZEROS, r_FP8_CACHE, r_K_DX, r_K_PX, r_V_DX, r_V_PX, r_ROPE, r_K_SCALED, r_V_SCALED,
+            r_BLOCK_HALF)
     else:
         compress_rotate_store_program(
             program - r_programs,
@@ -207,7 +213,7 @@ def rope_compress_store_kernel(
             c_max_row_position, c_raw_sr, c_ring_sb, c_ring_sp, c_table_sr, c_ck_sb, c_ck_sp, c_cs_sr, c_q_sr,
             c_q_sh, c_qo_sr, c_qo_sh,
             c_D, c_F, c_BLOCK_R, c_RATIO, c_RING, c_CPAGE, c_IS_NEOX, c_QUANTISE, c_WIDE_FIRST_POSITIONS, c_IH,
-            c_BLOCK_H, c_NUM_Q_TILES)
+            c_BLOCK_H, c_NUM_Q_TILES, c_BLOCK_HALF)
 
 
 @stage(
@@ -263,7 +269,7 @@ def plan_compress_rotate_store(
     blocks, ring_size = ring.shape[:2]
     pages, page = compressed_key_cache.shape[:2]
     heads = index_q.shape[1]
-    block_h = min(triton.next_power_of_2(heads), max(1, tuning.tile_elements // d))
+    block_h, num_q_tiles = query_tiles(heads, d, tuning.tile_elements)
     block_r = triton.next_power_of_2(rows)
     index_q_out = Buffer("index_q_out", index_q.shape, index_q.dtype)
     iq_sr, iq_sh, _ = index_q_out.info.strides
@@ -287,9 +293,9 @@ def plan_compress_rotate_store(
         constexprs=dict(D=d, F=cos_sin.shape[1] // 2, BLOCK_R=block_r, RATIO=compress_ratio, RING=ring_size,
                         CPAGE=page, IS_NEOX=is_neox, QUANTISE=scale is not None,
                         WIDE_FIRST_POSITIONS=raw_positions.dtype == "int64",
-                        IH=heads, BLOCK_H=block_h, NUM_Q_TILES=triton.cdiv(heads, block_h)),
-        # Program 0's tile is [BLOCK_R, D/2] twice, RATIO member loads of each in flight.
-        num_warps=min(8, max(1, block_r * d // 512)),
+                        IH=heads, BLOCK_H=block_h, NUM_Q_TILES=num_q_tiles, BLOCK_HALF=block_half(d)),
+        # Program 0's tile is [BLOCK_R, BLOCK_HALF] twice, RATIO member loads of each in flight.
+        num_warps=min(8, max(1, block_r * 2 * block_half(d) // 512)),
         num_stages=1,
     )
     return Program("compress_rotate_store", (index_q_out,), (launch,),

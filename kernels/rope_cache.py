@@ -8,9 +8,14 @@ at (page, offset) is, for every layout,
     page * SB + head * SH + (d // DX) * SD1 + (d % DX) * SD2
                           + (offset // PX) * SP1 + (offset % PX) * SP2
 
-with (DX, PX) constexpr powers of two; the plan derives the six strides and
-two splits from the cache shapes, so one code path serves the flash, paged
-and shuffled-value layouts.
+with (DX, PX) constexprs, DX a power of two; the plan derives the six strides
+and two splits from the cache shapes, so one code path serves the flash,
+paged and shuffled-value layouts.
+
+Any even head dim D: a program's rotation pairs are a tile of ``BLOCK_HALF``
+lanes, D/2 padded to a power of two (``BLOCK_HALF = D/2`` at a power-of-two
+D, where every mask of the padding folds away: the same code as unpadded).
+Padded lanes are never loaded nor stored (:func:`in_lanes`, :func:`load_lanes`).
 """
 
 from __future__ import annotations
@@ -32,12 +37,13 @@ DOC = """\
 Apply RoPE to q and k and write k and v into a paged KV cache.
 
 Args:
-    q: ``[T, QH, D]`` bf16, fp16 or fp32; D a power of two.
+    q: ``[T, QH, D]`` bf16, fp16 or fp32; D any even head dim >= 2.
     k, v: ``[T_kv, KH, D]`` of q's dtype, ``T_kv >= T`` and ``QH % KH == 0``.
         Rows ``t >= T`` are KV-only: written to the cache without RoPE.
     key_cache, value_cache: flash ``[num_blocks, P, KH, D]`` (both), or paged
-        ``[num_blocks, KH, D//X, P, X]`` keys with ``[num_blocks, KH, D, P]``
-        or shuffled ``[num_blocks, KH, P//X, D, X]`` values; of k's dtype or
+        ``[num_blocks, KH, D//X, P, X]`` keys (X a power of two dividing D)
+        with ``[num_blocks, KH, D, P]`` or shuffled
+        ``[num_blocks, KH, P//X, D, X]`` values; of k's dtype or
         ``float8_e4m3fn``.[torch:  Updated in place.][jax:  Returned as new
         arrays aliasing the inputs: donate them (``donate_argnums``) under
         ``jax.jit`` for an in-place update with no copy.]
@@ -69,15 +75,36 @@ Returns:
 """
 
 @triton.jit
-def _rotate_pair(x_row, d_a, d_b, cos_a, sin_a, cos_b, sin_b):
+def in_lanes(mask, lanes, N: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``mask`` (``[X, 1]`` or ``[X, BLOCK_N]``) restricted to the lanes ``lanes < N`` of a tile
+    padded to ``BLOCK_N`` lanes; where nothing is padded (``BLOCK_N == N``) ``mask`` itself: the
+    same code as unpadded (as attention's ``_in_head_dim``)."""
+    if BLOCK_N != N:
+        mask = mask & (lanes < N)[None, :]
+    return mask
+
+
+@triton.jit
+def load_lanes(ptrs, lanes, N: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``tl.load(ptrs)`` of ``[X, BLOCK_N]`` addresses whose lanes ``lanes >= N`` are padding:
+    those are not read (0); unmasked where nothing is padded."""
+    if BLOCK_N != N:
+        x = tl.load(ptrs, mask=(lanes < N)[None, :], other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _rotate_pair(x_row, i, d_a, d_b, cos_a, sin_a, cos_b, sin_b, D: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """Load the rotation pairs (a, b) of rows ``x_row`` and rotate them.
 
     NeoX pairs element i with i + D/2, GPT-J pairs 2i with 2i + 1; either way
     (a, b) -> (a cos_a - b sin_a, b cos_b + a sin_b).  Returns the loaded pair
-    and the rotated pair, all [rows, D/2] float32.
+    and the rotated pair, all [rows, BLOCK_HALF] float32 (padded lanes: not read).
     """
-    a = tl.load(x_row + d_a[None, :]).to(tl.float32)
-    b = tl.load(x_row + d_b[None, :]).to(tl.float32)
+    a = load_lanes(x_row + d_a[None, :], i, D // 2, BLOCK_HALF).to(tl.float32)
+    b = load_lanes(x_row + d_b[None, :], i, D // 2, BLOCK_HALF).to(tl.float32)
     rot_a, rot_b = rotate(a, b, cos_a, sin_a, cos_b, sin_b)
     return a, b, rot_a, rot_b
 
@@ -96,12 +123,17 @@ def rotate(a, b, cos_a, sin_a, cos_b, sin_b):
 
 
 @triton.jit
-def rope_pairs(D: tl.constexpr, F: tl.constexpr, IS_NEOX: tl.constexpr):
-    """``(i, d_a, d_b, freq_a, freq_b)``, each ``[D/2]``: element ``d_a[i]`` rotates with
+def rope_pairs(D: tl.constexpr, F: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """``(i, d_a, d_b, freq_a, freq_b)``, each ``[BLOCK_HALF]``: element ``d_a[i]`` rotates with
     ``d_b[i]`` (contiguous halves for NeoX, neighbours for GPT-J), by the table's
-    frequency columns ``freq_a[i]`` / ``freq_b[i]`` (``F == D``: one per element)."""
+    frequency columns ``freq_a[i]`` / ``freq_b[i]`` (``F == D``: one per element).
+
+    ``BLOCK_HALF`` is D/2 padded to a power of two: lanes ``i >= D/2`` are padding,
+    addressing nothing of the head dim; mask every access with :func:`in_lanes` /
+    :func:`load_lanes` (``i``, ``D // 2``, ``BLOCK_HALF``).
+    """
     HALF: tl.constexpr = D // 2
-    i = tl.arange(0, HALF)
+    i = tl.arange(0, BLOCK_HALF)
     if IS_NEOX:
         d_a = i
         d_b = i + HALF
@@ -123,9 +155,10 @@ def rope_cos_sin(cos_sin_ptr, position, position_ok, read, max_position, cs_sr, 
     """``(position_ok, cos_a, sin_a, cos_b, sin_b)`` float32 of the table row at ``position``.
 
     ``position`` is int64, a scalar (cos/sin come out shaped like ``freq_a``)
-    or ``[R, 1]`` with ``freq_a`` of ``[1, D/2]`` (``[R, D/2]``); ``read`` masks
-    the loads.  A position outside the table is never read: its cos/sin are
-    NaN (so are its rotated rows) and ``position_ok`` is false.
+    or ``[R, 1]`` with ``freq_a`` of ``[1, BLOCK_HALF]`` (``[R, BLOCK_HALF]``);
+    ``read`` masks the loads (it excludes :func:`rope_pairs`' padded lanes).
+    A position outside the table is never read: its cos/sin are NaN (so are
+    its rotated rows) and ``position_ok`` is false.
     """
     position_ok = position_ok & (position >= 0) & (position < max_position)
     table_row = cos_sin_ptr + tl.where(position_ok, position, 0) * cs_sr
@@ -213,6 +246,7 @@ def rope_cache_kernel(
     K_DX: tl.constexpr, K_PX: tl.constexpr, V_DX: tl.constexpr, V_PX: tl.constexpr,
     ROPE: tl.constexpr,  # cos_sin given; else q and k arrive rotated (an identity table, no reads)
     K_SCALED: tl.constexpr, V_SCALED: tl.constexpr,  # a 16/32-bit cache's given scale: x * (1 / scale)
+    BLOCK_HALF: tl.constexpr,  # D/2 padded to a power of two (D/2 itself at power-of-two D)
 ):
     wait_for_previous_kernel()
     rope_cache_program(
@@ -222,7 +256,7 @@ def rope_cache_kernel(
         value_cache_out_ptr, zeros_ptr, T, max_position, num_slots, swa_len, q_sr, q_sh, k_sr, k_sh, v_sr,
         v_sh, cs_sr, qo_sr, qo_sh, ko_sr, ko_sh, kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2, vc_sb, vc_sh,
         vc_sd1, vc_sd2, vc_sp1, vc_sp2, D, F, QH, KH, BLOCK_H, BLOCK_KH, NUM_Q_TILES, PAGE, IS_NEOX,
-        HAS_OFFSETS, HAS_SWA, WRITE_ZEROS, FP8_CACHE, K_DX, K_PX, V_DX, V_PX, ROPE, K_SCALED, V_SCALED)
+        HAS_OFFSETS, HAS_SWA, WRITE_ZEROS, FP8_CACHE, K_DX, K_PX, V_DX, V_PX, ROPE, K_SCALED, V_SCALED, BLOCK_HALF)
 
 
 @triton.jit
@@ -238,13 +272,13 @@ def rope_cache_program(
     BLOCK_KH: tl.constexpr, NUM_Q_TILES: tl.constexpr, PAGE: tl.constexpr, IS_NEOX: tl.constexpr,
     HAS_OFFSETS: tl.constexpr, HAS_SWA: tl.constexpr, WRITE_ZEROS: tl.constexpr, FP8_CACHE: tl.constexpr,
     K_DX: tl.constexpr, K_PX: tl.constexpr, V_DX: tl.constexpr, V_PX: tl.constexpr,
-    ROPE: tl.constexpr, K_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
+    ROPE: tl.constexpr, K_SCALED: tl.constexpr, V_SCALED: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     """One program of ``rope_cache_kernel`` (also run by ``fused.rope_compress_store_kernel``)."""
     is_query_tile = head_tile < NUM_Q_TILES
     # Query tiles of KV-only rows (t >= T) have nothing to do.
     if (t < T) | (head_tile == NUM_Q_TILES):
-        i, d_a, d_b, freq_a, freq_b = rope_pairs(D, F, IS_NEOX)
+        i, d_a, d_b, freq_a, freq_b = rope_pairs(D, F, IS_NEOX, BLOCK_HALF)
         rope_row = t < T
         position = tl.load(positions_ptr + t, mask=rope_row, other=0).to(tl.int64)
         position_ok = True
@@ -265,29 +299,32 @@ def rope_cache_program(
         cos_a, sin_a, cos_b, sin_b = cos_a[None, :], sin_a[None, :], cos_b[None, :], sin_b[None, :]
 
         if is_query_tile:
-            rope_query_heads(q_ptr, q_out_ptr, zeros_ptr, t, head_tile, d_a, d_b,
+            rope_query_heads(q_ptr, q_out_ptr, zeros_ptr, t, head_tile, i, d_a, d_b,
                               cos_a, sin_a, cos_b, sin_b, q_sr, q_sh, qo_sr, qo_sh,
-                              QH, BLOCK_H, WRITE_ZEROS)
+                              D, QH, BLOCK_H, WRITE_ZEROS, BLOCK_HALF)
         else:
             _rope_and_cache_kv_heads(
                 k_ptr, v_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr, swa_ptr,
                 k_out_ptr, key_cache_out_ptr, value_cache_out_ptr,
-                t, T, rope_row, position_ok, d_a, d_b, cos_a, sin_a, cos_b, sin_b,
+                t, T, rope_row, position_ok, i, d_a, d_b, cos_a, sin_a, cos_b, sin_b,
                 num_slots, swa_len, k_sr, k_sh, v_sr, v_sh, ko_sr, ko_sh,
                 kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2,
                 vc_sb, vc_sh, vc_sd1, vc_sd2, vc_sp1, vc_sp2,
                 D, KH, BLOCK_KH, PAGE, HAS_SWA, FP8_CACHE,
-                K_DX, K_PX, V_DX, V_PX, K_SCALED, V_SCALED)
+                K_DX, K_PX, V_DX, V_PX, K_SCALED, V_SCALED, BLOCK_HALF)
 
 
 @triton.jit
-def rope_query_heads(q_ptr, q_out_ptr, zeros_ptr, t, head_tile, d_a, d_b,
+def rope_query_heads(q_ptr, q_out_ptr, zeros_ptr, t, head_tile, i, d_a, d_b,
                       cos_a, sin_a, cos_b, sin_b, q_sr, q_sh, qo_sr, qo_sh,
-                      QH: tl.constexpr, BLOCK_H: tl.constexpr, WRITE_ZEROS: tl.constexpr):
+                      D: tl.constexpr, QH: tl.constexpr, BLOCK_H: tl.constexpr, WRITE_ZEROS: tl.constexpr,
+                      BLOCK_HALF: tl.constexpr):
+    """Rotate query heads ``head_tile * BLOCK_H + [0, BLOCK_H)`` of row ``t`` (:func:`rope_pairs`'
+    lanes ``i``, ``d_a``, ``d_b``; cos/sin ``[1, BLOCK_HALF]``) into ``q_out``, and zeros."""
     heads = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
-    head_mask = (heads < QH)[:, None]
+    head_mask = in_lanes((heads < QH)[:, None], i, D // 2, BLOCK_HALF)
     q_row = q_ptr + t * q_sr + tl.minimum(heads, QH - 1)[:, None] * q_sh
-    _, _, out_a, out_b = _rotate_pair(q_row, d_a, d_b, cos_a, sin_a, cos_b, sin_b)
+    _, _, out_a, out_b = _rotate_pair(q_row, i, d_a, d_b, cos_a, sin_a, cos_b, sin_b, D, BLOCK_HALF)
     out_row = q_out_ptr + t * qo_sr + heads[:, None] * qo_sh
     tl.store(out_row + d_a[None, :], out_a.to(q_out_ptr.dtype.element_ty), mask=head_mask)
     tl.store(out_row + d_b[None, :], out_b.to(q_out_ptr.dtype.element_ty), mask=head_mask)
@@ -302,20 +339,21 @@ def rope_query_heads(q_ptr, q_out_ptr, zeros_ptr, t, head_tile, d_a, d_b,
 def _rope_and_cache_kv_heads(
     k_ptr, v_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr, swa_ptr,
     k_out_ptr, key_cache_out_ptr, value_cache_out_ptr,
-    t, T, rope_row, position_ok, d_a, d_b, cos_a, sin_a, cos_b, sin_b,
+    t, T, rope_row, position_ok, i, d_a, d_b, cos_a, sin_a, cos_b, sin_b,
     num_slots, swa_len, k_sr, k_sh, v_sr, v_sh, ko_sr, ko_sh,
     kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2,
     vc_sb, vc_sh, vc_sd1, vc_sd2, vc_sp1, vc_sp2,
     D: tl.constexpr, KH: tl.constexpr, BLOCK_KH: tl.constexpr, PAGE: tl.constexpr,
     HAS_SWA: tl.constexpr, FP8_CACHE: tl.constexpr,
     K_DX: tl.constexpr, K_PX: tl.constexpr, V_DX: tl.constexpr, V_PX: tl.constexpr,
-    K_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
+    K_SCALED: tl.constexpr, V_SCALED: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     heads = tl.arange(0, BLOCK_KH)
-    head_mask = (heads < KH)[:, None]
+    head_ok = (heads < KH)[:, None]
+    head_mask = in_lanes(head_ok, i, D // 2, BLOCK_HALF)
     safe_heads = tl.minimum(heads, KH - 1)
     k_in_a, k_in_b, k_rot_a, k_rot_b = _rotate_pair(
-        k_ptr + t * k_sr + safe_heads[:, None] * k_sh, d_a, d_b, cos_a, sin_a, cos_b, sin_b)
+        k_ptr + t * k_sr + safe_heads[:, None] * k_sh, i, d_a, d_b, cos_a, sin_a, cos_b, sin_b, D, BLOCK_HALF)
     # KV-only rows (t >= T) keep k as it is.
     k_a = tl.where(rope_row, k_rot_a, k_in_a)
     k_b = tl.where(rope_row, k_rot_b, k_in_b)
@@ -338,19 +376,23 @@ def _rope_and_cache_kv_heads(
         tl.store(key_cache_out_ptr + _cache_offsets(
             page, offset, heads, d_b, kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2, K_DX, K_PX),
             _to_cache(k_b, k_scale_ptr, cache_dtype, FP8_CACHE, K_SCALED), mask=head_mask)
-        d = tl.arange(0, D)
-        v = tl.load(v_ptr + t * v_sr + safe_heads[:, None] * v_sh + d[None, :]).to(tl.float32)
+        d = tl.arange(0, 2 * BLOCK_HALF)  # D padded to a power of two
+        v_row = v_ptr + t * v_sr + safe_heads[:, None] * v_sh
+        v = load_lanes(v_row + d[None, :], d, D, 2 * BLOCK_HALF).to(tl.float32)
         tl.store(value_cache_out_ptr + _cache_offsets(
             page, offset, heads, d, vc_sb, vc_sh, vc_sd1, vc_sd2, vc_sp1, vc_sp2, V_DX, V_PX),
-            _to_cache(v, v_scale_ptr, cache_dtype, FP8_CACHE, V_SCALED), mask=head_mask)
+            _to_cache(v, v_scale_ptr, cache_dtype, FP8_CACHE, V_SCALED),
+            mask=in_lanes(head_ok, d, D, 2 * BLOCK_HALF))
 
 
 def _cache_geometry(check: Checker, key: ArrayInfo, value: ArrayInfo, kh: int, d: int):
     """Layout name, page size, number of pages and the address terms of both caches.
 
     Returns ``(layout, page, pages, key_terms, value_terms)`` where each terms
-    tuple is ``(SB, SH, SD1, SD2, SP1, SP2, DX, PX)``.
+    tuple is ``(SB, SH, SD1, SD2, SP1, SP2, DX, PX)``.  ``DX``: the paged keys' X
+    (dividing D), else D's lanes padded to a power of two (no division in the kernel).
     """
+    lanes = triton.next_power_of_2(d)
     check.ranks("key_cache", key, (4, 5), "[num_blocks, P, KH, D] (flash) or [num_blocks, KH, D//X, P, X] (paged)")
     if key.ndim == 4:
         check.rank("value_cache", value, 4, f"[num_blocks, P, KH, D] like a flash {check.name('key_cache')}")
@@ -358,12 +400,15 @@ def _cache_geometry(check: Checker, key: ArrayInfo, value: ArrayInfo, kh: int, d
         if value.shape != key.shape:
             check.fail("value_cache", f"must have {check.owner('key_cache')} shape {key.shape} (flash layout)", f"shape {value.shape}")
         k_s, v_s = key.strides, value.strides
-        key_terms = (k_s[0], k_s[2], 0, k_s[3], 0, k_s[1], d, page)
-        value_terms = (v_s[0], v_s[2], 0, v_s[3], 0, v_s[1], d, page)
+        key_terms = (k_s[0], k_s[2], 0, k_s[3], 0, k_s[1], lanes, page)
+        value_terms = (v_s[0], v_s[2], 0, v_s[3], 0, v_s[1], lanes, page)
         layout = "flash"
     else:
         pages, cache_kh, dx, page, x = key.shape
         check.power_of_two("key_cache", x, "X (its last dimension)")
+        if d % x:
+            check.fail("key_cache", f"cannot hold head dim D = {d} in the paged layout [num_blocks, KH, D//X, P, X]: "
+                       "X (its last dimension) must divide D", f"X = {x}")
         if dx * x != d:
             check.fail("key_cache", f"must have D//X * X = D = {d} (dimensions 2 and 4)", f"shape {key.shape}")
         cache_d = d
@@ -372,14 +417,14 @@ def _cache_geometry(check: Checker, key: ArrayInfo, value: ArrayInfo, kh: int, d
         if value.ndim == 4:
             expected = (pages, kh, d, page)
             check.shape("value_cache", value, expected, f"[num_blocks, KH, D, P] for a paged {check.name('key_cache')}")
-            value_terms = (v_s[0], v_s[1], 0, v_s[2], 0, v_s[3], d, page)
+            value_terms = (v_s[0], v_s[1], 0, v_s[2], 0, v_s[3], lanes, page)
             layout = "paged"
         elif value.ndim == 5:
             if page % x:
                 check.fail("value_cache", f"needs P divisible by X = {x} for the shuffled layout", f"P = {page}")
             expected = (pages, kh, page // x, d, x)
             check.shape("value_cache", value, expected, f"[num_blocks, KH, P//X, D, X] for a paged {check.name('key_cache')}")
-            value_terms = (v_s[0], v_s[1], 0, v_s[3], v_s[2], v_s[4], d, x)
+            value_terms = (v_s[0], v_s[1], 0, v_s[3], v_s[2], v_s[4], lanes, x)
             layout = "shuffled"
         else:
             check.fail("value_cache", f"must be [num_blocks, KH, D, P] or [num_blocks, KH, P//X, D, X] for a paged {check.name('key_cache')}", f"shape {value.shape}")
@@ -393,10 +438,9 @@ def _cache_geometry(check: Checker, key: ArrayInfo, value: ArrayInfo, kh: int, d
 
 
 def check_head_dim(check: Checker, name: str, d: int) -> None:
-    """A rotated array's head dim: a power of two, at least 2 (one rotation pair)."""
-    check.power_of_two(name, d, "head dim D")
-    if d < 2:
-        check.fail(name, "must have head dim D >= 2", d)
+    """A rotated array's head dim: even (NeoX halves, GPT-J pairs), at least 2 (one rotation pair)."""
+    if d < 2 or d % 2:
+        check.fail(name, "must have an even head dim D >= 2 (its rotation pairs)", d)
 
 
 def check_cos_sin(check: Checker, name: str, cos_sin: ArrayInfo, dtype: str, d: int) -> int:
@@ -421,10 +465,16 @@ def bound_positions(launch: Launch, max_position: int) -> Launch:
     return dataclasses.replace(launch, scalars={**launch.scalars, "max_position": max_position})
 
 
-def _query_tiles(heads: int, d: int, tuning: RopeCacheTuning) -> tuple[int, int]:
-    """``(BLOCK_H, tiles)``: query heads a program rotates, and programs a row."""
-    block_h = min(triton.next_power_of_2(max(heads, 1)), max(1, tuning.tile_elements // d))  # no heads: no tiles
-    return block_h, triton.cdiv(heads, block_h)
+def block_half(d: int) -> int:
+    """``BLOCK_HALF``: the rotation pairs' lanes, D/2 padded to a power of two (:func:`rope_pairs`)."""
+    return triton.next_power_of_2(d // 2)
+
+
+def query_tiles(heads: int, d: int, tile_elements: int) -> tuple[int, int]:
+    """``(BLOCK_H, tiles)``: query heads a program rotates (tiles of about ``tile_elements``, a
+    power of two, over D's padded lanes), and programs a row."""
+    block_h = min(triton.next_power_of_2(max(heads, 1)), max(1, tile_elements // (2 * block_half(d))))
+    return block_h, triton.cdiv(heads, block_h)  # no heads: no tiles
 
 
 @stage(
@@ -484,7 +534,7 @@ def plan_rope_reshape_and_cache(
     q_out = Buffer("q_out", (t, qh, d), q.dtype)
     k_out = Buffer("k_out", (t_kv, kh, d), k.dtype)
     zeros = Buffer("zeros", (t, qh, d) if return_zeros else (1,), q.dtype)
-    block_h, num_q_tiles = _query_tiles(qh, d, tuning)
+    block_h, num_q_tiles = query_tiles(qh, d, tuning.tile_elements)
     qo_sr, qo_sh, _ = q_out.info.strides
     ko_sr, ko_sh, _ = k_out.info.strides
     inputs = (
@@ -520,6 +570,7 @@ def plan_rope_reshape_and_cache(
             FP8_CACHE=fp8,
             K_DX=key_terms[6], K_PX=key_terms[7], V_DX=value_terms[6], V_PX=value_terms[7],
             ROPE=rope, K_SCALED=not fp8 and k_scale is not None, V_SCALED=not fp8 and v_scale is not None,
+            BLOCK_HALF=block_half(d),
         ),
         num_warps=tuning.num_warps,
         num_stages=1,
@@ -555,18 +606,19 @@ def rope_rows_kernel(
     out_ptr,  # [R, H, D] x's dtype
     max_position, x_sr, x_sh, cs_sr, pos_sr, o_sr, o_sh,
     D: tl.constexpr, F: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr, IS_NEOX: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,  # D/2 padded to a power of two
 ):
     wait_for_previous_kernel()
     # Stage 1's query tiles, without the KV tile: the same helpers, so the same bits.
     t = tl.program_id(0).to(tl.int64)
     head_tile = tl.program_id(1)
-    i, d_a, d_b, freq_a, freq_b = rope_pairs(D, F, IS_NEOX)
+    i, d_a, d_b, freq_a, freq_b = rope_pairs(D, F, IS_NEOX, BLOCK_HALF)
     position = tl.load(positions_ptr + t * pos_sr).to(tl.int64)
     _, cos_a, sin_a, cos_b, sin_b = rope_cos_sin(
         cos_sin_ptr, position, True, i < D // 2, max_position, cs_sr, freq_a, freq_b, F)
-    rope_query_heads(x_ptr, out_ptr, out_ptr, t, head_tile, d_a, d_b,
+    rope_query_heads(x_ptr, out_ptr, out_ptr, t, head_tile, i, d_a, d_b,
                       cos_a[None, :], sin_a[None, :], cos_b[None, :], sin_b[None, :],
-                      x_sr, x_sh, o_sr, o_sh, H, BLOCK_H, False)
+                      x_sr, x_sh, o_sr, o_sh, D, H, BLOCK_H, False, BLOCK_HALF)
 
 
 @stage(arrays=("x", "positions", "cos_sin"), options=dict(is_neox=BOOL), results=("out",),
@@ -582,12 +634,12 @@ def plan_rope_rows(x: ArrayInfo, positions: ArrayInfo, cos_sin: ArrayInfo, *, is
     width = check_rope_rows(Checker("rope_rows"), x, positions, cos_sin)
     rows, heads, d = x.shape
     out = Buffer("out", (rows, heads, d), x.dtype)
-    block_h, tiles = _query_tiles(heads, d, tuning)
+    block_h, tiles = query_tiles(heads, d, tuning.tile_elements)
     o_sr, o_sh, _ = out.info.strides
     launch = Launch(
         kernel=rope_rows_kernel, grid=(rows, tiles), inputs=("x", "positions", "cos_sin"), outputs=("out",),
         scalars=dict(max_position=cos_sin.shape[0], x_sr=x.strides[0], x_sh=x.strides[1], cs_sr=cos_sin.strides[0],
                      pos_sr=positions.strides[0], o_sr=o_sr, o_sh=o_sh),
-        constexprs=dict(D=d, F=width // 2, H=heads, BLOCK_H=block_h, IS_NEOX=is_neox),
+        constexprs=dict(D=d, F=width // 2, H=heads, BLOCK_H=block_h, IS_NEOX=is_neox, BLOCK_HALF=block_half(d)),
         num_warps=tuning.num_warps, num_stages=1)
     return Program("rope_rows", (out,), (launch,), ("out",))

@@ -228,8 +228,8 @@ def _rope_rows():
     r = _rows("rope_reshape_and_cache")
     paged, shuffled = _rows("rope_reshape_and_cache", rope_paged), _rows("rope_reshape_and_cache", rope_shuffled)
     fp8 = _rows("rope_reshape_and_cache", rope_fp8)
-    d6 = lambda a: dict(q=floats(3, 4, 6), k=floats(4, 2, 6), v=floats(4, 2, 6), cos_sin=floats(16, 6),  # noqa: E731
-                        key_cache=floats(3, 4, 2, 6), value_cache=floats(3, 4, 2, 6))
+    d7 = lambda a: dict(q=floats(3, 4, 7), k=floats(4, 2, 7), v=floats(4, 2, 7), cos_sin=floats(16, 7),  # noqa: E731
+                        key_cache=floats(3, 4, 2, 7), value_cache=floats(3, 4, 2, 7))
     d0 = lambda a: dict(q=floats(3, 4, 0), k=floats(4, 2, 0), v=floats(4, 2, 0), cos_sin=floats(16, 0),  # noqa: E731
                         key_cache=floats(3, 4, 2, 0), value_cache=floats(3, 4, 2, 0))
     d1 = lambda a: dict(q=floats(3, 4, 1), k=floats(4, 2, 1), v=floats(4, 2, 1), cos_sin=floats(16, 2),  # noqa: E731
@@ -246,9 +246,9 @@ def _rope_rows():
         r("v_shape", lambda a: dict(v=a["v"][:3]), "v must have k's shape"),
         r("t_kv_below_t", lambda a: dict(k=a["k"][:2], v=a["v"][:2], slot_mapping=a["slot_mapping"][:2]),
           "k must have at least T = 3 rows (T_kv >= T)"),
-        r("d_not_power_of_two", d6, "q must have head dim D a power of two, got 6"),
-        r("d_zero", d0, "q must have head dim D a power of two, got 0"),
-        r("d_one", d1, "q must have head dim D >= 2, got 1"),
+        r("d_odd", d7, "q must have an even head dim D >= 2 (its rotation pairs), got 7"),
+        r("d_zero", d0, "q must have an even head dim D >= 2 (its rotation pairs), got 0"),
+        r("d_one", d1, "q must have an even head dim D >= 2 (its rotation pairs), got 1"),
         r("qh_not_multiple_of_kh", lambda a: dict(q=a["q"][:, :3]), "q must have a number of heads QH divisible by k's KH = 2"),
         r("kh_zero", lambda a: dict(k=a["k"][:, :0], v=a["v"][:, :0]), "divisible by k's KH = 0"),
         r("slot_mapping_rank", lambda a: dict(slot_mapping=a["slot_mapping"][:, None]), "slot_mapping must be [T_kv] (rank 1)"),
@@ -287,6 +287,9 @@ def _rope_rows():
         r("flash_cache_head_dim", lambda a: dict(key_cache=a["key_cache"][..., :4], value_cache=a["value_cache"][..., :4]), "key_cache must have D = 8 like k"),
         r("flash_page_size_zero", lambda a: dict(key_cache=a["key_cache"][:, :0], value_cache=a["value_cache"][:, :0]), "key_cache must have a page size P >= 1"),
         paged("paged_x_not_power_of_two", lambda a: dict(key_cache=floats(3, 2, 2, 4, 3)), "key_cache must have X (its last dimension) a power of two, got 3"),
+        paged("paged_x_not_dividing_d", lambda a: dict(key_cache=floats(3, 2, 0, 4, 16)),
+              "key_cache cannot hold head dim D = 8 in the paged layout [num_blocks, KH, D//X, P, X]: X (its last "
+              "dimension) must divide D, got X = 16"),
         paged("paged_x_times_dx", lambda a: dict(key_cache=floats(3, 2, 1, 4, 4)), "key_cache must have D//X * X = D = 8 (dimensions 2 and 4)"),
         paged("paged_value_shape", lambda a: dict(value_cache=floats(3, 2, 4, 8)), "value_cache must be [num_blocks, KH, D, P] for a paged key_cache = (3, 2, 8, 4)"),
         paged("paged_value_rank", lambda a: dict(value_cache=floats(3, 2, 8)), "value_cache must be [num_blocks, KH, D, P] or [num_blocks, KH, P//X, D, X] for a paged key_cache"),
