@@ -88,12 +88,18 @@ def rope_shuffled():
     return arrays, options
 
 
+def as_fp8(base: Callable, caches: tuple[str, ...], **scales: tuple[float, tuple[int, ...]]):
+    """``base``'s valid call with its arrays ``caches`` cast to fp8 and the ``scales`` added,
+    each ``name=(value, shape)``: a float32 array of that shape filled with that value."""
+    arrays, options = base()
+    arrays.update({name: arrays[name].to(FP8) for name in caches})
+    arrays.update({name: torch.full(shape, value, device=DEVICE) for name, (value, shape) in scales.items()})
+    return arrays, options
+
+
 def rope_fp8():
     """As rope_flash with fp8 caches and both scales (16-bit caches take none: issue 28)."""
-    arrays, options = rope_flash()
-    arrays.update(key_cache=arrays["key_cache"].to(FP8), value_cache=arrays["value_cache"].to(FP8),
-                  k_scale=torch.ones((), device=DEVICE), v_scale=torch.ones(1, device=DEVICE))
-    return arrays, options
+    return as_fp8(rope_flash, ("key_cache", "value_cache"), k_scale=(1.0, ()), v_scale=(1.0, (1,)))
 
 
 def compress():
@@ -150,30 +156,22 @@ def attention():
 
 def store_fp8():
     """As store, quantising bf16 rows into an fp8 cache with a scale."""
-    arrays, options = store()
-    arrays.update(cache=arrays["cache"].to(FP8), scale=torch.full((), 0.5, device=DEVICE))
-    return arrays, options
+    return as_fp8(store, ("cache",), scale=(0.5, ()))
 
 
 def scores_fp8():
     """As scores, over an fp8 k_cache with its scale."""
-    arrays, options = scores()
-    arrays.update(k_cache=arrays["k_cache"].to(FP8), k_scale=torch.full((1,), 0.5, device=DEVICE))
-    return arrays, options
+    return as_fp8(scores, ("k_cache",), k_scale=(0.5, (1,)))
 
 
 def select_fp8():
-    arrays, options = select()
-    arrays.update(k_cache=arrays["k_cache"].to(FP8), k_scale=torch.full((), 0.5, device=DEVICE))
-    return arrays, options
+    """As select, over an fp8 k_cache with its scale."""
+    return as_fp8(select, ("k_cache",), k_scale=(0.5, ()))
 
 
 def attention_fp8():
     """As attention, over fp8 K/V caches with their scales."""
-    arrays, options = attention()
-    arrays.update(k_cache=arrays["k_cache"].to(FP8), v_cache=arrays["v_cache"].to(FP8),
-                  k_scale=torch.full((), 0.5, device=DEVICE), v_scale=torch.full((1,), 2.0, device=DEVICE))
-    return arrays, options
+    return as_fp8(attention, ("k_cache", "v_cache"), k_scale=(0.5, ()), v_scale=(2.0, (1,)))
 
 
 #: Valid calls with fp8 caches (rows of the table break them; test_fp8 runs them).
@@ -656,15 +654,20 @@ def test_table_covers_every_public_function():
 CPU_ONLY = pytest.mark.skipif(not runtime.INTERPRETED, reason="shape checks; the GPU would only compile kernels")
 
 
-@CPU_ONLY
-@pytest.mark.parametrize("function", list(BASES))
-def test_bases_are_valid(function):
-    """Each table row changes exactly one thing of a call that works in both adapters."""
-    arrays, options = BASES[function]()
+def run_in_both_adapters(function: str, base: Callable) -> None:
+    """Runs ``base``'s call of ``function`` in qsa_torch, then in qsa_jax (x64 on): neither raises."""
+    arrays, options = base()
     getattr(qsa_torch, function)(**arrays, **options)
     with jax.enable_x64(True):
         jax_arrays, jax_options = _jax_inputs(arrays, options)
         jax.block_until_ready(getattr(qsa_jax, function)(**jax_arrays, **jax_options))
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("function", list(BASES))
+def test_bases_are_valid(function):
+    """Each table row changes exactly one thing of a call that works in both adapters."""
+    run_in_both_adapters(function, BASES[function])
     for base in (rope_paged, rope_shuffled) if function == "rope_reshape_and_cache" else ():
         qsa_torch.rope_reshape_and_cache(**base()[0], **base()[1])
 

@@ -41,7 +41,7 @@ from .test_attention import Case, force_splits, make_inputs, planned_splits  # n
 from qsa_kernels.paging import STATE_FIELDS, CacheGeometry, PagedRequests
 from qsa_kernels.step import SCALE_FIELDS
 
-from .test_bad_arguments import FP8_BASES, _jax_inputs, step_arguments, step_to_jax
+from .test_bad_arguments import CPU_ONLY, FP8_BASES, run_in_both_adapters, step_arguments, step_to_jax
 from .test_select import (assert_fused_equals_three_launches, assert_scores_close, jax_args, long_decode_case,
                           numpy_args, scoring_case)
 from .test_step import GEOMETRY, Model, clone_state, random_inputs, random_state, rope_table
@@ -890,14 +890,10 @@ def test_step_fp8_nan_production_heads(fuse):
 # The fp8 valid calls of test_bad_arguments' table work in both adapters
 # --------------------------------------------------------------------------
 
-@pytest.mark.skipif(not runtime.INTERPRETED, reason="shape checks; the GPU would only compile kernels")
+@CPU_ONLY
 @pytest.mark.parametrize("function", list(FP8_BASES))
 def test_fp8_bases_are_valid(function):
-    arrays, options = FP8_BASES[function]()
-    getattr(qsa_torch, function)(**arrays, **options)
-    with jax.enable_x64(True):
-        jax_arrays, jax_options = _jax_inputs(arrays, options)
-        jax.block_until_ready(getattr(qsa_jax, function)(**jax_arrays, **jax_options))
+    run_in_both_adapters(function, FP8_BASES[function])
 
 
 # --------------------------------------------------------------------------
