@@ -48,17 +48,8 @@ def geometry(requests: int) -> CacheGeometry:
 # ---------------------------------------------------------------------------
 
 class OldPagedRequests:
-    """The requests in flight: their lengths, pages and rings; builds each step's metadata.
-
-    ``step({request: new_tokens, ...})`` allocates what the new tokens need and
-    returns the step's :class:`HostStepMetadata` (batch order = the mapping's
-    order); ``release(request)`` returns a finished request's pages and ring.
-    ``admit(request, length)`` registers a request whose first ``length``
-    tokens are already in the caches (written some other way).
-
-    ``seed`` shuffles the free lists, so pages of one request are scattered
-    over the pool as in a long-running server.
-    """
+    """:class:`PagedRequests` as it was at 9b5ea8f: the same interface (``step``, ``release``,
+    ``admit``, ``seed``: its docstring), but each step rebuilt the full-width block tables."""
 
     def __init__(self, geometry: CacheGeometry, *, seed: int | None = None):
         self.geometry = geometry
