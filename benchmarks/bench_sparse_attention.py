@@ -111,8 +111,9 @@ def select_tokens(torch, scores, positions, ratio, topk):
     return torch.cat([tokens, tail], dim=1).to(torch.int32)
 
 
-def make_shape(torch, g, mode, rows, context, k_pool, device, generator):
-    """q, token_indices, block_table, token_to_req (+ selection statistics) for one shape."""
+def make_shape(torch, g, mode, rows, context, k_pool, v_pool, device, generator):
+    """The call's arrays for one shape over the pools (q, k_cache, v_cache, token_indices,
+    block_table, token_to_req), and selection statistics."""
     ratio, topk = COMPRESS_RATIO, g["TOKEN_TOPK"] // COMPRESS_RATIO
     pool_pages = k_pool.shape[0]
     context_pages = context // g["PAGE"]
@@ -140,7 +141,9 @@ def make_shape(torch, g, mode, rows, context, k_pool, device, generator):
         current, previous = token_indices[1:, :-(ratio - 1)], token_indices[:-1, :-(ratio - 1)].contiguous()
         at = torch.searchsorted(previous, current.contiguous()).clamp(max=previous.shape[1] - 1)
         stats["neighbour_overlap"] = float((previous.gather(1, at) == current).float().mean())
-    return q, token_indices, block_table, token_to_req, stats
+    arrays = dict(q=q, k_cache=k_pool, v_cache=v_pool, token_indices=token_indices, block_table=block_table,
+                  token_to_req=token_to_req)
+    return arrays, stats
 
 
 def moved_bytes(g, rows, width, cache_bytes=2):
@@ -360,10 +363,7 @@ def main():
     if args.sweep:
         rows_out = []
         for mode, rows, context in shapes:
-            q, token_indices, block_table, token_to_req, _ = make_shape(
-                torch, g, mode, rows, context, k_pool, device, generator)
-            arrays = dict(q=q, k_cache=k_pool, v_cache=v_pool, token_indices=token_indices,
-                          block_table=block_table, token_to_req=token_to_req)
+            arrays, _ = make_shape(torch, g, mode, rows, context, k_pool, v_pool, device, generator)
             nbytes = moved_bytes(g, rows, width)
             if args.fp8:
                 arrays.update(fp8_arrays)
@@ -385,10 +385,7 @@ def main():
         return
     rows_out = []
     for mode, rows, context in shapes:
-        q, token_indices, block_table, token_to_req, stats = make_shape(
-            torch, g, mode, rows, context, k_pool, device, generator)
-        arrays = dict(q=q, k_cache=k_pool, v_cache=v_pool, token_indices=token_indices,
-                      block_table=block_table, token_to_req=token_to_req)
+        arrays, stats = make_shape(torch, g, mode, rows, context, k_pool, v_pool, device, generator)
         nbytes = moved_bytes(g, rows, width)
         row = dict(mode=mode, rows=rows, context=context, width=width, **plan_choice(qsa_torch, attention, arrays),
                    bytes=nbytes, **stats)
@@ -448,7 +445,7 @@ def main():
                 row["jax_vs_torch_device"] = row["jax_loop_us"] / row["torch_graph_us"]
             del jax_arrays
 
-        dense = dense_baseline(torch, g, mode, rows, context, q, device)
+        dense = dense_baseline(torch, g, mode, rows, context, arrays["q"], device)
         if dense is not None:
             dense_fn, dense_bytes = dense
             row["dense_bytes"] = dense_bytes
