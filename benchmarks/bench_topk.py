@@ -24,7 +24,7 @@ row once, the row and ticketed paths twice (group maxima, compaction) plus
 ~1.4k candidates a row, the sliced path three times.  ``*_gbps`` is one pass's bytes over the time (a lower bound of
 the achieved bandwidth).  The summary gives median speedups over the grid.
 
-    python benchmarks/bench_topk.py [--json PATH] [--smoke] [--sweep | --register-sweep | --ticketed-sweep]
+    python benchmarks/bench_topk.py [--json PATH] [--smoke] [--sweep | --register-sweep | --ticketed-sweep | ...]
 
 ``--shapes decode:R:C,...`` times only those rows x columns, in
 ``topk_shapes.json`` unless ``--json`` names another (the grid's JSON holds
@@ -168,35 +168,37 @@ def sweep(args, path="row", grid=SWEEP, sweep_shapes=SWEEP_SHAPES, name=None, wi
                       [f"defaults {defaults}; CUDA-graph replay, median us per call; logits |N(0,1)|"])
 
 
+#: The sweeps, each run instead of the grid: flag -> (its help, :func:`sweep`'s arguments after ``args``).
+SWEEPS = {
+    "--sweep": ("time the row path's tuning instead of the grid", {}),
+    "--register-sweep": ("time the register path's tuning instead of the grid",
+                         dict(path="register", grid=REGISTER_SWEEP, sweep_shapes=REGISTER_SWEEP_SHAPES)),
+    "--ticketed-sweep": ("time the ticketed path's tuning instead of the grid",
+                         dict(path="ticketed", grid=TICKETED_SWEEP, sweep_shapes=TICKETED_SWEEP_SHAPES)),
+    "--wide-sweep": ("time the sliced path's programs a row and the row path's warps on many wide rows",
+                     dict(path="row", grid=WIDE_SWEEP, sweep_shapes=WIDE_SWEEP_SHAPES, name="topk_wide_sweep.json",
+                          with_torch=True)),
+    "--stream-sweep": ("time the ticketed path's streamed slices beside the row and sliced paths instead",
+                       dict(path="ticketed", grid=STREAM_SWEEP, sweep_shapes=STREAM_SWEEP_SHAPES,
+                            name="topk_stream_sweep.json", with_torch=True)),
+    "--bits-sweep": ("time the plan's path with its default radix digits, the register path's old 8-bit ones, "
+                     "and 4-bit ones for the other paths instead",
+                     dict(path="auto", grid=BITS_SWEEP, sweep_shapes=BITS_SWEEP_SHAPES, name="topk_bits_sweep.json",
+                          with_torch=True)),
+}
+
+
 def main():
     parser = common.parser(__doc__, "topk.json")
-    parser.add_argument("--sweep", action="store_true", help="time the row path's tuning instead of the grid")
-    parser.add_argument("--register-sweep", action="store_true",
-                        help="time the register path's tuning instead of the grid")
-    parser.add_argument("--ticketed-sweep", action="store_true",
-                        help="time the ticketed path's tuning instead of the grid")
-    parser.add_argument("--wide-sweep", action="store_true",
-                        help="time the sliced path's programs a row and the row path's warps on many wide rows")
-    parser.add_argument("--stream-sweep", action="store_true",
-                        help="time the ticketed path's streamed slices beside the row and sliced paths instead")
-    parser.add_argument("--bits-sweep", action="store_true",
-                        help="time the plan's path with its default radix digits, the register path's "
-                             "old 8-bit ones, and 4-bit ones for the other paths instead")
+    sweeps = parser.add_mutually_exclusive_group()
+    for flag, (text, _) in SWEEPS.items():
+        sweeps.add_argument(flag, action="store_true", help=text)
     args = parser.parse_args()
     if args.shapes and args.json == parser.get_default("json"):
         args.json = args.json.replace("topk.json", "topk_shapes.json")
-    if args.stream_sweep:
-        return sweep(args, "ticketed", STREAM_SWEEP, STREAM_SWEEP_SHAPES, "topk_stream_sweep.json", with_torch=True)
-    if args.bits_sweep:
-        return sweep(args, "auto", BITS_SWEEP, BITS_SWEEP_SHAPES, "topk_bits_sweep.json", with_torch=True)
-    if args.wide_sweep:
-        return sweep(args, "row", WIDE_SWEEP, WIDE_SWEEP_SHAPES, "topk_wide_sweep.json", with_torch=True)
-    if args.ticketed_sweep:
-        return sweep(args, "ticketed", TICKETED_SWEEP, TICKETED_SWEEP_SHAPES)
-    if args.sweep:
-        return sweep(args)
-    if args.register_sweep:
-        return sweep(args, "register", REGISTER_SWEEP, REGISTER_SWEEP_SHAPES)
+    for flag, (_, arguments) in SWEEPS.items():
+        if getattr(args, flag[2:].replace("-", "_")):
+            return sweep(args, **arguments)
     import torch
 
     import qsa_kernels.topk as topk_plans
