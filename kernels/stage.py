@@ -21,8 +21,8 @@ function, in one explicit object:
 * the **docstring** (shared by both adapters: :mod:`.docs`) and the
   annotation of what the function returns.
 
-Both adapters generate their public functions from it
-(:func:`make_function`: a real Python function with the public signature),
+Both adapters build their public functions from it (``api.define``, by
+:func:`make_function`: a real Python function with the public signature),
 and :meth:`Stage.plan` is the public planning seam: the memoised Program a
 call with those arrays' metadata and options runs.
 
@@ -39,6 +39,7 @@ the program returns and updates exactly what its variant declares.
 
 from __future__ import annotations
 
+import __future__
 import dataclasses
 import functools
 import inspect
@@ -50,8 +51,8 @@ from .docs import framework_doc
 from .launch import Program
 from .validate import Checker, Option, missing_array_error, naming
 
-__all__ = ["RUN_PROGRAM_DOC", "Stage", "Variant", "clear_plan_caches", "make_function", "plan_seam", "stage",
-           "stage_named", "when"]
+__all__ = ["RUN_PROGRAM_DOC", "Stage", "Variant", "clear_plan_caches", "make_function", "plan_seam", "signature_text",
+           "stage", "stage_named", "when"]
 
 _MISSING = object()
 _ARRAY, _OPTIONAL_ARRAY, _OPTION, _TUNING = "array", "optional array", "option", "tuning"
@@ -420,38 +421,48 @@ the tensors' device and current stream).
 """
 
 
-def make_function(stage: Stage, call: Callable[[Stage, dict], Any], *, framework: str, module: str):
-    """A function with ``stage``'s public signature that returns ``call(stage, arguments_by_name)``.
-
-    Generated as real Python source (a ``def`` with the public parameters),
-    so that calls bind arguments as any function does, at no cost, with
-    Python's own errors; ``inspect.signature``, ``help()`` and IDEs see the
-    parameters and annotations, and Dynamo traces it as plain code.
-    """
-    signature = stage.signature()
-    defaults = {}
-    parameters, names, keyword_only_started = [], [], False
+def signature_text(signature: inspect.Signature, default: Callable[[inspect.Parameter], str] | None = None,
+                   *, method: bool = False) -> str:
+    """``(q: ArrayLike, ..., *, k_scale: ArrayLike | None = ...) -> Array``: a ``def``'s parameters and
+    return annotation, the one spelling of a public signature (the typed Protocol's methods,
+    :mod:`.functions`, with ``self`` where ``method``; the adapters' functions, :func:`make_function`).
+    A default reads ``default(parameter)``; without ``default``, ``...`` (a stub's)."""
+    parts, keyword_only = ["self"] if method else [], False
     for p in signature.parameters.values():
-        if p.kind is p.KEYWORD_ONLY and not keyword_only_started:
-            parameters.append("*")
-            keyword_only_started = True
-        if p.default is p.empty:
-            parameters.append(p.name)
-        else:
-            defaults[f"_default_{p.name}"] = p.default
-            parameters.append(f"{p.name}=_default_{p.name}")
-        names.append(p.name)
-    arguments = "{" + ", ".join(f"{name!r}: {name}" for name in names) + "}"
-    source = f"def {stage.name}({', '.join(parameters)}):\n    return _call(_stage, {arguments})\n"
-    namespace = dict(defaults, _call=call, _stage=stage)
-    exec(compile(source, f"<qsa {framework} {stage.name}>", "exec"), namespace)  # noqa: S102
+        if p.kind is p.KEYWORD_ONLY and not keyword_only:
+            parts.append("*")
+            keyword_only = True
+        text = p.name if p.annotation is p.empty else f"{p.name}: {p.annotation}"
+        if p.default is not p.empty:
+            text += f" = {default(p) if default else '...'}"
+        parts.append(text)
+    return f"({', '.join(parts)}) -> {signature.return_annotation}"
+
+
+def make_function(stage: Stage, call: Callable[[Stage, dict], Any], *, framework: str, module: str,
+                  signature: inspect.Signature | None = None):
+    """A function with ``stage``'s public signature (``signature``; default :meth:`Stage.signature`)
+    that returns ``call(stage, arguments_by_name)``.
+
+    Generated as real Python source (a ``def`` with the public parameters and
+    annotations, :func:`signature_text`), so that calls bind arguments as any
+    function does, at no cost, with Python's own errors; ``inspect.signature``,
+    ``help()`` and IDEs see the parameters and annotations (strings, as under
+    ``from __future__ import annotations``), and Dynamo traces it as plain code.
+    """
+    signature = signature or stage.signature()
+    arguments = "{" + ", ".join(f"{name!r}: {name}" for name in signature.parameters) + "}"
+    source = (f"def {stage.name}{signature_text(signature, lambda p: f'_default_{p.name}')}:\n"
+              f"    return _call(_stage, {arguments})\n")
+    namespace = {f"_default_{p.name}": p.default for p in signature.parameters.values() if p.default is not p.empty}
+    namespace.update(_call=call, _stage=stage)
+    code = compile(source, f"<qsa {framework} {stage.name}>", "exec", flags=__future__.annotations.compiler_flag,
+                   dont_inherit=True)
+    exec(code, namespace)  # noqa: S102
     function = namespace[stage.name]
     function.__module__ = module
     function.__qualname__ = stage.name
     function.__doc__ = framework_doc(stage.doc, framework)
-    function.__annotations__ = {
-        **{p.name: p.annotation for p in signature.parameters.values() if p.annotation is not p.empty},
-        "return": signature.return_annotation}
     return function
 
 
