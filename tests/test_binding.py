@@ -6,7 +6,7 @@
 * The accelerator is reached only through the hook: the one module that
   imports it is the adapter's ``__init__`` (which plugs it in).
 * ``qsa_kernels`` imports no adapter, by name or by string.
-* The generated typed functions are current (scripts/generate_functions.py).
+* The generated types of the public functions, kernels/functions.py, are current (scripts/generate_functions.py).
 * ``QSA_ACCELERATE=0``: no accelerator module is imported, and the binding alone answers.
 """
 
