@@ -303,15 +303,42 @@ def rope_cache_program(
                               cos_a, sin_a, cos_b, sin_b, q_sr, q_sh, qo_sr, qo_sh,
                               D, QH, BLOCK_H, WRITE_ZEROS, BLOCK_HALF)
         else:
-            _rope_and_cache_kv_heads(
-                k_ptr, v_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr, swa_ptr,
-                k_out_ptr, key_cache_out_ptr, value_cache_out_ptr,
-                t, T, rope_row, position_ok, i, d_a, d_b, cos_a, sin_a, cos_b, sin_b,
-                num_slots, swa_len, k_sr, k_sh, v_sr, v_sh, ko_sr, ko_sh,
-                kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2,
-                vc_sb, vc_sh, vc_sd1, vc_sd2, vc_sp1, vc_sp2,
-                D, KH, BLOCK_KH, PAGE, HAS_SWA, FP8_CACHE,
-                K_DX, K_PX, V_DX, V_PX, K_SCALED, V_SCALED, BLOCK_HALF)
+            # The KV heads: k rotated (KV-only rows t >= T: as it is) into k_out; k and v cached.
+            heads = tl.arange(0, BLOCK_KH)
+            head_ok = (heads < KH)[:, None]
+            head_mask = in_lanes(head_ok, i, D // 2, BLOCK_HALF)
+            safe_heads = tl.minimum(heads, KH - 1)
+            k_row = k_ptr + t * k_sr + safe_heads[:, None] * k_sh
+            k_in_a, k_in_b, k_rot_a, k_rot_b = _rotate_pair(k_row, i, d_a, d_b, cos_a, sin_a, cos_b, sin_b, D,
+                                                            BLOCK_HALF)
+            k_a = tl.where(rope_row, k_rot_a, k_in_a)
+            k_b = tl.where(rope_row, k_rot_b, k_in_b)
+            k_out_row = k_out_ptr + t * ko_sr + heads[:, None] * ko_sh
+            tl.store(k_out_row + d_a[None, :], k_a.to(k_out_ptr.dtype.element_ty), mask=head_mask)
+            tl.store(k_out_row + d_b[None, :], k_b.to(k_out_ptr.dtype.element_ty), mask=head_mask)
+
+            slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+            if HAS_SWA:
+                # -1 is skipped before the lookup; values past the table are skipped too.
+                in_table = (slot >= 0) & (slot < swa_len)
+                slot = tl.load(swa_ptr + tl.where(in_table, slot, 0), mask=in_table, other=-1).to(tl.int64)
+            if (slot >= 0) & (slot < num_slots) & (position_ok | (t >= T)):
+                page = slot // PAGE
+                page_offset = slot % PAGE
+                cache_dtype = key_cache_out_ptr.dtype.element_ty
+                tl.store(key_cache_out_ptr + _cache_offsets(
+                    page, page_offset, heads, d_a, kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2, K_DX, K_PX),
+                    _to_cache(k_a, k_scale_ptr, cache_dtype, FP8_CACHE, K_SCALED), mask=head_mask)
+                tl.store(key_cache_out_ptr + _cache_offsets(
+                    page, page_offset, heads, d_b, kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2, K_DX, K_PX),
+                    _to_cache(k_b, k_scale_ptr, cache_dtype, FP8_CACHE, K_SCALED), mask=head_mask)
+                d = tl.arange(0, 2 * BLOCK_HALF)  # D padded to a power of two
+                v_row = v_ptr + t * v_sr + safe_heads[:, None] * v_sh
+                v = load_lanes(v_row + d[None, :], d, D, 2 * BLOCK_HALF).to(tl.float32)
+                tl.store(value_cache_out_ptr + _cache_offsets(
+                    page, page_offset, heads, d, vc_sb, vc_sh, vc_sd1, vc_sd2, vc_sp1, vc_sp2, V_DX, V_PX),
+                    _to_cache(v, v_scale_ptr, cache_dtype, FP8_CACHE, V_SCALED),
+                    mask=in_lanes(head_ok, d, D, 2 * BLOCK_HALF))
 
 
 @triton.jit
@@ -333,56 +360,6 @@ def rope_query_heads(q_ptr, q_out_ptr, zeros_ptr, t, head_tile, i, d_a, d_b,
         zero = tl.zeros(out_a.shape, dtype=zeros_ptr.dtype.element_ty)
         tl.store(zeros_row + d_a[None, :], zero, mask=head_mask)
         tl.store(zeros_row + d_b[None, :], zero, mask=head_mask)
-
-
-@triton.jit
-def _rope_and_cache_kv_heads(
-    k_ptr, v_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr, swa_ptr,
-    k_out_ptr, key_cache_out_ptr, value_cache_out_ptr,
-    t, T, rope_row, position_ok, i, d_a, d_b, cos_a, sin_a, cos_b, sin_b,
-    num_slots, swa_len, k_sr, k_sh, v_sr, v_sh, ko_sr, ko_sh,
-    kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2,
-    vc_sb, vc_sh, vc_sd1, vc_sd2, vc_sp1, vc_sp2,
-    D: tl.constexpr, KH: tl.constexpr, BLOCK_KH: tl.constexpr, PAGE: tl.constexpr,
-    HAS_SWA: tl.constexpr, FP8_CACHE: tl.constexpr,
-    K_DX: tl.constexpr, K_PX: tl.constexpr, V_DX: tl.constexpr, V_PX: tl.constexpr,
-    K_SCALED: tl.constexpr, V_SCALED: tl.constexpr, BLOCK_HALF: tl.constexpr,
-):
-    heads = tl.arange(0, BLOCK_KH)
-    head_ok = (heads < KH)[:, None]
-    head_mask = in_lanes(head_ok, i, D // 2, BLOCK_HALF)
-    safe_heads = tl.minimum(heads, KH - 1)
-    k_in_a, k_in_b, k_rot_a, k_rot_b = _rotate_pair(
-        k_ptr + t * k_sr + safe_heads[:, None] * k_sh, i, d_a, d_b, cos_a, sin_a, cos_b, sin_b, D, BLOCK_HALF)
-    # KV-only rows (t >= T) keep k as it is.
-    k_a = tl.where(rope_row, k_rot_a, k_in_a)
-    k_b = tl.where(rope_row, k_rot_b, k_in_b)
-    k_out_row = k_out_ptr + t * ko_sr + heads[:, None] * ko_sh
-    tl.store(k_out_row + d_a[None, :], k_a.to(k_out_ptr.dtype.element_ty), mask=head_mask)
-    tl.store(k_out_row + d_b[None, :], k_b.to(k_out_ptr.dtype.element_ty), mask=head_mask)
-
-    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
-    if HAS_SWA:
-        # -1 is skipped before the lookup; values past the table are skipped too.
-        in_table = (slot >= 0) & (slot < swa_len)
-        slot = tl.load(swa_ptr + tl.where(in_table, slot, 0), mask=in_table, other=-1).to(tl.int64)
-    if (slot >= 0) & (slot < num_slots) & (position_ok | (t >= T)):
-        page = slot // PAGE
-        offset = slot % PAGE
-        cache_dtype = key_cache_out_ptr.dtype.element_ty
-        tl.store(key_cache_out_ptr + _cache_offsets(
-            page, offset, heads, d_a, kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2, K_DX, K_PX),
-            _to_cache(k_a, k_scale_ptr, cache_dtype, FP8_CACHE, K_SCALED), mask=head_mask)
-        tl.store(key_cache_out_ptr + _cache_offsets(
-            page, offset, heads, d_b, kc_sb, kc_sh, kc_sd1, kc_sd2, kc_sp1, kc_sp2, K_DX, K_PX),
-            _to_cache(k_b, k_scale_ptr, cache_dtype, FP8_CACHE, K_SCALED), mask=head_mask)
-        d = tl.arange(0, 2 * BLOCK_HALF)  # D padded to a power of two
-        v_row = v_ptr + t * v_sr + safe_heads[:, None] * v_sh
-        v = load_lanes(v_row + d[None, :], d, D, 2 * BLOCK_HALF).to(tl.float32)
-        tl.store(value_cache_out_ptr + _cache_offsets(
-            page, offset, heads, d, vc_sb, vc_sh, vc_sd1, vc_sd2, vc_sp1, vc_sp2, V_DX, V_PX),
-            _to_cache(v, v_scale_ptr, cache_dtype, FP8_CACHE, V_SCALED),
-            mask=in_lanes(head_ok, d, D, 2 * BLOCK_HALF))
 
 
 def _cache_geometry(check: Checker, key: ArrayInfo, value: ArrayInfo, kh: int, d: int):
