@@ -117,9 +117,10 @@ def _first_launch_of_step(**arrays_and_options):
     return dataclasses.replace(program, launches=program.launches[:1])
 
 
-def _stages_1_and_2(requests, context=131072, cache=BF16):
+def _stages_1_and_2(requests, context=131072, cache=BF16, d=256, di=128):
     """The composed decode step's first launch (a row per request): at 1-16 rows its stages 1 and 2
-    in one (kernels/fused.py: rope_compress_store_kernel)."""
+    in one (kernels/fused.py: rope_compress_store_kernel); head dims ``d`` (attention) and ``di``
+    (the indexer)."""
     from qsa_kernels.paging import CacheGeometry
 
     b = requests
@@ -127,15 +128,15 @@ def _stages_1_and_2(requests, context=131072, cache=BF16):
                       num_compressed_pages=b * -(-(context // 4) // 64), max_context=context, max_requests=b)
     scales = dict(k_scale=a((), FP32), v_scale=a((), FP32), compressed_key_scale=a((), FP32)) if cache == FP8 else {}
     return _first_launch_of_step, dict(
-        q=a((b, 24, 256), BF16), k=a((b, 2, 256), BF16), v=a((b, 2, 256), BF16), index_q=a((b, 4, 128), BF16),
-        index_k=a((b, 1, 128), BF16), **{name: a(shape, cache if name != "compressor_state_cache" else BF16)
-                                         for name, shape in g.state_shapes(2, 256, 128).items()},
+        q=a((b, 24, d), BF16), k=a((b, 2, d), BF16), v=a((b, 2, d), BF16), index_q=a((b, 4, di), BF16),
+        index_k=a((b, 1, di), BF16), **{name: a(shape, cache if name != "compressor_state_cache" else BF16)
+                                        for name, shape in g.state_shapes(2, d, di).items()},
         slot_mapping=a((b,), I32), positions=a((b,), I32), raw_positions=a((b, 1, 3), I32),
         token_to_req=a((b,), I32), query_start_loc=a((b + 1,), I32), sequence_lengths=a((b,), I32),
         block_table=a((b, g.table_width), I32), compressed_block_table=a((b, g.compressed_table_width), I32),
         compressed_slots=a((b,), I32), compressor_state_block_table=a((b, 1), I32),
-        compressor_state_slots=a((b,), I32), cos_sin=a((context, 256), FP32),
-        index_cos_sin=a((context, 128), FP32), compress_ratio=4, token_topk=2048, **scales)
+        compressor_state_slots=a((b,), I32), cos_sin=a((context, d), FP32),
+        index_cos_sin=a((context, di), FP32), compress_ratio=4, token_topk=2048, **scales)
 
 
 def _store(rows, width, dtype, index=I32, squeezed=True, quantise_from=None):
@@ -211,6 +212,10 @@ CASES = {
     "rope/fp16-full-rotary-d64": _rope(t=256, qh=16, kh=4, d=64, dtype=FP16, cos_dtype=FP16, full_rotary=True,
                                        zeros=True, page=16),
     "rope/fp32-paged-x4-mqa": _rope(t=64, qh=8, kh=1, d=128, dtype=FP32, layout="paged", x=4, page=16),
+    # Head dims other than powers of two (issue 50): D/2 padded to a power of two, masked lanes.
+    "rope/flash-neox-d192-prefill-2048": _rope(d=192),
+    "rope/paged-gptj-d96-x16-full-rotary-fp8": _rope(t=256, qh=32, kh=8, d=96, layout="paged", x=16,
+                                                     full_rotary=True, is_neox=False, cache=FP8, scales=True),
     # Stage 2: compress_groups, store_cache_rows.
     "compress/decode-256-d128-rope-cache": _compress(256, 128, 256),
     "compress/prefill-2048-d256-int64": _compress(2048, 256, 1, rope_cache=False, index=I64),
@@ -221,9 +226,11 @@ CASES = {
                                                                                 is_neox=False, full_rotary=True),
     "fused-compression/decode-8-fp32-ratio8-fp8-12-heads": _fused_compression(8, dtype=FP32, ratio=8, cache=FP8,
                                                                               heads=12),
+    "fused-compression/decode-16-d96-gptj": _fused_compression(16, d=96, is_neox=False),
     "step/stages-1-2-decode-1-128k": _stages_1_and_2(1),
     "step/stages-1-2-decode-8-128k-fp8": _stages_1_and_2(8, cache=FP8),
     "step/stages-1-2-decode-16-128k": _stages_1_and_2(16),
+    "step/stages-1-2-decode-8-128k-d192-index-d96": _stages_1_and_2(8, d=192, di=96),
     "store/bf16-d128-decode-256": _store(256, 128, BF16),
     "store/fp8-d256-prefill-2048-3d-rows": _store(2048, 256, FP8, squeezed=False),
     "store/int64-positions-1-row": _store(1, 3, I64, index=I64),

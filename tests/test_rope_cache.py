@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 import torch
+import triton
 
 import qsa_jax
 import qsa_torch
@@ -345,6 +346,99 @@ def test_only_the_owning_rows_write():
     expected = np.zeros_like(changed)
     expected[page, offset, :] = True
     assert np.array_equal(changed, expected)
+
+
+# --------------------------------------------------------------------------
+# Any even head dim (issue 50): D/2 padded to BLOCK_HALF lanes, a power of two
+# --------------------------------------------------------------------------
+
+#: Models' dims (80, 96, 192) and small ones for the interpreter; NeoX and GPT-J, F = D/2 and
+#: F = D, every layout whose X divides D, fp8, no table, KV-only rows, 16/32-bit dtypes.
+EVEN_HEAD_DIM_CASES = {
+    "d80_neox_halffreq_flash_offsets": Case(D=80, T=3, QH=4, KH=2, offsets=True),
+    "d80_gptj_fullfreq_paged_x16_fp16_kvonly": Case(D=80, T=3, T_kv=5, layout="paged", X=16, is_neox=False,
+                                                    full_freqs=True, dtype=torch.float16),
+    "d96_neox_fullfreq_shuffled_x16_zeros": Case(D=96, T=3, QH=4, KH=1, layout="shuffled", X=16, P=16, blocks=3,
+                                                 full_freqs=True, zeros=True),
+    "d96_gptj_halffreq_flash_fp32cos_badpos": Case(D=96, T=5, QH=2, KH=2, is_neox=False, cos_sin_fp32=True,
+                                                   bad_positions=True),
+    "d192_gptj_halffreq_paged_x8_fp32": Case(D=192, T=2, T_kv=3, QH=2, KH=1, layout="paged", X=8, is_neox=False,
+                                             dtype=torch.float32),
+    "d192_neox_fullfreq_flash_swa": Case(D=192, T=3, QH=2, KH=1, full_freqs=True, swa=True, cache_view=True),
+    "d48_fp8_paged_x16_scales": Case(D=48, T=4, T_kv=6, layout="paged", X=16, P=16, blocks=3, cache_fp8=True,
+                                     scales=True),
+    "d24_gptj_fullfreq_shuffled_x8_packed": Case(D=24, layout="shuffled", X=8, is_neox=False, full_freqs=True,
+                                                 packed_qkv=True),
+    "d6_neox_paged_x2_int32": Case(D=6, QH=6, KH=3, layout="paged", X=2, index_dtype=torch.int32),
+    "d10_no_rope_gptj_flash_badpos": Case(D=10, no_rope=True, is_neox=False, bad_positions=True, offsets=True),
+    "d2_one_pair_scaled": Case(D=2, QH=2, KH=1, dtype=torch.float32, scales=True, scale_values=(0.3, [3.0])),
+}
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("name", list(EVEN_HEAD_DIM_CASES))
+def test_any_even_head_dim_against_reference_and_jax(name):
+    c = EVEN_HEAD_DIM_CASES[name]
+    args, options, _ = check_case(c)
+    (launch,) = qsa_torch.rope_reshape_and_cache.plan(**args, **options).launches
+    assert launch.constexprs["BLOCK_HALF"] == triton.next_power_of_2(c.D // 2)
+
+
+class Margins:
+    """Arrays as views inside larger buffers whose margins (``WIDTH`` elements on each
+    side) hold 0x7F bytes; :meth:`check` asserts that nothing wrote into a margin."""
+
+    WIDTH = 64  # elements: keeps 16-byte alignment for every dtype
+
+    def __init__(self):
+        self.empty = torch.empty  # the allocator in force underneath (conftest's poisoned one)
+        self.buffers: list = []
+
+    def allocate(self, shape, dtype, device) -> torch.Tensor:
+        size = int(np.prod(shape, dtype=np.int64))
+        buffer = self.empty(size + 2 * self.WIDTH, dtype=dtype, device=device)
+        buffer.view(torch.uint8).fill_(0x7F)
+        self.buffers.append((buffer, buffer.clone()))
+        return buffer[self.WIDTH: self.WIDTH + size].view(shape)
+
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        view = self.allocate(tuple(tensor.shape), tensor.dtype, tensor.device)
+        return view.copy_(tensor)
+
+    def torch_empty(self, *shape, dtype=None, device=None, **options):
+        """``torch.empty`` whose results have margins (the adapters' outputs)."""
+        if options or dtype is None:
+            return self.empty(*shape, dtype=dtype, device=device, **options)
+        return self.allocate(tuple(shape[0]) if len(shape) == 1 and not isinstance(shape[0], int) else shape,
+                             dtype, device)
+
+    def check(self) -> None:
+        assert self.buffers, "no array was given margins"
+        w = self.WIDTH
+        for buffer, before in self.buffers:
+            assert_bitwise_equal(buffer[:w], before[:w], "the margin before an array")
+            assert_bitwise_equal(buffer[-w:], before[-w:], "the margin after an array")
+
+
+@pytest.mark.parametrize("layout, neox", [("flash", True), ("paged", False), ("shuffled", True)])
+def test_padded_lanes_write_nothing_outside_the_arrays(layout, neox, monkeypatch):
+    """D = 40: 20 rotation pairs in 32 lanes, 40 values in 64.  The caches, and q_out, k_out and
+    zeros as both adapters allocate them, sit inside larger buffers with poisoned margins: the
+    margins come back bit-identical, and so does every cache cell no slot addresses; the last
+    slot (the caches' last cell) is written, so a padded lane past it would land in a margin."""
+    c = Case(D=40, T=4, T_kv=5, QH=6, KH=2, P=8, blocks=2, layout=layout, X=8, is_neox=neox, zeros=True)
+    margins = Margins()
+    monkeypatch.setattr(torch, "empty", margins.torch_empty)
+    args, options = make_inputs(c)
+    last = c.blocks * c.P - 1  # the caches' last cells; row 4 is KV-only
+    args["slot_mapping"] = torch.tensor([last, -1, 0, 5, 9], dtype=c.index_dtype, device=DEVICE)
+    args["key_cache"], args["value_cache"] = margins.copy(args["key_cache"]), margins.copy(args["value_cache"])
+    originals = {n: args[n].clone() for n in ("key_cache", "value_cache")}
+    jax_out = run_jax(args, options)
+    out = qsa_torch.rope_reshape_and_cache(**args, **options)
+    check_outputs(c, args, options, out, jax_out, originals, reference_for(c, args, options))
+    assert len(margins.buffers) >= 2 + 3 * 2, "q_out, k_out and zeros of each adapter have margins"
+    margins.check()
 
 
 # --------------------------------------------------------------------------

@@ -203,7 +203,9 @@ def stage_by_stage(model: Model, inputs: dict, state, meta, cos_sin, index_cos_s
 @pytest.mark.parametrize("model", [
     Model(),
     Model(QH=8, KH=2, D=16, IH=4, DI=16, ratio=8, token_topk=16, index_dtype=torch.bfloat16, is_neox=False),
-], ids=["bf16_fp32index_r4", "gqa4_bf16index_r8_gptj"])
+    # Head dims other than powers of two (issue 50): the attention's tile and RoPE's pairs padded.
+    Model(D=80, DI=24, is_neox=False),
+], ids=["bf16_fp32index_r4", "gqa4_bf16index_r8_gptj", "d80_di24_gptj"])
 def test_step_equals_stage_by_stage(model):
     g = torch.Generator().manual_seed(11)
     geometry = dataclasses.replace(GEOMETRY, compress_ratio=model.ratio, ring_size=None)
@@ -315,6 +317,16 @@ def test_multi_step_run_torch_jax_and_reference():
     run.step({"a": 1, "c": 1, "d": 1})
     assert run.traces == 3, f"the JAX step was traced {run.traces} times for 3 batch shapes"
     assert run.pager.lengths == {"a": 15, "c": 7, "d": 9}
+
+
+def test_multi_step_run_any_even_head_dim():
+    """Issue 50: attention head dim 48 (a tile of 64 lanes), index head dim 40 (20 rotation pairs in
+    32 lanes): a prefill of 18 rows (the separate compression launches), then a step of 9 rows
+    (stages 1 and 2 in one launch): torch and JAX bit-identical, against the float64 reference."""
+    run = Run(Model(D=48, DI=40), seed=9)
+    run.step({"a": 11, "b": 7})
+    run.step({"a": 3, "b": 1, "c": 5})
+    assert run.pager.lengths == {"a": 14, "b": 8, "c": 5}
 
 
 def valid_arguments():
@@ -782,7 +794,7 @@ def host_bits(x: torch.Tensor) -> torch.Tensor:
     return x.detach().cpu().view(torch.uint8)
 
 
-def _fused_step_arguments(schedule: str, is_neox: bool, cache: str) -> dict:
+def _fused_step_arguments(schedule: str, is_neox: bool, cache: str, model: Model | None = None) -> dict:
     """A second step's arguments after a first that fills rings and compressed pages.
 
     decode: one row per request, two of three completing a group whose older
@@ -790,7 +802,7 @@ def _fused_step_arguments(schedule: str, is_neox: bool, cache: str) -> dict:
     one request and 2 of another (ring of ratio slots), the chunk's first group
     straddling into the ring slots that its later rows overwrite.
     """
-    model = Model(index_dtype=torch.bfloat16, is_neox=is_neox)
+    model = model or Model(index_dtype=torch.bfloat16, is_neox=is_neox)
     first, second, ring = {"decode": ({"a": 15, "b": 7, "c": 2}, {"a": 1, "b": 1, "c": 1}, 2 * model.ratio),
                            "prefill": ({"a": 13, "b": 6}, {"a": 7, "b": 2}, model.ratio)}[schedule]
     geometry = dataclasses.replace(GEOMETRY, ring_size=ring)
@@ -814,6 +826,15 @@ def _fused_step_arguments(schedule: str, is_neox: bool, cache: str) -> dict:
 @pytest.mark.parametrize("schedule", ["decode", "prefill"])
 def test_fused_compression_equals_separate_launches(schedule, is_neox, cache):
     _assert_same_step(_fused_step_arguments(schedule, is_neox, cache))
+
+
+@pytest.mark.parametrize("schedule, is_neox, cache", [("decode", True, "bf16"), ("prefill", False, "fp8")])
+def test_fused_compression_any_even_head_dim(schedule, is_neox, cache):
+    """Issue 50: head dims 80 (the attention's tile padded to 128) and 40 (the index keys' and
+    queries' 20 rotation pairs padded to 32 lanes, a ring row of 40 values in 64): the fused
+    launches give the separate ones' bits."""
+    model = Model(D=80, DI=40, index_dtype=torch.bfloat16, is_neox=is_neox)
+    _assert_same_step(_fused_step_arguments(schedule, is_neox, cache, model))
 
 
 def test_fused_compression_reads_the_ring_before_overwriting_it():
