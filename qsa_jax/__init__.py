@@ -30,7 +30,7 @@ from ._binding import (  # noqa: E402,F401  (run_program: the benchmarking seam,
     triton_lowering_available,
     use_triton_lowering,
 )
-from ._functions import *  # noqa: E402,F403  (every public function, generated from the declarations)
+from ._functions import *  # noqa: E402,F403  (every public function, built from its declaration)
 from ._functions import __all__ as _functions
 from ._step import QSAState, StepMetadata  # noqa: E402
 

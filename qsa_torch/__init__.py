@@ -29,7 +29,7 @@ _binding.register_ops()
 _report.register()
 
 from ._binding import run_program  # noqa: E402,F401  (the benchmarking seam: docs/api.md)
-from ._functions import *  # noqa: E402,F403  (every public function, generated from the declarations)
+from ._functions import *  # noqa: E402,F403  (every public function, built from its declaration)
 from ._functions import __all__ as _functions
 from ._step import QSAState, StepMetadata  # noqa: E402
 

@@ -2,8 +2,8 @@
 
 Public APIs only (``torch.library``, ``torch.compiler``, Triton's
 ``kernel[grid](...)``): tests/test_binding.py scans this module's imports.
-A call of a public function (``qsa_torch._functions``, generated from the
-stages' declarations) is :func:`call`:
+A call of a public function (``qsa_torch._functions``, built from the
+stages' declarations by ``qsa_kernels.api.define``) is :func:`call`:
 
 1. the accelerator (:data:`hook`, ``qsa_torch._accel``: installed unless
    ``QSA_ACCELERATE=0``) may run a plain eager call itself, at the host

@@ -1,4 +1,4 @@
-"""One declaration per public function: both adapters generate their functions from it.
+"""One declaration per public function: both adapters build their functions from it.
 
 The declarations (``qsa_kernels.stage.Stage``, listed in ``qsa_kernels.api``)
 are the only place a public function's arrays, options and docstring are
@@ -34,7 +34,7 @@ def test_both_adapters_generate_every_public_stage_from_its_declaration():
         for adapter, framework in ((qsa_torch, "torch"), (qsa_jax, "jax")):
             function = getattr(adapter, stage.name)
             assert function.__module__ == adapter.__name__
-            # (scripts/generate_functions.py: the same parameters; the return annotation per variant)
+            # (api.define: the same parameters; the return annotation per variant)
             assert inspect.signature(function).parameters == signature.parameters, (stage.name, framework)
             assert function.__doc__ == framework_doc(stage.doc, framework)
             assert inspect.signature(function.plan).parameters == signature.parameters
@@ -42,6 +42,17 @@ def test_both_adapters_generate_every_public_stage_from_its_declaration():
         plan_parameters = [p.name for p in inspect.signature(stage._plan).parameters.values()]
         assert [p for p in plan_parameters if p in signature.parameters] == list(signature.parameters)
         assert set(stage.arrays) | set(stage.options) == set(signature.parameters)
+
+
+def test_every_function_has_its_public_signature_in_both_adapters():
+    """The composed step too (its state and metadata containers): what kernels/functions.py types."""
+    for stage in api.FUNCTIONS:
+        for adapter in (qsa_torch, qsa_jax):
+            function = getattr(adapter, stage.name)
+            assert inspect.signature(function) == api.public_signature(stage), (adapter.__name__, stage.name)
+            assert function.__qualname__ == stage.name and function.__module__ == adapter.__name__
+    assert list(api.public_signature(api.plan_qsa_attention_step).parameters)[5:7] == ["state", "metadata"]
+    assert not hasattr(qsa_torch.qsa_attention_step, "plan")
 
 
 def test_the_declared_updates_are_what_the_programs_update():

@@ -89,7 +89,7 @@ def torch_stages(logits: torch.Tensor, visible: torch.Tensor, q: torch.Tensor, k
                  v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor,
                  positions: torch.Tensor, token_indices: torch.Tensor, block_table: torch.Tensor,
                  token_to_req: torch.Tensor) -> torch.Tensor:
-    """The stage functions are typed as declared (scripts/generate_functions.py), not ``Any``."""
+    """The stage functions are typed as declared (qsa_kernels.functions), not ``Any``."""
     blocks = qsa_torch.topk_blocks(logits, visible, 16)
     assert_type(blocks, torch.Tensor)
     bad: int = qsa_torch.topk_blocks(logits, visible, 16)  # type: ignore[assignment]  # a Tensor, not an int
@@ -103,6 +103,11 @@ def torch_stages(logits: torch.Tensor, visible: torch.Tensor, q: torch.Tensor, k
     assert_type(zeros, torch.Tensor)
     out = qsa_torch.sparse_paged_attention(q, key_cache, value_cache, token_indices, block_table, token_to_req)
     assert_type(out, torch.Tensor)
+    out, lse = qsa_torch.sparse_paged_attention(q, key_cache, value_cache, token_indices, block_table,
+                                                token_to_req, return_lse=True)  # the Literal selects a pair
+    assert_type(lse, torch.Tensor)
+    qsa_torch.sparse_paged_attention(q, key_cache, value_cache, token_indices,  # type: ignore[call-overload]
+                                     block_table, token_to_req, return_lse=1)  # a bool, not an int
     return blocks + bad + out
 
 
@@ -110,4 +115,5 @@ def jax_stages(logits: jax.Array, visible: jax.Array) -> jax.Array:
     blocks = qsa_jax.topk_blocks(logits, visible, 16)
     assert_type(blocks, jax.Array)
     bad: str = qsa_jax.topk_blocks(logits, visible, 16)  # type: ignore[assignment]  # an Array, not a str
+    assert_type(qsa_jax.topk_blocks(np.asarray(logits), visible, 16), jax.Array)  # NumPy in, a jax.Array out
     return blocks
