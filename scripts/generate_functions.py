@@ -52,9 +52,10 @@ def _protocol(api, stage, declared) -> tuple[str, str]:
     methods = [stage.signature_text(s, method=True) for s in signatures]
     used = ", ".join(name for name in TYPE_VARIABLES if any(re.search(rf"\b{name}\b", m) for m in methods))
     name = "".join(word.capitalize() for word in declared.name.split("_"))
-    decorator = "    @overload\n" if len(methods) > 1 else ""
-    return (f"class {name}(Protocol[{used}]):\n" + "\n".join(f"{decorator}    def __call__{m}: ..." for m in methods),
-            f"{name}[{used}]")
+    lines = [f"class {name}(Protocol[{used}]):"]
+    for method in methods:
+        lines += ["    @overload"] * (len(methods) > 1) + [f"    def __call__{method}: ..."]
+    return "\n".join(lines), f"{name}[{used}]"
 
 
 def source() -> str:
