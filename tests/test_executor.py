@@ -189,3 +189,28 @@ def test_fused_launch_joins_the_parts_arguments_under_their_prefixes():
     with pytest.raises(ValueError, match="3-dimensional grid"):
         fused_launch(fused.rope_compress_store_kernel, (("r_", Launch(**{**rope.__dict__, "grid": (1, 1, 2)})),
                                                         ("c_", compression)), num_warps=4)
+
+
+def test_the_fused_kernels_are_generated_from_their_parts():
+    """kernels/fused.py's fused kernels are what scripts/generate_fused_kernels.py reads from their parts'
+    kernels (a part that gains a parameter regenerates them), and the generator reads a part as it is."""
+    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "generate_fused_kernels.py")
+    result = subprocess.run([sys.executable, script, "--check"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    sys.path.insert(0, os.path.dirname(script))
+    try:
+        import generate_fused_kernels as generator
+    finally:
+        sys.path.pop(0)
+    part = generator.Part("x_", "fused", "compress_rotate_store_kernel")
+    read = generator._read(part)
+    names = [p.name for p in read.parameters]
+    assert read.program == "compress_rotate_store_program" and read.program_ids == ("tl.program_id(0)",)
+    assert [p.name for p in read.parameters if p.section == "outputs"] == \
+        ["ring_out_ptr", "compressed_out_ptr", "index_q_out_ptr"]
+    assert names[-1] == "BLOCK_HALF" and read.parameters[-1].constexpr and not read.parameters[0].constexpr
+    from qsa_kernels.fused import rope_compress_store_kernel
+    from qsa_kernels.launch import _kernel_parameters
+
+    fused_names = [p[0] for p in _kernel_parameters(rope_compress_store_kernel)]
+    assert fused_names.count("c_BLOCK_HALF") == 1 and len(fused_names) == len(set(fused_names))
