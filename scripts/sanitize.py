@@ -174,9 +174,12 @@ def distinct_slots(rng, count: int, num_slots: int, dtype) -> np.ndarray:
 # Cases: (name, function group, builder(rng, small) -> (public function, arrays, static, in-place names))
 # --------------------------------------------------------------------------
 
-def rope(layout, dtype=BF16, cache_dtype=None, index_dtype=np.int64, neox=True, swa=False, offsets=False):
+def rope(layout, dtype=BF16, cache_dtype=None, index_dtype=np.int64, neox=True, swa=False, offsets=False,
+         head_dim=None):
+    """Stage 1's case; ``head_dim`` other than a power of two pads the rotation tile (masked lanes)."""
     def build(rng, small):
         t, extra, qh, kh, d, page, blocks = (5, 2, 4, 2, 32, 8, 6) if small else (48, 16, 24, 2, 128, 16, 64)
+        d = head_dim or d
         x = 8 if small else 16
         num_slots = blocks * page
         if layout == "flash":
@@ -335,11 +338,12 @@ def attention(rows, width, dtype=BF16, d=128, blocks_override=None, small_shape=
     return build
 
 
-def step(fp8=False, neox=True):
+def step(fp8=False, neox=True, head_dims=None):
     """The composed step at most StepTuning.fused_max_rows rows (stage 2 and the index queries'
-    RoPE in one launch), over metadata full of values to skip."""
+    RoPE in one launch), over metadata full of values to skip; ``head_dims``: ``(D, DI)``."""
     def build(rng, small):
         qh, kh, d, ih, di = (4, 2, 32, 2, 32) if small else (24, 2, 128, 4, 128)
+        d, di = head_dims or (d, di)
         rows, requests, page, context, ratio, cpage, ring = 8, 3, 16, 256, 4, 8, 8
         width, cwidth = context // page, context // ratio // cpage
         pages, cpages, blocks, max_position = requests * width, requests * cwidth, requests + 1, 2 * context
@@ -412,6 +416,11 @@ CASES = [
     ("attention_empty_selection", "attention", attention(8, 0, small_shape=(3, 0))),
     ("step_fused_compression", "step", step()),
     ("step_fused_compression_fp8_gptj", "step", step(fp8=True, neox=False)),
+    # Head dims other than powers of two (padded tiles); last, so that the cases above keep their seeds.
+    ("rope_flash_bf16_d80", "rope", rope("flash", head_dim=80)),
+    ("rope_paged_bf16_d96_gptj", "rope", rope("paged", neox=False, head_dim=96)),
+    ("attention_decode_d80", "attention", attention(4, 2048, d=80, small_shape=(2, 300))),
+    ("step_fused_compression_d80_di40", "step", step(head_dims=(80, 40))),
 ]
 
 

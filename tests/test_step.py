@@ -950,8 +950,8 @@ def test_step_with_the_merge_in_its_launch_equals_the_merge_launch():
     assert np.isfinite(f64(results[True][0])).all() and np.abs(f64(results[True][0])).sum() > 0
 
 
-@pytest.mark.parametrize("case", ["step_fused_compression", pytest.param("step_fused_compression_fp8_gptj",
-                                                                        marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("case", ["step_fused_compression", "step_fused_compression_d80_di40",
+                                  pytest.param("step_fused_compression_fp8_gptj", marks=pytest.mark.gpu)])
 def test_fused_compression_equals_separate_launches_on_metadata_to_skip(case):
     """scripts/sanitize.py's step cases: stray rows (another request's, none), positions past
     the tables, -1 and far slots, ring blocks missing or out of range.  The fused launch skips
