@@ -49,7 +49,14 @@ def torch_baseline(q, k, v, key_cache, value_cache, slots, positions, cos_sin):
 
 
 def main():
-    args = common.parser(__doc__, "rope_cache.json").parse_args()
+    parser = common.parser(__doc__, "rope_cache.json")
+    parser.add_argument("--geometries", nargs="+", type=lambda text: tuple(map(int, text.split(","))),
+                        metavar="QH,KH,D", help=f"(default {' '.join(','.join(map(str, g)) for g in GEOMETRIES)}); "
+                        "a D other than a power of two pads the rotation tile")
+    parser.add_argument("--tokens", nargs="+", type=int, help=f"token counts (default {TOKENS})")
+    parser.add_argument("--pages", nargs="+", type=int, help=f"page sizes (default {PAGES})")
+    parser.add_argument("--skip-jax", action="store_true", help="leave out the JAX columns")
+    args = parser.parse_args()
     import jax
     import jax.numpy as jnp
     import torch
@@ -58,9 +65,9 @@ def main():
     import qsa_torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tokens = [1, 8] if args.smoke else TOKENS
-    geometries = [(4, 2, 32)] if args.smoke else GEOMETRIES
-    pages = [16] if args.smoke else PAGES
+    tokens = args.tokens or ([1, 8] if args.smoke else TOKENS)
+    geometries = args.geometries or ([(4, 2, 32)] if args.smoke else GEOMETRIES)
+    pages = args.pages or ([16] if args.smoke else PAGES)
     rows = []
     for qh, kh, d in geometries:
         for page in pages:
@@ -87,30 +94,32 @@ def main():
                 row["baseline_us"] = common.torch_median_us(call_base, args.smoke)
                 row["baseline_graph_us"] = common.torch_graph_us(call_base, smoke=args.smoke)
 
-                to_j = lambda x: jnp.asarray(x.cpu().float().numpy()).astype(jnp.bfloat16) if x.dtype == torch.bfloat16 else jnp.asarray(x.cpu().numpy().astype("int32"))  # noqa: E731
-                jq, jk, jv, jpos, jslots, jcs = map(to_j, (q, k, v, positions, slots, cos_sin))
-                jkc, jvc = to_j(key_cache), to_j(value_cache)
+                if not args.skip_jax:
+                    to_j = lambda x: jnp.asarray(x.cpu().float().numpy()).astype(jnp.bfloat16) if x.dtype == torch.bfloat16 else jnp.asarray(x.cpu().numpy().astype("int32"))  # noqa: E731
+                    jq, jk, jv, jpos, jslots, jcs = map(to_j, (q, k, v, positions, slots, cos_sin))
+                    jkc, jvc = to_j(key_cache), to_j(value_cache)
 
-                def step(kc, vc):
-                    out = qsa_jax.rope_reshape_and_cache(jq, jk, jv, kc, vc, jslots, jpos, jcs, is_neox=True)
-                    return out[2], out[3]
+                    def step(kc, vc):
+                        out = qsa_jax.rope_reshape_and_cache(jq, jk, jv, kc, vc, jslots, jpos, jcs, is_neox=True)
+                        return out[2], out[3]
 
-                donated = jax.jit(step, donate_argnums=(0, 1))
-                jkc, jvc = jax.block_until_ready(donated(jkc, jvc))
-                times = []
-                calls = 20
-                for _ in range(3 if args.smoke else 10):
-                    t0 = time.perf_counter()
-                    for _ in range(calls):
-                        jkc, jvc = donated(jkc, jvc)
-                    jax.block_until_ready((jkc, jvc))
-                    times.append((time.perf_counter() - t0) * 1e6 / calls)
-                row["jax_wall_us"] = statistics.median(times)
-                row["jax_loop_us"] = common.jax_loop_us(lambda c: step(*c), (jkc, jvc), smoke=args.smoke)
+                    donated = jax.jit(step, donate_argnums=(0, 1))
+                    jkc, jvc = jax.block_until_ready(donated(jkc, jvc))
+                    times = []
+                    calls = 20
+                    for _ in range(3 if args.smoke else 10):
+                        t0 = time.perf_counter()
+                        for _ in range(calls):
+                            jkc, jvc = donated(jkc, jvc)
+                        jax.block_until_ready((jkc, jvc))
+                        times.append((time.perf_counter() - t0) * 1e6 / calls)
+                    row["jax_wall_us"] = statistics.median(times)
+                    row["jax_loop_us"] = common.jax_loop_us(lambda c: step(*c), (jkc, jvc), smoke=args.smoke)
                 for key in ("torch_graph_us", "jax_loop_us", "baseline_graph_us"):
-                    row[key.replace("_us", "_pct_peak")] = common.pct_peak(nbytes, row[key])
+                    if key in row:
+                        row[key.replace("_us", "_pct_peak")] = common.pct_peak(nbytes, row[key])
                 row["torch_graph_gbps"] = common.gbps(nbytes, row["torch_graph_us"])
-                if row["torch_graph_us"] and row["jax_loop_us"]:
+                if row["torch_graph_us"] and row.get("jax_loop_us"):
                     row["jax_vs_torch_device"] = row["jax_loop_us"] / row["torch_graph_us"]
                 rows.append(row)
                 common.print_table([row], list(row))
