@@ -272,9 +272,9 @@ def rope_cases(draw):
     t_kv = t + draw(st.integers(0, 2))
     kh = draw(st.integers(1, 3))
     qh = kh * draw(st.integers(1, 3))
-    d = draw(st.sampled_from((2, 4, 8, 16, 32)))
+    d = draw(st.sampled_from((2, 4, 6, 8, 10, 16, 24, 32)))  # any even D: 6, 10, 24 pad the rotation tile
     layout = draw(st.sampled_from(("flash", "paged", "shuffled")))
-    x = 1 if layout == "flash" else draw(st.sampled_from([x for x in (1, 2, 4, 8) if x <= d]))
+    x = 1 if layout == "flash" else draw(st.sampled_from([x for x in (1, 2, 4, 8) if d % x == 0]))
     page = x * draw(st.integers(1, 3)) if layout == "shuffled" else draw(st.integers(1, 5))
     blocks = draw(st.integers(0, 4))
     num_slots = blocks * page
