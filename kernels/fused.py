@@ -153,40 +153,15 @@ def compress_rotate_store_program(
 @dependent
 @triton.jit
 def rope_compress_store_kernel(
-    # inputs: ``rope_cache_kernel``'s (``r_``), then ``compress_rotate_store_kernel``'s (``c_``)
-    r_q_ptr,  # [T, QH, D] bf16/fp16/fp32
-    r_k_ptr,  # [T_kv, KH, D] q's dtype
-    r_v_ptr,  # [T_kv, KH, D] q's dtype
-    r_key_cache_ptr,  # flash [pages, P, KH, D] or paged [pages, KH, D//X, P, X]; k's dtype or fp8
-    r_value_cache_ptr,  # flash [pages, P, KH, D], paged [pages, KH, D, P] or shuffled [pages, KH, P//X, D, X]
-    r_slot_mapping_ptr,  # [T_kv] int32/int64
-    r_positions_ptr,  # [T] int32/int64
-    r_offsets_ptr,  # [T] int32/int64 (HAS_OFFSETS; else a stand-in, never read)
-    r_cos_sin_ptr,  # [max_position, 2*F] q's dtype or fp32 (ROPE; else a stand-in, never read)
-    r_k_scale_ptr,  # 0-d / [1] float (FP8_CACHE or K_SCALED; else a stand-in)
-    r_v_scale_ptr,  # 0-d / [1] float (FP8_CACHE or V_SCALED; else a stand-in)
-    r_swa_ptr,  # [num_swa_slots] int32/int64 (HAS_SWA; else a stand-in)
-    c_raw_keys_ptr,  # [T, 1, D] bf16/fp16/fp32: this step's raw index keys
-    c_ring_ptr,  # [blocks, RING, 1, D] raw_keys' dtype (compressor_state_cache)
-    c_block_table_ptr,  # [>= B, >= 1] int32/int64: column 0, each request's ring block
-    c_token_to_req_ptr,  # [T] int32/int64
-    c_query_start_loc_ptr,  # [B + 1] int32/int64
-    c_positions_ptr,  # [T] int32/int64 (contiguous)
-    c_compressed_slots_ptr,  # [T] int32/int64
-    c_ring_slots_ptr,  # [T] int32/int64 (compressor_state_slots)
-    c_compressed_ptr,  # [pages, CPAGE, 1, D] raw_keys' dtype or fp8 (read only through its alias)
-    c_cos_sin_ptr,  # [max_position, 2*F] raw_keys' dtype or fp32 (index_cos_sin)
-    c_scale_ptr,  # [] or [1] float (QUANTISE; else a stand-in, never read)
-    c_index_q_ptr,  # [T, IH, D] raw_keys' dtype
+    # inputs: ``rope_cache_kernel``'s (``r_``), then ``compress_rotate_store_kernel``'s (``c_``);
+    # each pointer's shape as that kernel's signature gives it
+    r_q_ptr, r_k_ptr, r_v_ptr, r_key_cache_ptr, r_value_cache_ptr, r_slot_mapping_ptr, r_positions_ptr,
+    r_offsets_ptr, r_cos_sin_ptr, r_k_scale_ptr, r_v_scale_ptr, r_swa_ptr, c_raw_keys_ptr, c_ring_ptr,
+    c_block_table_ptr, c_token_to_req_ptr, c_query_start_loc_ptr, c_positions_ptr, c_compressed_slots_ptr,
+    c_ring_slots_ptr, c_compressed_ptr, c_cos_sin_ptr, c_scale_ptr, c_index_q_ptr,
     # outputs, in the same order
-    r_q_out_ptr,  # [T, QH, D] q's dtype
-    r_k_out_ptr,  # [T_kv, KH, D] k's dtype
-    r_key_cache_out_ptr,  # key_cache
-    r_value_cache_out_ptr,  # value_cache
-    r_zeros_ptr,  # [T, QH, D] q's dtype (WRITE_ZEROS; else [1], never written)
-    c_ring_out_ptr,  # compressor_state_cache
-    c_compressed_out_ptr,  # compressed key cache
-    c_index_q_out_ptr,  # [T, IH, D] index_q's dtype
+    r_q_out_ptr, r_k_out_ptr, r_key_cache_out_ptr, r_value_cache_out_ptr, r_zeros_ptr, c_ring_out_ptr,
+    c_compressed_out_ptr, c_index_q_out_ptr,
     # each part's program count and its grid's second extent (launch.fused_launch)
     r_programs, r_grid_1, c_programs, c_grid_1,
     # each part's sizes, strides and options

@@ -11,8 +11,8 @@ part's outputs, then per part its program count and grid extent, then the
 parts' scalars, then their constexprs), and its body hands each program to
 the part's program function as the part's own kernel does.  So the list is
 read from the parts' kernels, never written by hand: a part kernel lists its
-pointers under a ``# inputs`` comment, then ``# outputs``, one a line with its
-shape comment (which the fused kernel repeats); it calls its program function
+pointers under a ``# inputs`` comment, then ``# outputs`` (each with its shape
+comment, which the fused kernel points to); it calls its program function
 ``<name>_program`` with the program ids first (``tl.program_id(0)``, ``(1)``),
 then its parameters in order.  tests/test_executor.py runs ``--check``.
 """
@@ -59,7 +59,6 @@ FUSED = {
 @dataclass(frozen=True)
 class Parameter:
     name: str
-    comment: str | None  # the shape comment on its line, if it has the line to itself
     section: str  # "inputs", "outputs" or "values" (sizes, strides, options, constexprs)
     constexpr: bool
 
@@ -86,15 +85,11 @@ def _read(part: Part) -> PartKernel:
                 section = "inputs"
             elif text.startswith("# outputs"):
                 section = "outputs"
-        line = lines[argument.lineno - 1]
-        code, _, comment = line.partition("#")
-        alone = code.strip() == argument.arg + "," and bool(comment)
         pointer = argument.arg.endswith("_ptr")
         if pointer and section is None:
             raise SystemExit(f"{part.kernel}: pointer {argument.arg} is under no '# inputs'/'# outputs' comment")
         constexpr = argument.annotation is not None and "constexpr" in ast.unparse(argument.annotation)
-        parameters.append(Parameter(argument.arg, comment.strip() if alone else None,
-                                    section if pointer else "values", constexpr))
+        parameters.append(Parameter(argument.arg, section if pointer else "values", constexpr))
         previous_line = argument.lineno
     calls = [node for node in ast.walk(kernel) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
              and node.func.id.endswith("_program")]
@@ -125,11 +120,10 @@ def _kernel(name: str, parts: tuple[Part, ...], doc: str) -> str:
     owners = ", then ".join(f"``{k.part.kernel}``'s (``{k.part.prefix}``)" for k in kernels)
     lines = ["@dependent", "@triton.jit", f"def {name}("]
     for section in ("inputs", "outputs"):
-        lines.append(f"    # {section}: {owners}" if section == "inputs" else "    # outputs, in the same order")
-        for kernel in kernels:
-            for p in kernel.parameters:
-                if p.section == section:
-                    lines.append(f"    {kernel.part.prefix}{p.name}," + (f"  # {p.comment}" if p.comment else ""))
+        lines += ([f"    # inputs: {owners};", "    # each pointer's shape as that kernel's signature gives it"]
+                  if section == "inputs" else ["    # outputs, in the same order"])
+        lines += _wrap([f"{k.part.prefix}{p.name}" for k in kernels for p in k.parameters if p.section == section],
+                       "    ")
     lines.append("    # each part's program count and its grid's second extent (launch.fused_launch)")
     lines += _wrap([f"{k.part.prefix}{n}" for k in kernels for n in ("programs", "grid_1")], "    ")
     lines.append("    # each part's sizes, strides and options")
