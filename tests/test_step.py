@@ -439,13 +439,13 @@ def test_unverified_versions_fall_back_to_jax_tritons_lowering_with_the_same_bit
         assert_bitwise_equal(a, b, "topk")
 
 
-def production_decode_step(seed: int):
-    """24 Q / 2 KV heads x d256, indexer 4 x d128, ratio 4, pages of 64, top 2048 tokens: a prefill
-    chunk (~650 complete groups per request: the top 512 blocks are a real choice), then a
-    4-request decode step's arguments: ``(model, state, host metadata, inputs, cos_sin,
+def production_decode_step(seed: int, d: int = 256, di: int = 128):
+    """24 Q / 2 KV heads x d256 (``d``), indexer 4 x d128 (``di``), ratio 4, pages of 64, top 2048
+    tokens: a prefill chunk (~650 complete groups per request: the top 512 blocks are a real choice),
+    then a 4-request decode step's arguments: ``(model, state, host metadata, inputs, cos_sin,
     index_cos_sin, torch_step)``, ``torch_step(state)`` running the step eagerly on ``state``
     (with the token indices)."""
-    model = Model(QH=24, KH=2, D=256, IH=4, DI=128, token_topk=2048, index_dtype=torch.bfloat16)
+    model = Model(QH=24, KH=2, D=d, IH=4, DI=di, token_topk=2048, index_dtype=torch.bfloat16)
     geometry = CacheGeometry(page_size=64, num_pages=256, compress_ratio=4, compressed_page_size=64,
                              num_compressed_pages=64, max_context=4096, max_requests=8)
     g = torch.Generator().manual_seed(seed)
@@ -467,16 +467,19 @@ def production_decode_step(seed: int):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lowering, ptx", [("legacy", "minified"), ("legacy", "full"), ("ffi", "minified"),
-                                          ("ffi", "full"), ("jax-triton", "full")])
-def test_production_geometry_graph_and_jax(lowering, ptx):
+@pytest.mark.parametrize("lowering, ptx, d, di", [
+    ("legacy", "minified", 256, 128), ("legacy", "full", 256, 128), ("ffi", "minified", 256, 128),
+    ("ffi", "full", 256, 128), ("jax-triton", "full", 256, 128),
+    # head dims other than powers of two (issue 50): padded attention, RoPE and index tiles
+    ("ffi", "minified", 192, 96), ("ffi", "minified", 80, 128)])
+def test_production_geometry_graph_and_jax(lowering, ptx, d, di):
     """24 Q / 2 KV heads x d256, indexer 4 x d128, ratio 4, pages of 64, top 2048 tokens: a prefill
     chunk then a decode step; torch eager, torch CUDA-graph replay and JAX (each Triton lowering, with
     each PTX form it can carry: ``qsa_jax._lowering.ptx_form``; state donated: its buffers are
-    updated in place) agree bitwise."""
+    updated in place) agree bitwise.  Also at head dims 192 / 96 and 80 / 128."""
     from qsa_jax import _lowering as _triton_call
 
-    model, state, host_meta, inputs, cs, ics, torch_step = production_decode_step(seed=0)
+    model, state, host_meta, inputs, cs, ics, torch_step = production_decode_step(seed=0, d=d, di=di)
     jax_state = qsa_jax.QSAState(**{n: to_jax(getattr(state, n)) for n in STATE_FIELDS})
 
     eager_state, graph_state = clone_state(state), clone_state(state)
