@@ -22,7 +22,8 @@ neighbours selected (L2 serves them), so its "% of peak" may pass 100.
 ``--sweep`` (a separate tuning run, a few minutes): CUDA-graph µs of launch
 configurations around the plan's table (BLOCK_N x warps x stages, and half /
 double the split count) on a few shapes, written to sparse_attention_sweep.json
-(``--splits 4,8``: those split counts crossed with SPLIT_CANDIDATES instead).
+(``--splits 4,8``: those split counts crossed with SPLIT_CANDIDATES instead;
+``--configs 16:2:5,32:4:5:3``: exactly those BLOCK_N:warps:stages[:splits]).
 
 ``--fp8``: the same shapes (decode 1/8/64/256 at 32K/128K and the 2048-row
 prefill) also read fp8 e4m3 copies of the pools (per-tensor scales, pool amax
@@ -243,7 +244,7 @@ def seed_us(mode, rows, context):
     return SEED_DECODE_US.get(rows) if mode == "decode" else SEED_PREFILL_US.get((rows, context))
 
 
-def sweep(qsa_torch, attention, arrays, smoke, quick=False, split_counts=()):
+def sweep(qsa_torch, attention, arrays, smoke, quick=False, split_counts=(), chosen=()):
     """CUDA-graph µs of configurations around the table's (partial kernel's warps/stages overridden).
 
     Every configuration takes AttentionTuning's default row addressing (fp8: slot; 16-bit:
@@ -256,7 +257,9 @@ def sweep(qsa_torch, attention, arrays, smoke, quick=False, split_counts=()):
     addressing = "fp8_row_addressing" if fp8 else "row_addressing"
     variants = [{}] + [{addressing: mode} for mode in ROW_ADDRESSING_MODES if mode != getattr(default, addressing)]
     configs = [(None, None, None, None, variant) for variant in variants]
-    if split_counts:  # --splits: those split counts crossed with SPLIT_CANDIDATES, instead
+    if chosen:  # --configs: exactly these (BLOCK_N, warps, stages, splits or None), beside the table's
+        configs = [(None, None, None, None, {})] + [(b, s, w, st, {}) for b, w, st, s in chosen]
+    elif split_counts:  # --splits: those split counts crossed with SPLIT_CANDIDATES, instead
         configs = [(None, None, None, None, {})] + [
             (block_n, splits, warps, stages, {}) for splits in split_counts
             for block_n, warps, stages in SPLIT_CANDIDATES]
@@ -292,6 +295,15 @@ def sweep(qsa_torch, attention, arrays, smoke, quick=False, split_counts=()):
     return results
 
 
+def parse_configs(text: str) -> list[tuple[int, int, int, int | None]]:
+    """``"16:2:5,32:4:5:3"`` -> [(16, 2, 5, None), (32, 4, 5, 3)]: BLOCK_N, warps, stages, splits."""
+    configs = []
+    for item in text.split(","):
+        values = [int(v) for v in item.split(":")]
+        configs.append((*values, None) if len(values) == 3 else tuple(values))
+    return configs
+
+
 def main():
     parser = common.parser(__doc__, "sparse_attention.json")
     parser.add_argument("--sweep", action="store_true", help="tune: sweep launch configurations instead")
@@ -299,6 +311,9 @@ def main():
                         help="with --sweep: the variants, and with --fp8 the SWEEP_QUICK candidates, only")
     parser.add_argument("--splits", type=lambda text: [int(n) for n in text.split(",")], default=[],
                         help="with --sweep: these split counts (e.g. 4,8,16) crossed with SPLIT_CANDIDATES")
+    parser.add_argument("--configs", type=parse_configs, default=[],
+                        help="with --sweep: exactly these BLOCK_N:warps:stages[:splits] configurations (comma-separated) "
+                             "beside the table's")
     parser.add_argument("--fp8", action="store_true",
                         help="also read fp8 e4m3 caches (per-tensor scales) on FP8_SHAPES, side by side")
     parser.add_argument("--only", choices=("decode", "prefill"), help="run only these shapes")
@@ -369,7 +384,7 @@ def main():
                 arrays.update(fp8_arrays)
                 nbytes = moved_bytes(g, rows, width, cache_bytes=1)
             table = plan_choice(qsa_torch, attention, arrays)
-            for result in sweep(qsa_torch, attention, arrays, args.smoke, args.quick, args.splits):
+            for result in sweep(qsa_torch, attention, arrays, args.smoke, args.quick, args.splits, args.configs):
                 is_table = all(result[k] == table[k] for k in ("block_n", "splits", "warps", "stages")) and (
                 result["variant"] == "default")
                 rows_out.append(dict(mode=mode, rows=rows, context=context, table=is_table, bytes=nbytes, **result,

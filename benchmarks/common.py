@@ -228,6 +228,20 @@ def gbps(nbytes: int, microseconds: float | None) -> float | None:
     return nbytes / (microseconds * 1e-6) / 1e9
 
 
+def copy_gbps(nbytes: int = 2 << 30, smoke: bool = False) -> float | None:
+    """This card's device-to-device copy rate, GB/s, measured now: a CUDA graph of ``nbytes``
+    copied buffer to buffer (bytes read + written), the median of replays.  None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    source = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_(0, 256)
+    target = torch.empty_like(source)
+    us = torch_graph_us(lambda: target.copy_(source), calls=5, smoke=smoke)
+    del source, target
+    return gbps(nbytes, us)
+
+
 def pct_peak(nbytes: int, microseconds: float | None) -> float | None:
     rate = gbps(nbytes, microseconds)
     return None if rate is None else 100.0 * rate / PEAK_GBPS

@@ -1,24 +1,41 @@
 #!/usr/bin/env bash
-# fp8 speed (issue 15) on the H200: the GPU tests of every fp8 variant, then the
-# benchmarks that time the variants side by side (JSON and logs under $OUT).
-#   bash scripts/gpu_fp8_run.sh
-# Files: gpu.txt, pytest.log, bench.log, sparse_attention.json (fp8 columns), sparse_attention_fp8_sweep.json
-# and sparse_attention_sweep.json (--sweep --quick: variants + launch candidates),
-# select.json (fp8_scorer_<variant>_* columns).
+# One device call for issue 51 (fp8 caches that pay): the attention's launch sweep around the
+# table (bf16 and fp8, 64 and 256 rows x 128K: double-buffered K/V by deeper pipelines, split
+# counts that fill one wave), then bench_fp8.py (the step and its attention, bf16 beside fp8,
+# with the card's copy rate), the fp8 scorer beside bf16 (bench_select --fp8); everything under $OUT.
+#   QSA_COMMIT=<hash> bash scripts/gpu_fp8_run.sh          (QSA_SKIP_SWEEP=1: bench_fp8 and the tests only)
 set -u
 OUT=${OUT:-/tmp/qsa_gpu_out}
-export OUT
-SHAPES=decode:64:131072,decode:256:131072,prefill:2048:131072
-bash scripts/gpu_run.sh "tests/test_fp8.py tests/test_attention.py" ""
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+mkdir -p /tmp/qsa_path && ln -sfn "$PWD/kernels" /tmp/qsa_path/qsa_kernels
 export PYTHONPATH="$PWD:/tmp/qsa_path:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
-run() {
+{ nvidia-smi --query-gpu=name,memory.total --format=csv; echo "commit ${QSA_COMMIT:-unknown}"; } > "$OUT/gpu.txt" 2>&1
+lap() { echo "$1 rc $2 wall $(( $(date +%s) - $3 )) s" >> "$OUT/gpu.txt"; }
+cd benchmarks
+if [ "${QSA_SKIP_SWEEP:-0}" != 1 ]; then
   start=$(date +%s)
-  echo "=== $*" >> "$OUT/bench.log"
-  python3 "$@" 2>&1 | tee -a "$OUT/bench.log" | tail -20
-  echo "$* wall: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
-}
-run benchmarks/bench_sparse_attention.py --fp8 --shapes "$SHAPES" --json "$OUT/sparse_attention.json"
-run benchmarks/bench_sparse_attention.py --sweep --quick --fp8 --shapes decode:256:131072 --json "$OUT/sparse_attention.json"
-run benchmarks/bench_sparse_attention.py --sweep --quick --shapes decode:256:131072 --json "$OUT/sparse_attention.json"
-run benchmarks/bench_select.py --fp8 --shapes "$SHAPES" --json "$OUT/select.json"
+  timeout 150 python3 bench_sparse_attention.py --sweep --shapes decode:64:131072,decode:256:131072 \
+    --configs "${QSA_BF16_CONFIGS:-16:2:5:4,32:2:5:4,32:2:5:3,32:4:5:3,16:2:3:8,16:2:5:8,32:2:3:3,64:4:3:2,32:8:5:2,16:2:5,32:2:5,32:4:5,16:2:3,64:8:3}" \
+    --json "$OUT/attention.json" > "$OUT/sweep.log" 2>&1
+  lap "sweep bf16" $? "$start"
+  start=$(date +%s)
+  timeout 150 python3 bench_sparse_attention.py --sweep --fp8 --shapes decode:64:131072,decode:256:131072 \
+    --configs "${QSA_FP8_CONFIGS:-64:2:3:2,64:2:3:4,64:4:5:2,32:2:5:2,32:2:5:4,32:2:5:3,16:2:5:4,16:2:5:8,64:4:3:2,32:2:5,64:2:3,64:4:5,16:2:5,16:2:3,64:4:3}" \
+    --json "$OUT/attention.json" >> "$OUT/sweep.log" 2>&1
+  lap "sweep fp8" $? "$start"
+fi
+start=$(date +%s)
+timeout 240 python3 bench_fp8.py --json "$OUT/fp8_vs_bf16.json" > "$OUT/bench_fp8.log" 2>&1
+lap "bench_fp8" $? "$start"
+start=$(date +%s)
+timeout 100 python3 bench_select.py --fp8 --shapes decode:64:131072,decode:256:131072 --json "$OUT/select.json" \
+  > "$OUT/bench_select.log" 2>&1
+lap "bench_select --fp8" $? "$start"
+cd ..
+if [ -n "${QSA_TESTS:-}" ]; then
+  start=$(date +%s)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -rfEs $QSA_TESTS > "$OUT/pytest.log" 2>&1
+  lap "pytest $QSA_TESTS" $? "$start"
+fi
