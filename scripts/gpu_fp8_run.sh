@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# One device call for issue 51 (fp8 caches that pay): the attention's launch sweep around the
-# table (bf16 and fp8, 64 and 256 rows x 128K: double-buffered K/V by deeper pipelines, split
-# counts that fill one wave), then bench_fp8.py (the step and its attention, bf16 beside fp8,
-# with the card's copy rate), the fp8 scorer beside bf16 (bench_select --fp8); everything under $OUT.
-#   QSA_COMMIT=<hash> bash scripts/gpu_fp8_run.sh          (QSA_SKIP_SWEEP=1: bench_fp8 and the tests only)
+# One device call for issue 51 (fp8 caches that pay): bench_fp8.py first (the step and its
+# attention, bf16 beside fp8, with the card's copy rate), then the attention's launch sweep
+# around the table (bf16 and fp8 at 64/256 rows, then 1/8 rows, x 128K: double-buffered K/V by
+# deeper pipelines, split counts that fill one wave), then the fp8 scorer beside bf16
+# (bench_select --fp8); everything under $OUT (at most 8 files come back).
+#   QSA_COMMIT=<hash> bash scripts/gpu_fp8_run.sh
+#   QSA_SKIP_SWEEP=1: no sweep; QSA_TESTS="<pytest arguments>": also these tests, first.
 set -u
 OUT=${OUT:-/tmp/qsa_gpu_out}
 mkdir -p "$OUT"
@@ -11,31 +13,33 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 mkdir -p /tmp/qsa_path && ln -sfn "$PWD/kernels" /tmp/qsa_path/qsa_kernels
 export PYTHONPATH="$PWD:/tmp/qsa_path:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
-{ nvidia-smi --query-gpu=name,memory.total --format=csv; echo "commit ${QSA_COMMIT:-unknown}"; } > "$OUT/gpu.txt" 2>&1
+{ nvidia-smi --query-gpu=name,memory.total --format=csv; echo "commit ${QSA_COMMIT:-unknown}"; } >> "$OUT/gpu.txt" 2>&1
 lap() { echo "$1 rc $2 wall $(( $(date +%s) - $3 )) s" >> "$OUT/gpu.txt"; }
-cd benchmarks
-if [ "${QSA_SKIP_SWEEP:-0}" != 1 ]; then
-  start=$(date +%s)
-  timeout 150 python3 bench_sparse_attention.py --sweep --shapes decode:64:131072,decode:256:131072 \
-    --configs "${QSA_BF16_CONFIGS:-16:2:5:4,32:2:5:4,32:2:5:3,32:4:5:3,16:2:3:8,16:2:5:8,32:2:3:3,64:4:3:2,32:8:5:2,16:2:5,32:2:5,32:4:5,16:2:3,64:8:3}" \
-    --json "$OUT/attention.json" > "$OUT/sweep.log" 2>&1
-  lap "sweep bf16" $? "$start"
-  start=$(date +%s)
-  timeout 150 python3 bench_sparse_attention.py --sweep --fp8 --shapes decode:64:131072,decode:256:131072 \
-    --configs "${QSA_FP8_CONFIGS:-64:2:3:2,64:2:3:4,64:4:5:2,32:2:5:2,32:2:5:4,32:2:5:3,16:2:5:4,16:2:5:8,64:4:3:2,32:2:5,64:2:3,64:4:5,16:2:5,16:2:3,64:4:3}" \
-    --json "$OUT/attention.json" >> "$OUT/sweep.log" 2>&1
-  lap "sweep fp8" $? "$start"
-fi
-start=$(date +%s)
-timeout 240 python3 bench_fp8.py --json "$OUT/fp8_vs_bf16.json" > "$OUT/bench_fp8.log" 2>&1
-lap "bench_fp8" $? "$start"
-start=$(date +%s)
-timeout 100 python3 bench_select.py --fp8 --shapes decode:64:131072,decode:256:131072 --json "$OUT/select.json" \
-  > "$OUT/bench_select.log" 2>&1
-lap "bench_select --fp8" $? "$start"
-cd ..
 if [ -n "${QSA_TESTS:-}" ]; then
   start=$(date +%s)
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -rfEs $QSA_TESTS > "$OUT/pytest.log" 2>&1
+  timeout "${QSA_TESTS_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -rfEs $QSA_TESTS >> "$OUT/pytest.log" 2>&1
   lap "pytest $QSA_TESTS" $? "$start"
 fi
+cd benchmarks
+start=$(date +%s)
+timeout 200 python3 bench_fp8.py --json "$OUT/fp8_vs_bf16.json" > "$OUT/bench_fp8.log" 2>&1
+lap "bench_fp8" $? "$start"
+sweep() {  # sweep LABEL TIMEOUT SHAPES CONFIGS [--fp8]
+  start=$(date +%s)
+  echo "=== $1" >> "$OUT/sweep.log"
+  timeout "$2" python3 bench_sparse_attention.py --sweep --shapes "$3" --configs "$4" ${5:-} \
+    --json "$OUT/attention_$1.json" >> "$OUT/sweep.log" 2>&1
+  lap "sweep $1" $? "$start"
+}
+if [ "${QSA_SKIP_SWEEP:-0}" != 1 ]; then
+  sweep bf16_64_256 100 decode:64:131072,decode:256:131072 \
+    16:2:5:4,32:2:5:4,32:2:5:3,32:4:5:3,16:2:3:8,16:2:5:8,32:2:3:3,64:4:3:2,32:8:5:2,16:2:5,32:2:5,32:4:5,16:2:3,64:8:3
+  sweep fp8_64_256 100 decode:64:131072,decode:256:131072 \
+    64:2:3:2,64:2:3:4,64:4:5:2,32:2:5:2,32:2:5:4,32:2:5:3,16:2:5:4,16:2:5:8,64:4:3:2,32:2:5,64:2:3,64:4:5,16:2:5,16:2:3,64:4:3 --fp8
+  sweep bf16_1_8 60 decode:1:131072,decode:8:131072 32:4:3,32:2:3,16:2:3,16:2:5,32:4:5,16:4:3,64:4:3,64:8:5
+  sweep fp8_1_8 60 decode:1:131072,decode:8:131072 32:4:3,32:2:3,16:2:3,16:2:5,32:4:5,64:4:3,64:8:3,64:2:3 --fp8
+fi
+start=$(date +%s)
+timeout 80 python3 bench_select.py --fp8 --shapes decode:64:131072,decode:256:131072 --json "$OUT/select.json" \
+  > "$OUT/bench_select.log" 2>&1
+lap "bench_select --fp8" $? "$start"
