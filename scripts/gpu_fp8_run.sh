@@ -3,7 +3,8 @@
 # attention, bf16 beside fp8, with the card's copy rate), then the attention's launch sweep
 # around the table (bf16 and fp8 at 64/256 rows, then 1/8 rows, x 128K: double-buffered K/V by
 # deeper pipelines, split counts that fill one wave), then the fp8 scorer beside bf16
-# (bench_select --fp8); everything under $OUT (at most 8 files come back).
+# (bench_select --fp8, its table in bench.log); under $OUT: gpu.txt, bench.log, sweep.log, fp8_vs_bf16.json and
+# the four sweeps' JSON (pytest.log with QSA_TESTS): at most 8 files come back.
 #   QSA_COMMIT=<hash> bash scripts/gpu_fp8_run.sh
 #   QSA_SKIP_SWEEP=1: no sweep; QSA_TESTS="<pytest arguments>": also these tests, first.
 set -u
@@ -22,7 +23,7 @@ if [ -n "${QSA_TESTS:-}" ]; then
 fi
 cd benchmarks
 start=$(date +%s)
-timeout 200 python3 bench_fp8.py --json "$OUT/fp8_vs_bf16.json" > "$OUT/bench_fp8.log" 2>&1
+timeout 200 python3 bench_fp8.py --json "$OUT/fp8_vs_bf16.json" > "$OUT/bench.log" 2>&1
 lap "bench_fp8" $? "$start"
 sweep() {  # sweep LABEL TIMEOUT SHAPES CONFIGS [--fp8]
   start=$(date +%s)
@@ -40,6 +41,6 @@ if [ "${QSA_SKIP_SWEEP:-0}" != 1 ]; then
   sweep fp8_1_8 60 decode:1:131072,decode:8:131072 32:4:3,32:2:3,16:2:3,16:2:5,32:4:5,64:4:3,64:8:3,64:2:3 --fp8
 fi
 start=$(date +%s)
-timeout 80 python3 bench_select.py --fp8 --shapes decode:64:131072,decode:256:131072 --json "$OUT/select.json" \
-  > "$OUT/bench_select.log" 2>&1
+timeout 80 python3 bench_select.py --fp8 --shapes decode:64:131072,decode:256:131072 --json /tmp/select.json \
+  >> "$OUT/bench.log" 2>&1
 lap "bench_select --fp8" $? "$start"
