@@ -25,7 +25,7 @@ timeout 170 python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_rope_cache
   > "$OUT/pytest.log" 2>&1
 lap "pytest rope/step/executor/api" $? "$start"
 start=$(date +%s)
-timeout 100 python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_fp8.py tests/test_topk.py \
+[ "${QSA_SKIP_GPU_MARKED:-0}" = 1 ] || timeout 100 python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_fp8.py tests/test_topk.py \
   tests/test_bad_arguments.py tests/test_dynamic_shapes.py -m gpu >> "$OUT/pytest.log" 2>&1
 lap "pytest gpu-marked fp8/topk/bad_arguments/dynamic_shapes" $? "$start"
 # compute-sanitizer memcheck on stage 1, attention and the step (the padded head dims are their last cases).

@@ -3,10 +3,11 @@
 # attention, bf16 beside fp8, with the card's copy rate), then the attention's launch sweep
 # around the table (bf16 and fp8 at 64/256 rows, then 1/8 rows, x 128K: double-buffered K/V by
 # deeper pipelines, split counts that fill one wave), then the fp8 scorer beside bf16
-# (bench_select --fp8, its table in bench.log); under $OUT: gpu.txt, bench.log, sweep.log, fp8_vs_bf16.json and
-# the four sweeps' JSON (pytest.log with QSA_TESTS): at most 8 files come back.
+# (bench_select --fp8, its table in bench.log); under $OUT: gpu.txt, bench.log, sweep.log, fp8_vs_bf16.json,
+# attention_sweeps.json (pytest.log with QSA_TESTS): at most 8 files come back.
 #   QSA_COMMIT=<hash> bash scripts/gpu_fp8_run.sh
-#   QSA_SKIP_SWEEP=1: no sweep; QSA_TESTS="<pytest arguments>": also these tests, first.
+#   QSA_SKIP_SWEEP=1: no sweep (QSA_SWEEPS="bf16_64_256 fp8_64_256": those only); QSA_SKIP_SELECT=1: no
+#   scorer; QSA_TESTS="<pytest arguments>": also these tests, first.
 set -u
 OUT=${OUT:-/tmp/qsa_gpu_out}
 mkdir -p "$OUT"
@@ -23,23 +24,29 @@ if [ -n "${QSA_TESTS:-}" ]; then
 fi
 cd benchmarks
 start=$(date +%s)
-timeout 200 python3 bench_fp8.py --json "$OUT/fp8_vs_bf16.json" > "$OUT/bench.log" 2>&1
+timeout "${QSA_FP8_TIMEOUT:-200}" python3 bench_fp8.py --json "$OUT/fp8_vs_bf16.json" >> "$OUT/bench.log" 2>&1
 lap "bench_fp8" $? "$start"
-sweep() {  # sweep LABEL TIMEOUT SHAPES CONFIGS [--fp8]
+sweep() {  # sweep LABEL TIMEOUT SHAPES CONFIGS [--fp8]: those in QSA_SWEEPS (default: all four)
+  case " ${QSA_SWEEPS:-bf16_64_256 fp8_64_256 bf16_1_8 fp8_1_8} " in *" $1 "*) ;; *) return ;; esac
   start=$(date +%s)
   echo "=== $1" >> "$OUT/sweep.log"
   timeout "$2" python3 bench_sparse_attention.py --sweep --shapes "$3" --configs "$4" ${5:-} \
-    --json "$OUT/attention_$1.json" >> "$OUT/sweep.log" 2>&1
+    --json "/tmp/sweeps/attention_$1.json" >> "$OUT/sweep.log" 2>&1
   lap "sweep $1" $? "$start"
 }
 if [ "${QSA_SKIP_SWEEP:-0}" != 1 ]; then
+  mkdir -p /tmp/sweeps
   sweep bf16_64_256 100 decode:64:131072,decode:256:131072 \
     16:2:5:4,32:2:5:4,32:2:5:3,32:4:5:3,16:2:3:8,16:2:5:8,32:2:3:3,64:4:3:2,32:8:5:2,16:2:5,32:2:5,32:4:5,16:2:3,64:8:3
   sweep fp8_64_256 100 decode:64:131072,decode:256:131072 \
     64:2:3:2,64:2:3:4,64:4:5:2,32:2:5:2,32:2:5:4,32:2:5:3,16:2:5:4,16:2:5:8,64:4:3:2,32:2:5,64:2:3,64:4:5,16:2:5,16:2:3,64:4:3 --fp8
   sweep bf16_1_8 60 decode:1:131072,decode:8:131072 32:4:3,32:2:3,16:2:3,16:2:5,32:4:5,16:4:3,64:4:3,64:8:5
   sweep fp8_1_8 60 decode:1:131072,decode:8:131072 32:4:3,32:2:3,16:2:3,16:2:5,32:4:5,64:4:3,64:8:3,64:2:3 --fp8
+  # One file for every sweep (the device returns at most 8 files): {"sweeps": {label: its JSON}}.
+  python3 -c "import glob, json, os; json.dump({'sweeps': {os.path.basename(p)[10:-11]: json.load(open(p))
+    for p in sorted(glob.glob('/tmp/sweeps/*_sweep.json'))}}, open('$OUT/attention_sweeps.json', 'w'), indent=1)"
 fi
+[ "${QSA_SKIP_SELECT:-0}" = 1 ] && exit 0
 start=$(date +%s)
 timeout 80 python3 bench_select.py --fp8 --shapes decode:64:131072,decode:256:131072 --json /tmp/select.json \
   >> "$OUT/bench.log" 2>&1
