@@ -24,7 +24,7 @@ if [ -n "${QSA_TESTS:-}" ]; then
 fi
 cd benchmarks
 start=$(date +%s)
-timeout "${QSA_FP8_TIMEOUT:-200}" python3 bench_fp8.py --json "$OUT/fp8_vs_bf16.json" >> "$OUT/bench.log" 2>&1
+timeout "${QSA_FP8_TIMEOUT:-200}" python3 bench_fp8.py --batches "${QSA_FP8_BATCHES:-1,8,64,256}" --json "$OUT/fp8_vs_bf16.json" >> "$OUT/bench.log" 2>&1
 lap "bench_fp8" $? "$start"
 sweep() {  # sweep LABEL TIMEOUT SHAPES CONFIGS [--fp8]: those in QSA_SWEEPS (default: all four)
   case " ${QSA_SWEEPS:-bf16_64_256 fp8_64_256 bf16_1_8 fp8_1_8} " in *" $1 "*) ;; *) return ;; esac
@@ -36,9 +36,9 @@ sweep() {  # sweep LABEL TIMEOUT SHAPES CONFIGS [--fp8]: those in QSA_SWEEPS (de
 }
 if [ "${QSA_SKIP_SWEEP:-0}" != 1 ]; then
   mkdir -p /tmp/sweeps
-  sweep bf16_64_256 100 decode:64:131072,decode:256:131072 \
+  sweep bf16_64_256 "${QSA_SWEEP_TIMEOUT:-100}" decode:64:131072,decode:256:131072 \
     16:2:5:4,32:2:5:4,32:2:5:3,32:4:5:3,16:2:3:8,16:2:5:8,32:2:3:3,64:4:3:2,32:8:5:2,16:2:5,32:2:5,32:4:5,16:2:3,64:8:3
-  sweep fp8_64_256 100 decode:64:131072,decode:256:131072 \
+  sweep fp8_64_256 "${QSA_SWEEP_TIMEOUT:-100}" decode:64:131072,decode:256:131072 \
     64:2:3:2,64:2:3:4,64:4:5:2,32:2:5:2,32:2:5:4,32:2:5:3,16:2:5:4,16:2:5:8,64:4:3:2,32:2:5,64:2:3,64:4:5,16:2:5,16:2:3,64:4:3 --fp8
   sweep bf16_1_8 60 decode:1:131072,decode:8:131072 32:4:3,32:2:3,16:2:3,16:2:5,32:4:5,16:4:3,64:4:3,64:8:5
   sweep fp8_1_8 60 decode:1:131072,decode:8:131072 32:4:3,32:2:3,16:2:3,16:2:5,32:4:5,64:4:3,64:8:3,64:2:3 --fp8

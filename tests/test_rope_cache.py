@@ -438,7 +438,10 @@ def test_padded_lanes_write_nothing_outside_the_arrays(layout, neox, monkeypatch
     jax_out = run_jax(args, options)
     out = qsa_torch.rope_reshape_and_cache(**args, **options)
     check_outputs(c, args, options, out, jax_out, originals, reference_for(c, args, options))
-    assert len(margins.buffers) >= 2 + 3 * 2, "q_out, k_out and zeros of each adapter have margins"
+    # The CPU's JAX runs the kernels on torch tensors (allocated through torch.empty, so with margins);
+    # a GPU's JAX allocates its outputs in XLA (compared bitwise with torch's instead).
+    adapters = 2 if runtime.INTERPRETED else 1
+    assert len(margins.buffers) >= 2 + 3 * adapters, "q_out, k_out and zeros of each adapter have margins"
     margins.check()
 
 
