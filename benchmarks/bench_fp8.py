@@ -12,7 +12,7 @@ the other so only one copy is on the card.  Per cache dtype:
   stages 1-2, ``selection``: stage 3, ``attention``: stage 4), summed from the
   kernels' durations in a torch.profiler (CUPTI) trace of eager steps.
 
-``copy_gbps``: the card's device-to-device copy rate measured in the same
+``copy_gbps``: the card's device-to-device copy rate (an SM copy kernel) measured in the same
 process (bytes read + written); ``attention_bytes_bf16``: the bf16
 attention's bytes (each valid selected K and V row once per KV head, q, out,
 the indices and the block table), ``attention_pct_copy_bf16`` /
@@ -148,7 +148,7 @@ def main():
         "*_step_us: CUDA graph of 10 steps, per step; *_attention_us: CUDA graph of 20 sparse_paged_attention "
         "calls on the step's caches and selection, per call; *_stages_us: device µs per eager step by stage "
         "(CUPTI kernel durations)",
-        "copy_gbps: device-to-device copy of 1 GiB (bytes read + written), CUDA graph, same process; "
+        "copy_gbps: an SM copy kernel (torch.mul(x, 1, out=y), float32) over 2 GiB read + written, CUDA graph, same process; "
         "attention_pct_copy_*: attention bytes / time as % of copy_gbps",
         *notes,
     ])
