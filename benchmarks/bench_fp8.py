@@ -26,7 +26,6 @@ Writes ``benchmarks/results/<card>/fp8_vs_bf16.json``.
 from __future__ import annotations
 
 import gc
-import os
 
 import common
 from bench_step import BATCHES, PRODUCTION, SMOKE, Shape
@@ -104,11 +103,14 @@ def measure(torch, g, batch: int, fp8: bool, smoke: bool) -> dict:
     row[f"attention_bytes_{name}"] = attention_bytes(g, arrays, 1 if fp8 else 2)
     if torch.cuda.is_available():
         row[f"{name}_stages_us"] = stages_us(torch, step)
-    del shape, arrays, attend, step
+    return row
+
+
+def release(torch) -> None:
+    """The last shape's caches off the card before the next is built."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return row
 
 
 def main():
@@ -126,10 +128,10 @@ def main():
         try:
             for fp8 in (False, True):
                 row.update(measure(torch, g, batch, fp8, args.smoke))
+                release(torch)
         except torch.cuda.OutOfMemoryError:
             notes.append(f"{batch} requests x {CONTEXT}: out of memory on this card, skipped (and larger batches)")
-            gc.collect()
-            torch.cuda.empty_cache()
+            release(torch)
             break
         row["step_speedup"] = row["bf16_step_us"] / row["fp8_step_us"]
         row["attention_ratio"] = row["fp8_attention_us"] / row["bf16_attention_us"]
@@ -148,7 +150,8 @@ def main():
         "*_step_us: CUDA graph of 10 steps, per step; *_attention_us: CUDA graph of 20 sparse_paged_attention "
         "calls on the step's caches and selection, per call; *_stages_us: device µs per eager step by stage "
         "(CUPTI kernel durations)",
-        "copy_gbps: an SM copy kernel (torch.mul(x, 1, out=y), float32) over 2 GiB read + written, CUDA graph, same process; "
+        "copy_gbps: an SM copy kernel (torch.mul(x, 1, out=y), float32) over 2 GiB read + written, CUDA graph, "
+        "same process; "
         "attention_pct_copy_*: attention bytes / time as % of copy_gbps",
         *notes,
     ])

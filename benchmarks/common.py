@@ -239,9 +239,7 @@ def copy_gbps(nbytes: int = 2 << 30, smoke: bool = False) -> float | None:
         return None
     source = torch.empty(nbytes // 8, dtype=torch.float32, device="cuda").normal_()
     target = torch.empty_like(source)
-    us = torch_graph_us(lambda: torch.mul(source, 1.0, out=target), calls=5, smoke=smoke)
-    del source, target
-    return gbps(nbytes, us)
+    return gbps(nbytes, torch_graph_us(lambda: torch.mul(source, 1.0, out=target), calls=5, smoke=smoke))
 
 
 def pct_peak(nbytes: int, microseconds: float | None) -> float | None:
