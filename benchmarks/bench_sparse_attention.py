@@ -57,8 +57,10 @@ with ``--fp8`` on the fp8 pools too (``fp8_`` columns).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import unittest.mock
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the card
 
@@ -257,8 +259,8 @@ def sweep(qsa_torch, attention, arrays, smoke, quick=False, split_counts=(), cho
     addressing = "fp8_row_addressing" if fp8 else "row_addressing"
     variants = [{}] + [{addressing: mode} for mode in ROW_ADDRESSING_MODES if mode != getattr(default, addressing)]
     configs = [(None, None, None, None, variant) for variant in variants]
-    if chosen:  # --configs: exactly these (BLOCK_N, warps, stages, splits or None), beside the table's
-        configs = [(None, None, None, None, {})] + [(b, s, w, st, {}) for b, w, st, s in chosen]
+    if chosen:  # --configs: exactly these (BLOCK_N, warps, stages, splits or None, maxnreg), beside the table's
+        configs = [(None, None, None, None, {})] + [(b, s, w, st, {}, r) for b, w, st, s, r in chosen]
     elif split_counts:  # --splits: those split counts crossed with SPLIT_CANDIDATES, instead
         configs = [(None, None, None, None, {})] + [
             (block_n, splits, warps, stages, {}) for splits in split_counts
@@ -272,7 +274,8 @@ def sweep(qsa_torch, attention, arrays, smoke, quick=False, split_counts=(), cho
         configs += [(None, splits, None, None, {})
                     for splits in sorted({max(1, planned // 2), 2 * planned} - {planned})]
     results = []
-    for block_n, splits, warps, stages, variant in configs[:2] if smoke else configs:
+    for block_n, splits, warps, stages, variant, *registers in configs[:2] if smoke else configs:
+        maxnreg = registers[0] if registers else None
         # The tuning is part of the plan's memo key: nothing to restore or clear afterwards.
         forced = AttentionTuning(tile_bytes=block_n * 2 * d if block_n else None, num_splits=splits, **variant)
         with tuning.override(attention=forced):
@@ -283,24 +286,48 @@ def sweep(qsa_torch, attention, arrays, smoke, quick=False, split_counts=(), cho
         program = dataclasses.replace(program, launches=(partial, *program.launches[1:]))
         result = dict(block_n=partial.constexprs["BLOCK_N"], splits=program.buffer("partial_lse").shape[0],
                       tiles_per_split=partial.constexprs["TILES_PER_SPLIT"],
-                      warps=partial.num_warps, stages=partial.num_stages,
+                      warps=partial.num_warps, stages=partial.num_stages, maxnreg=maxnreg,
                       variant=",".join(f"{k}={v}" for k, v in variant.items()) or "default")
         call = lambda: qsa_torch.run_program(program, arrays)  # noqa: E731
         try:
             # Without CUDA (smoke): the wall clock, to check the path runs.
-            result["graph_us"] = common.torch_graph_us(call, smoke=smoke) or common.torch_median_us(call, smoke)
+            with register_cap(qsa_torch, partial.kernel, maxnreg):
+                result["graph_us"] = common.torch_graph_us(call, smoke=smoke) or common.torch_median_us(call, smoke)
         except Exception as error:  # e.g. out of shared memory
             result["error"] = f"{type(error).__name__}: {str(error)[:120]}"
         results.append(result)
     return results
 
 
-def parse_configs(text: str) -> list[tuple[int, int, int, int | None]]:
-    """``"16:2:5,32:4:5:3"`` -> [(16, 2, 5, None), (32, 4, 5, 3)]: BLOCK_N, warps, stages, splits."""
+@contextlib.contextmanager
+def register_cap(qsa_torch, kernel, maxnreg: int | None):
+    """With ``maxnreg``: ``kernel``'s launches through the torch binding capped at that many registers
+    a thread (Triton's ``maxnreg`` launch option; ptxas spills the rest): a tuning experiment only,
+    the package's launches carry no cap."""
+    if maxnreg is None:
+        yield
+        return
+    from qsa_torch import _binding
+    plain = _binding._launch
+
+    def capped(launch, inputs, outputs):
+        if launch.kernel is not kernel:
+            return plain(launch, inputs, outputs)
+        launch.kernel[launch.grid](*inputs, *outputs, **launch.scalars, **launch.constexprs,
+                                   num_warps=launch.num_warps, num_stages=launch.num_stages, maxnreg=maxnreg)
+        return outputs
+
+    with unittest.mock.patch.object(_binding, "_launch", capped):
+        yield
+
+
+def parse_configs(text: str) -> list[tuple[int, int, int, int | None, int | None]]:
+    """``"16:2:5,32:4:5:3,64:4:2:2:168"`` -> [(16, 2, 5, None, None), (32, 4, 5, 3, None),
+    (64, 4, 2, 2, 168)]: BLOCK_N, warps, stages, splits (empty or absent: the table's), maxnreg."""
     configs = []
     for item in text.split(","):
-        values = [int(v) for v in item.split(":")]
-        configs.append((*values, None) if len(values) == 3 else tuple(values))
+        values = [int(v) if v else None for v in item.split(":")]
+        configs.append(tuple(values + [None] * (5 - len(values))))
     return configs
 
 
@@ -312,7 +339,7 @@ def main():
     parser.add_argument("--splits", type=lambda text: [int(n) for n in text.split(",")], default=[],
                         help="with --sweep: these split counts (e.g. 4,8,16) crossed with SPLIT_CANDIDATES")
     parser.add_argument("--configs", type=parse_configs, default=[],
-                        help="with --sweep: exactly these BLOCK_N:warps:stages[:splits] configurations (comma-separated) "
+                        help="with --sweep: exactly these BLOCK_N:warps:stages[:splits[:maxnreg]] configurations (comma-separated) "
                              "beside the table's")
     parser.add_argument("--fp8", action="store_true",
                         help="also read fp8 e4m3 caches (per-tensor scales) on FP8_SHAPES, side by side")
@@ -392,7 +419,7 @@ def main():
             shape_rows = [r for r in rows_out if (r["mode"], r["rows"], r["context"]) == (mode, rows, context)]
             shape_rows.sort(key=lambda r: r.get("graph_us") or float("inf"))
             common.print_table(shape_rows[:8], ["mode", "rows", "context", "table", "block_n", "splits",
-                                                "tiles_per_split", "warps", "stages", "variant", "graph_us",
+                                                "tiles_per_split", "warps", "stages", "maxnreg", "variant", "graph_us",
                                                 "pct_peak", "error"])
         common.write_json(args.json.replace(".json", "_fp8_sweep.json" if args.fp8 else "_sweep.json"),
                           "sparse_paged_attention sweep", rows_out,
