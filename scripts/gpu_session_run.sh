@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
-# This session's one device call when machines are scarce: issue 50's GPU checks (stage 1 and the
-# step at head dims 80/96/192 against the reference, memcheck on the padded dims, stage 1's cost per
-# head dim: scripts/gpu_adapters_run.sh without its step benchmark and gpu-marked suites), then, in
-# what is left of QSA_BUDGET_S (default 450 s), issue 51's baseline (bench_fp8) and the 64/256-row
-# sweep (scripts/gpu_fp8_run.sh).
+# The next session's one device call when machines are scarce (about 6 minutes):
+#  1. issue 51: Nsight Compute of the 64-row decode attention, bf16 and fp8 (stall reasons, instruction
+#     mix), and the register-cap sweeps (scripts/gpu_fp8_run.sh with QSA_NCU, regs_bf16 / regs_fp8);
+#  2. issue 55: the prefill baseline, 2048 rows x 128K and 256 rows x 32K at the default overlaps
+#     (benchmarks/bench_prefill.py -> $OUT/prefill.json), in what is left of QSA_BUDGET_S (default 480 s).
+# At most 8 files come back: gpu.txt, sweep.log, attention_sweeps.json, ncu_attention_decode64_{bf16,fp8}.txt,
+# prefill.json, prefill.log.
 #   QSA_COMMIT=<hash> bash scripts/gpu_session_run.sh
 OUT=${OUT:-/tmp/qsa_gpu_out}
 export OUT
-end=$(( $(date +%s) + ${QSA_BUDGET_S:-450} ))
-QSA_SKIP_STEP_BENCH=1 QSA_SKIP_GPU_MARKED=1 bash scripts/gpu_adapters_run.sh
+end=$(( $(date +%s) + ${QSA_BUDGET_S:-480} ))
+QSA_NCU=${QSA_NCU:-16:2:3:4} QSA_SKIP_FP8=1 QSA_SWEEPS="regs_bf16 regs_fp8" QSA_SKIP_SELECT=1 \
+  QSA_SWEEP_TIMEOUT=80 bash scripts/gpu_fp8_run.sh
 left=$(( end - $(date +%s) ))
-echo "left for issue 51: $left s" >> "$OUT/gpu.txt"
+echo "left for the prefill baseline: $left s" >> "$OUT/gpu.txt"
 [ "$left" -gt 60 ] || exit 0
-fp8=$(( left > 170 ? 150 : left - 20 ))
-sweeps=""
-[ $(( left - fp8 )) -gt 110 ] && sweeps="bf16_64_256"
-[ $(( left - fp8 )) -gt 210 ] && sweeps="bf16_64_256 fp8_64_256"
-QSA_SWEEPS="$sweeps" QSA_SKIP_SWEEP=$([ -n "$sweeps" ] && echo 0 || echo 1) QSA_SKIP_SELECT=1 QSA_FP8_TIMEOUT=$fp8 \
-  bash scripts/gpu_fp8_run.sh
+cd benchmarks
+start=$(date +%s)
+timeout $(( left - 10 )) python3 bench_prefill.py --shapes prefill:2048:131072,prefill:256:32768 \
+  --json "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1
+echo "bench_prefill rc $? wall $(( $(date +%s) - start )) s" >> "$OUT/gpu.txt"
