@@ -15,6 +15,9 @@ QSA_NCU=${QSA_NCU:-16:2:3:4} QSA_SKIP_FP8=1 QSA_SWEEPS="regs_bf16 regs_fp8" QSA_
 left=$(( end - $(date +%s) ))
 echo "left for the prefill baseline: $left s" >> "$OUT/gpu.txt"
 [ "$left" -gt 60 ] || exit 0
+# gpu_fp8_run.sh's environment (the package and jax-triton on the path), for bench_prefill too.
+export PYTHONPATH="$PWD:/tmp/qsa_path:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 cd benchmarks
 start=$(date +%s)
 timeout $(( left - 10 )) python3 bench_prefill.py --shapes prefill:2048:131072,prefill:256:32768 \
