@@ -23,7 +23,8 @@ neighbours selected (L2 serves them), so its "% of peak" may pass 100.
 configurations around the plan's table (BLOCK_N x warps x stages, and half /
 double the split count) on a few shapes, written to sparse_attention_sweep.json
 (``--splits 4,8``: those split counts crossed with SPLIT_CANDIDATES instead;
-``--configs 16:2:5,32:4:5:3``: exactly those BLOCK_N:warps:stages[:splits]).
+``--configs 16:2:5,32:4:5:3,32:4:2:4:152``: exactly those BLOCK_N:warps:stages[:splits[:maxnreg]],
+maxnreg capping the partial launch's registers, a benchmark-only experiment).
 
 ``--fp8``: the same shapes (decode 1/8/64/256 at 32K/128K and the 2048-row
 prefill) also read fp8 e4m3 copies of the pools (per-tensor scales, pool amax

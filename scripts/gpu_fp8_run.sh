@@ -9,7 +9,8 @@
 #   QSA_SKIP_SWEEP=1: no sweep (QSA_SWEEPS="bf16_64_256 fp8_64_256": those only; also regs_bf16,
 #   regs_fp8: register caps); QSA_SKIP_SELECT=1: no scorer; QSA_SKIP_FP8=1: no bench_fp8;
 #   QSA_TESTS="<pytest arguments>": also these tests, first; QSA_NCU=<BLOCK_N:warps:stages:splits>: first,
-#   Nsight Compute of the 64-row partial launch, bf16 and fp8 (ncu_attention_decode64_*.txt).
+#   Nsight Compute of the table's 64-row partial launch, bf16 and fp8 (ncu_attention_decode64_*.txt;
+#   the configuration given is only timed beside it: the sweep needs one).
 set -u
 OUT=${OUT:-/tmp/qsa_gpu_out}
 mkdir -p "$OUT"
@@ -44,7 +45,7 @@ if [ "${QSA_SKIP_FP8:-0}" != 1 ]; then
   timeout "${QSA_FP8_TIMEOUT:-200}" python3 bench_fp8.py --batches "${QSA_FP8_BATCHES:-1,8,64,256}" --json "$OUT/fp8_vs_bf16.json" >> "$OUT/bench.log" 2>&1
   lap "bench_fp8" $? "$start"
 fi
-sweep() {  # sweep LABEL TIMEOUT SHAPES CONFIGS [--fp8]: those in QSA_SWEEPS (default: all four)
+sweep() {  # sweep LABEL TIMEOUT SHAPES CONFIGS [--fp8]: those in QSA_SWEEPS (default: all six)
   case " ${QSA_SWEEPS:-bf16_64_256 fp8_64_256 bf16_1_8 fp8_1_8 regs_bf16 regs_fp8} " in *" $1 "*) ;; *) return ;; esac
   start=$(date +%s)
   echo "=== $1" >> "$OUT/sweep.log"

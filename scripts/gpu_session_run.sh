@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The next session's one device call when machines are scarce (about 6 minutes):
+# The next session's one device call when machines are scarce (about 8 minutes):
 #  1. issue 51: Nsight Compute of the 64-row decode attention, bf16 and fp8 (stall reasons, instruction
 #     mix), and the register-cap sweeps (scripts/gpu_fp8_run.sh with QSA_NCU, regs_bf16 / regs_fp8);
 #  2. issue 55: the prefill baseline, 2048 rows x 128K and 256 rows x 32K at the default overlaps
